@@ -1,0 +1,21 @@
+"""jax_ring: exact ring attention and LongNet dilated attention for sharded JAX meshes.
+
+Legend used in every docstring: B batch, T query length, S key length, N query heads,
+K key/value heads, G = N // K query heads per kv head, H head dim.
+"""
+
+from jax_ring import layouts
+from jax_ring._policy import PRESETS, Policy, policy_for
+from jax_ring._reference import reference_attention
+from jax_ring._ring import BlockSizes, ring_attention, ring_attention_shard
+
+__all__ = [
+    "PRESETS",
+    "BlockSizes",
+    "Policy",
+    "layouts",
+    "policy_for",
+    "reference_attention",
+    "ring_attention",
+    "ring_attention_shard",
+]

@@ -1,0 +1,463 @@
+"""Ring attention: K/V shards rotate around the devices of one mesh axis.
+
+Forward: every device keeps its queries and an online-softmax state (output and
+log-sum-exp in the accumulation dtype); K/V blocks, their global positions and segment
+ids travel the ring with `ppermute`, the next transfer issued before the current block
+is computed. Backward (custom VJP): the ring runs again, and dK/dV accumulators travel
+with the K/V they belong to, then one final ppermute brings them home. Residuals are
+the local q, k, v, output and log-sum-exp: memory per device is O(seq / devices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_ring import _validation, layouts
+from jax_ring._blocks import (
+    KVBlocks,
+    MaskSpec,
+    QBlocks,
+    chunk_backward,
+    chunk_forward,
+)
+from jax_ring._policy import Policy, get_policy
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Query and key block lengths inside a device.
+
+  No [block_q x block_kv] score tile larger than this exists per head. The defaults
+  suit CPUs (large tiles amortize loop overhead) and are reasonable on GPUs.
+  """
+
+  block_q: int = 512
+  block_kv: int = 1024
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"BlockSizes.{name}={value!r} must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+  """Everything static about one ring attention call (the custom_vjp's nondiff arg)."""
+
+  axis_name: Any
+  ring_size: int
+  mask: MaskSpec
+  scale: float
+  policy: Policy
+  block_q: int
+  block_kv: int
+  # Ring schedule: K/V from `steps_back` devices before this one (rotating +1) and
+  # `steps_fwd` after it (rotating -1). A full ring is (ring_size - 1, 0).
+  steps_back: int
+  steps_fwd: int
+
+
+def ring_permutation(ring_size: int, shift: int):
+  """Pairs (source, destination) that move every shard `shift` devices along the ring."""
+  return [(i, (i + shift) % ring_size) for i in range(ring_size)]
+
+
+def _send(tree, cfg: RingConfig, shift: int):
+  perm = ring_permutation(cfg.ring_size, shift)
+  return jax.tree.map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
+
+
+def _pass_forward(cfg: RingConfig, compute, kv, acc, transfers: int, shift: int):
+  """Computes with kv, then with `transfers` shards arriving from `shift` direction."""
+  if transfers:
+
+    def step(carry, _):
+      kv, acc = carry
+      incoming = _send(kv, cfg, shift)  # issued before this step's compute
+      return (incoming, compute(kv, acc)), None
+
+    (kv, acc), _ = lax.scan(step, (kv, acc), None, length=transfers)
+  return compute(kv, acc)
+
+
+def _pass_backward(cfg: RingConfig, compute, kv, dkv, dq, transfers: int, shift: int, home: int):
+  """Like _pass_forward; dK/dV travel with their K/V, then move `home` devices back."""
+  if transfers:
+
+    def step(carry, _):
+      kv, dkv, dq = carry
+      incoming = _send(kv, cfg, shift)
+      dq, dkv = compute(kv, dkv, dq)
+      return (incoming, _send(dkv, cfg, shift), dq), None
+
+    (kv, dkv, dq), _ = lax.scan(step, (kv, dkv, dq), None, length=transfers)
+  dq, dkv = compute(kv, dkv, dq)
+  if home % cfg.ring_size:
+    dkv = _send(dkv, cfg, home)
+  return dkv, dq
+
+
+def _block(x, n):
+  """[B, T, ...] -> [T // n, B, n, ...]."""
+  b, t = x.shape[:2]
+  return jnp.moveaxis(x.reshape(b, t // n, n, *x.shape[2:]), 1, 0)
+
+
+def _unblock(x):
+  """[nb, B, n, ...] -> [B, nb * n, ...]."""
+  nb, b, n = x.shape[:3]
+  return jnp.moveaxis(x, 0, 1).reshape(b, nb * n, *x.shape[3:])
+
+
+def _zeros_like_both(shape, dtype, a, b):
+  """Zeros that vary over the mesh axes of both a and b (keeps scan carries typed)."""
+  zero = jnp.zeros_like(a, shape=(), dtype=dtype) + jnp.zeros_like(b, shape=(), dtype=dtype)
+  return jnp.broadcast_to(zero, shape)
+
+
+class _Inputs(NamedTuple):
+  q: jax.Array  # [nq, B, bq, K, G, H] compute dtype
+  q_pos: jax.Array  # [nq, bq]
+  q_seg: jax.Array | None  # [nq, B, bq]
+  kv: KVBlocks  # blocks of the local K/V (wire dtype)
+
+
+def _prepare(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg) -> _Inputs:
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  pol = cfg.policy
+  qg = q.astype(pol.compute_dtype).reshape(b, t, kh, n // kh, h)
+  seg_block = lambda s, m: None if s is None else _block(s, m)
+  kv = KVBlocks(
+      k=_block(k.astype(pol.transfer_dtype), cfg.block_kv),
+      v=_block(v.astype(pol.transfer_dtype), cfg.block_kv),
+      pos=k_pos.reshape(-1, cfg.block_kv),
+      seg=seg_block(k_seg, cfg.block_kv),
+  )
+  return _Inputs(_block(qg, cfg.block_q), q_pos.reshape(-1, cfg.block_q), seg_block(q_seg, cfg.block_q), kv)
+
+
+def _as_compute(kv: KVBlocks, policy: Policy) -> KVBlocks:
+  return kv._replace(k=kv.k.astype(policy.compute_dtype), v=kv.v.astype(policy.compute_dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg):
+  return _ring_fwd(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg)[0]
+
+
+class _Residuals(NamedTuple):
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  out: jax.Array
+  lse: jax.Array
+  q_pos: jax.Array
+  k_pos: jax.Array
+  q_seg: jax.Array | None
+  k_seg: jax.Array | None
+
+
+def _ring_forward_state(cfg: RingConfig, x: _Inputs):
+  """(out, lse) in accumulation dtype, blocked: [nq, B, bq, K, G, H], [nq, B, K, G, bq]."""
+  pol = cfg.policy
+  nq, b, bq, kh, g, h = x.q.shape
+  out = _zeros_like_both(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
+  lse = jnp.full_like(out, -jnp.inf, shape=(nq, b, kh, g, bq))
+
+  def compute(kv, acc):
+    return chunk_forward(cfg.mask, cfg.scale, pol, x.q, x.q_pos, x.q_seg, _as_compute(kv, pol), *acc)
+
+  acc = _pass_forward(cfg, compute, x.kv, (out, lse), cfg.steps_back, +1)
+  if cfg.steps_fwd:
+    acc = _pass_forward(cfg, compute, _send(x.kv, cfg, -1), acc, cfg.steps_fwd - 1, -1)
+  return acc
+
+
+def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg):
+  x = _prepare(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg)
+  out, lse = _ring_forward_state(cfg, x)
+  out = _unblock(out).reshape(q.shape).astype(cfg.policy.out_dtype(q.dtype))
+  return out, _Residuals(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
+
+
+def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
+  pol = cfg.policy
+  x = _prepare(cfg, res.q, res.k, res.v, res.q_pos, res.k_pos, res.q_seg, res.k_seg)
+  nq, b, bq, kh, grp, h = x.q.shape
+  do = g.astype(pol.accum_dtype)
+  delta = jnp.sum(do * res.out.astype(pol.accum_dtype), axis=-1)  # [B, T, N]
+  delta = _block(delta.reshape(b, -1, kh, grp), bq)  # [nq, B, bq, K, G]
+  qb = QBlocks(
+      q=x.q,
+      do=_block(g.astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq),
+      lse=res.lse,
+      delta=jnp.moveaxis(delta, 2, -1),
+      pos=x.q_pos,
+      seg=x.q_seg,
+  )
+  dq = _zeros_like_both(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
+  zeros_kv = lambda: (
+      _zeros_like_both(x.kv.k.shape, pol.accum_dtype, x.q, x.kv.k),
+      _zeros_like_both(x.kv.v.shape, pol.accum_dtype, x.q, x.kv.v),
+  )
+
+  def compute(kv, dkv, dq):
+    dq, dk, dv = chunk_backward(cfg.mask, cfg.scale, pol, qb, dq, _as_compute(kv, pol), *dkv)
+    return dq, (dk, dv)
+
+  back = cfg.steps_back
+  (dk, dv), dq = _pass_backward(cfg, compute, x.kv, zeros_kv(), dq, back, +1, -back)
+  if cfg.steps_fwd:
+    # These K/V started one device ahead and end `steps_fwd` ahead of their owner.
+    fwd = cfg.steps_fwd
+    (dk2, dv2), dq = _pass_backward(
+        cfg, compute, _send(x.kv, cfg, -1), zeros_kv(), dq, fwd - 1, -1, fwd
+    )
+    dk, dv = dk + dk2, dv + dv2
+  dq = _unblock(dq).reshape(res.q.shape).astype(res.q.dtype)
+  dk = _unblock(dk).astype(res.k.dtype)
+  dv = _unblock(dv).astype(res.v.dtype)
+  return dq, dk, dv, None, None, None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _local_blocks(length: int, bs: BlockSizes) -> tuple[int, int, int]:
+  """(padded local length, block_q, block_kv) so both blocks divide the length."""
+  padded = length
+  while True:
+    bq, bk = min(bs.block_q, padded), min(bs.block_kv, padded)
+    if padded % bq == 0 and padded % bk == 0:
+      return padded, bq, bk
+    padded = -(-padded // math.lcm(bq, bk)) * math.lcm(bq, bk)
+
+
+def _schedule(layout, window, is_causal, shard_len, ring_size, custom_positions):
+  """How many ring steps can hold visible keys, in each direction."""
+  full = (ring_size - 1, 0)
+  if layout != "contiguous" or custom_positions or window is None:
+    return full
+  left, right = window
+  back = min(ring_size - 1, -(-left // shard_len))
+  fwd = 0 if is_causal else min(ring_size - 1 - back, -(-right // shard_len))
+  return back, fwd
+
+
+def ring_attention_shard(
+    query,
+    key,
+    value,
+    *,
+    axis_name,
+    is_causal: bool = False,
+    segment_ids=None,
+    local_window_size=None,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    policy: Policy | str | None = None,
+    block_sizes: BlockSizes | None = None,
+    positions=None,
+    _valid_length: int | None = None,
+):
+  """Ring attention for code already inside `jax.shard_map`: shards in, shard out.
+
+  Legend: B batch, T local (per-device) length, N query heads, K kv heads, H head dim.
+
+  Args:
+    query: [B, T, N, H], this device's shard of the queries.
+    key, value: [B, T, K, H], this device's shard of keys and values (N % K == 0).
+    axis_name: the mesh axis the sequence is sharded over (the ring).
+    is_causal, local_window_size, scale: as in `ring_attention`, on global positions.
+    segment_ids: int [B, T], this device's shard; negative ids are padding.
+    layout: how global positions map to devices ("contiguous", "striped", "zigzag",
+      or "auto": zigzag when causal). The tokens must already be in that layout.
+    policy: a `Policy` or preset name; None means `policy_for()` the first device.
+    block_sizes: `BlockSizes` for the tiles inside a device.
+    positions: int [T] global positions of this shard's tokens; overrides `layout`.
+
+  Returns:
+    [B, T, N, H] output shard in the policy's output dtype.
+  """
+  b, t, _, _, _, h = _validation.check_qkv(query, key, value, same_length=True)
+  _validation.check_segment_ids(segment_ids, b, t)
+  window = _validation.normalize_window(local_window_size)
+  scale = _validation.check_scale(scale, h)
+  layout = layouts.resolve(layout, is_causal)
+  policy = get_policy(policy)
+  block_sizes = BlockSizes() if block_sizes is None else block_sizes
+  if not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes={block_sizes!r} must be a jax_ring.BlockSizes or None")
+  with jax.named_scope("jax_ring.ring_attention_shard"):
+    ring_size = lax.axis_size(axis_name)
+    if positions is None:
+      pos = layouts.shard_positions(layout, lax.axis_index(axis_name), t, ring_size)
+    else:
+      if tuple(positions.shape) != (t,) or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions shape={tuple(positions.shape)} dtype={positions.dtype} must be int [{t}]")
+      pos = positions.astype(jnp.int32)
+    has_padding = _valid_length is not None or positions is not None
+    if _valid_length is not None:
+      pos = jnp.where(pos < _valid_length, pos, -1)
+    padded, bq, bk = _local_blocks(t, block_sizes)
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    if padded != t:
+      has_padding = True
+      extra = padded - t
+      pad = lambda x, v=0: jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=v)
+      query, key, value = pad(query), pad(key), pad(value)
+      pos = jnp.pad(pos, (0, extra), constant_values=-1)
+      seg = None if seg is None else pad(seg, -1)
+    back, fwd = _schedule(layout, window, is_causal, t, ring_size, positions is not None)
+    cfg = RingConfig(
+        axis_name=axis_name,
+        ring_size=ring_size,
+        mask=MaskSpec(is_causal=is_causal, window=window, has_padding=has_padding),
+        scale=scale,
+        policy=policy,
+        block_q=bq,
+        block_kv=bk,
+        steps_back=back,
+        steps_fwd=fwd,
+    )
+    out = _ring(cfg, query, key, value, pos, pos, seg, seg)
+    return out[:, :t]
+
+
+def constrain(x, mesh, spec):
+  """Puts x into `spec` on `mesh`, for Explicit and Auto mesh axes alike."""
+  sharding = NamedSharding(mesh, spec)
+  explicit = all(
+      mesh.axis_types[mesh.axis_names.index(a)] == jax.sharding.AxisType.Explicit
+      for entry in spec if entry is not None
+      for a in (entry if isinstance(entry, tuple) else (entry,))
+  )
+  if explicit and any(e is not None for e in spec):
+    return jax.reshard(x, sharding)
+  return lax.with_sharding_constraint(x, sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GlobalConfig:
+  mesh: Any
+  seq_axis: Any
+  batch_axis: Any
+  head_axis: Any
+  is_causal: bool
+  window: tuple[int, int] | None
+  scale: float
+  layout: str
+  policy: Policy
+  block_sizes: BlockSizes
+
+
+@functools.partial(jax.jit, static_argnames=("gc",))
+def _ring_attention_global(query, key, value, segment_ids, *, gc: _GlobalConfig):
+  mesh = gc.mesh
+  p = mesh.shape[gc.seq_axis]
+  t = query.shape[1]
+  padded = layouts.padded_length(gc.layout, t, p)
+  if padded != t:
+    pad = lambda x, v=0: jnp.pad(x, [(0, 0), (0, padded - t)] + [(0, 0)] * (x.ndim - 2), constant_values=v)
+    query, key, value = pad(query), pad(key), pad(value)
+    segment_ids = None if segment_ids is None else pad(segment_ids, -1)
+  spec = P(gc.batch_axis, gc.seq_axis, gc.head_axis, None)
+  seg_spec = P(gc.batch_axis, gc.seq_axis)
+  args = [constrain(x, mesh, spec) for x in (query, key, value)]
+  specs = [spec, spec, spec]
+  if segment_ids is not None:
+    args.append(constrain(segment_ids, mesh, seg_spec))
+    specs.append(seg_spec)
+
+  def body(q, k, v, seg=None):
+    to = lambda x: layouts.relayout_shard(x, gc.layout, gc.seq_axis, p)
+    q, k, v = to(q), to(k), to(v)
+    seg = None if seg is None else to(seg)
+    out = ring_attention_shard(
+        q, k, v, axis_name=gc.seq_axis, is_causal=gc.is_causal, segment_ids=seg,
+        local_window_size=gc.window, scale=gc.scale, layout=gc.layout, policy=gc.policy,
+        block_sizes=gc.block_sizes, _valid_length=t if padded != t else None,
+    )
+    return layouts.relayout_shard(out, gc.layout, gc.seq_axis, p, inverse=True)
+
+  out = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=spec)(*args)
+  return out[:, :t]
+
+
+def ring_attention(
+    query,
+    key,
+    value,
+    *,
+    mesh,
+    seq_axis="seq",
+    batch_axis=None,
+    head_axis=None,
+    is_causal: bool = False,
+    segment_ids=None,
+    local_window_size=None,
+    scale: float | None = None,
+    layout: str = "auto",
+    policy: Policy | str | None = None,
+    block_sizes: BlockSizes | None = None,
+):
+  """Exact softmax attention with the sequence sharded over `seq_axis` of `mesh`.
+
+  Legend: B batch, T sequence length, N query heads, K key/value heads (N % K == 0,
+  query head n uses kv head n // (N // K)), H head dim.
+
+  Args:
+    query: [B, T, N, H] in natural token order.
+    key, value: [B, T, K, H].
+    mesh: a `jax.sharding.Mesh` with axis `seq_axis` (and optionally batch/head axes).
+    seq_axis: mesh axis over which the sequence is sharded; K/V rotate around it.
+    batch_axis, head_axis: optional mesh axes for the batch and head dimensions.
+    is_causal: query i sees keys j <= i (global positions).
+    segment_ids: int [B, T]; query sees key only with equal ids; negative = padding.
+    local_window_size: int w or (left, right): query i sees i - left <= j <= i + right.
+    scale: logit scale, default 1/sqrt(H).
+    layout: "auto" (zigzag when causal, else contiguous), "contiguous", "striped",
+      "zigzag": how tokens are placed on devices internally. Input and output stay in
+      natural order.
+    policy: a `Policy` or a preset name; None means `policy_for` the mesh's first device.
+    block_sizes: `BlockSizes`, the tile sizes inside a device.
+
+  Any T works: it is padded internally to what the layout needs, and the padding is
+  masked. A query that sees no key gets 0.
+
+  Returns:
+    [B, T, N, H], in the policy's output dtype (default: the query's dtype).
+  """
+  b, t, _, n, k, h = _validation.check_qkv(query, key, value, same_length=True)
+  _validation.check_segment_ids(segment_ids, b, t)
+  window = _validation.normalize_window(local_window_size)
+  scale = _validation.check_scale(scale, h)
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
+  _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
+  nb = _validation.check_mesh_axis(mesh, batch_axis, "batch_axis", allow_none=True)
+  nh = _validation.check_mesh_axis(mesh, head_axis, "head_axis", allow_none=True)
+  named = [a for a in (seq_axis, batch_axis, head_axis) if a is not None]
+  if len(set(named)) != len(named):
+    raise ValueError(f"{seq_axis=}, {batch_axis=}, {head_axis=} must name different mesh axes")
+  _validation.check_divides(b, nb, "batch", "batch_axis", batch_axis)
+  _validation.check_divides(k, nh, "num_kv_heads", "head_axis", head_axis)
+  layout = layouts.resolve(layout, is_causal)
+  policy = get_policy(policy, mesh.devices.flat[0])
+  block_sizes = BlockSizes() if block_sizes is None else block_sizes
+  if not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes={block_sizes!r} must be a jax_ring.BlockSizes or None")
+  gc = _GlobalConfig(mesh, seq_axis, batch_axis, head_axis, is_causal, window, scale, layout, policy, block_sizes)
+  with jax.named_scope("jax_ring.ring_attention"):
+    return _ring_attention_global(query, key, value, segment_ids, gc=gc)
