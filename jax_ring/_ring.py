@@ -36,12 +36,13 @@ from jax_ring._policy import Policy, get_policy
 class BlockSizes:
   """Query and key block lengths inside a device.
 
-  No [block_q x block_kv] score tile larger than this exists per head. The defaults
-  suit CPUs (large tiles amortize loop overhead) and are reasonable on GPUs.
+  No score tile larger than [block_q x block_kv] exists per head. The defaults were
+  the fastest of those measured on a 2-core CPU (docs/benchmarks.md): tiles of this
+  size stay in cache through the exponential and both matmuls.
   """
 
-  block_q: int = 512
-  block_kv: int = 1024
+  block_q: int = 256
+  block_kv: int = 256
 
   def __post_init__(self):
     for name in ("block_q", "block_kv"):
@@ -335,17 +336,10 @@ def ring_attention_shard(
     return out[:, :t]
 
 
-def constrain(x, mesh, spec):
-  """Puts x into `spec` on `mesh`, for Explicit and Auto mesh axes alike."""
-  sharding = NamedSharding(mesh, spec)
-  explicit = all(
-      mesh.axis_types[mesh.axis_names.index(a)] == jax.sharding.AxisType.Explicit
-      for entry in spec if entry is not None
-      for a in (entry if isinstance(entry, tuple) else (entry,))
+def _explicit_axes(mesh) -> tuple:
+  return tuple(
+      a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit
   )
-  if explicit and any(e is not None for e in spec):
-    return jax.reshard(x, sharding)
-  return lax.with_sharding_constraint(x, sharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,8 +356,9 @@ class _GlobalConfig:
   block_sizes: BlockSizes
 
 
-@functools.partial(jax.jit, static_argnames=("gc",))
-def _ring_attention_global(query, key, value, segment_ids, *, gc: _GlobalConfig):
+def _global_impl(query, key, value, segment_ids, *, gc: _GlobalConfig, in_context: bool):
+  """Pads, shards, relayouts, runs the ring, and undoes it all. In a mesh context
+  (Explicit axes made Auto by `auto_axes`) specs are bare; otherwise NamedShardings."""
   mesh = gc.mesh
   p = mesh.shape[gc.seq_axis]
   t = query.shape[1]
@@ -374,10 +369,11 @@ def _ring_attention_global(query, key, value, segment_ids, *, gc: _GlobalConfig)
     segment_ids = None if segment_ids is None else pad(segment_ids, -1)
   spec = P(gc.batch_axis, gc.seq_axis, gc.head_axis, None)
   seg_spec = P(gc.batch_axis, gc.seq_axis)
-  args = [constrain(x, mesh, spec) for x in (query, key, value)]
+  constrain = lambda x, s: lax.with_sharding_constraint(x, s if in_context else NamedSharding(mesh, s))
+  args = [constrain(x, spec) for x in (query, key, value)]
   specs = [spec, spec, spec]
   if segment_ids is not None:
-    args.append(constrain(segment_ids, mesh, seg_spec))
+    args.append(constrain(segment_ids, seg_spec))
     specs.append(seg_spec)
 
   def body(q, k, v, seg=None):
@@ -391,8 +387,26 @@ def _ring_attention_global(query, key, value, segment_ids, *, gc: _GlobalConfig)
     )
     return layouts.relayout_shard(out, gc.layout, gc.seq_axis, p, inverse=True)
 
-  out = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=spec)(*args)
-  return out[:, :t]
+  sharded = jax.shard_map(
+      body, mesh=None if in_context else mesh, in_specs=tuple(specs), out_specs=spec
+  )
+  return sharded(*args)[:, :t]
+
+
+@functools.partial(jax.jit, static_argnames=("gc",))
+def _ring_attention_global(query, key, value, segment_ids, *, gc: _GlobalConfig):
+  explicit = _explicit_axes(gc.mesh)
+  if not explicit:
+    return _global_impl(query, key, value, segment_ids, gc=gc, in_context=False)
+  # Explicit axes: run inside auto_axes, where XLA may shard unevenly; the output
+  # keeps the sequence sharded when the mesh axis divides its length.
+  t, p = query.shape[1], gc.mesh.shape[gc.seq_axis]
+  out_spec = P(gc.batch_axis, gc.seq_axis if t % p == 0 else None, gc.head_axis, None)
+  impl = functools.partial(_global_impl, gc=gc, in_context=True)
+  with jax.sharding.use_abstract_mesh(gc.mesh.abstract_mesh):
+    return jax.sharding.auto_axes(impl, axes=explicit, out_sharding=out_spec)(
+        query, key, value, segment_ids
+    )
 
 
 def ring_attention(
@@ -460,4 +474,12 @@ def ring_attention(
     raise TypeError(f"block_sizes={block_sizes!r} must be a jax_ring.BlockSizes or None")
   gc = _GlobalConfig(mesh, seq_axis, batch_axis, head_axis, is_causal, window, scale, layout, policy, block_sizes)
   with jax.named_scope("jax_ring.ring_attention"):
+    if _explicit_axes(mesh):
+      # Explicit axes type arrays by their sharding: place the inputs on the mesh
+      # first (sharded along the sequence when the axis divides it).
+      p = mesh.shape[seq_axis]
+      seq = seq_axis if t % p == 0 else None
+      put = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+      query, key, value = (put(x, P(batch_axis, seq, head_axis, None)) for x in (query, key, value))
+      segment_ids = put(segment_ids, P(batch_axis, seq))
     return _ring_attention_global(query, key, value, segment_ids, gc=gc)
