@@ -8,6 +8,7 @@ from jax_ring import layouts
 from jax_ring._policy import PRESETS, Policy, policy_for
 from jax_ring._reference import reference_attention
 from jax_ring._ring import BlockSizes, ring_attention, ring_attention_shard
+from jax_ring._work import work_report
 
 __all__ = [
     "PRESETS",
@@ -18,4 +19,5 @@ __all__ = [
     "reference_attention",
     "ring_attention",
     "ring_attention_shard",
+    "work_report",
 ]

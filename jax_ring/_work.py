@@ -1,0 +1,54 @@
+"""How many score blocks each device computes at each ring step: the balance, visible."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jax_ring import _validation, layouts
+from jax_ring._ring import BlockSizes, _local_blocks, _schedule
+
+
+def work_report(
+    *,
+    layout: str,
+    num_devices: int,
+    seq_len: int,
+    is_causal: bool = False,
+    local_window_size=None,
+    block_sizes: BlockSizes | None = None,
+) -> np.ndarray:
+  """Score blocks computed per ring step and device: int array [steps, num_devices].
+
+  Row s is ring step s: device d then holds the keys of device (d - s) mod p (after
+  the steps that look backwards, a windowed contiguous ring looks forwards: rows
+  then hold the keys of d + 1, d + 2, ...). A (query block, key block) pair counts
+  when some query in it sees some key, which is exactly when `ring_attention` runs
+  it; the others are skipped. Steps a windowed contiguous ring never runs are 0.
+  Segment ids are data, not layout, and are left out: with them, fewer blocks run.
+  """
+  window = _validation.normalize_window(local_window_size)
+  layout = layouts.resolve(layout, is_causal)
+  block_sizes = BlockSizes() if block_sizes is None else block_sizes
+  p = num_devices
+  padded = layouts.padded_length(layout, seq_len, p)
+  shard = padded // p
+  pos = layouts.positions(layout, p, shard)
+  pos = np.where(pos < seq_len, pos, -1)
+  local, bq, bk = _local_blocks(shard, block_sizes)
+  pos = np.pad(pos, ((0, 0), (0, local - shard)), constant_values=-1)
+  back, fwd = _schedule(layout, window, is_causal, shard, p, False)
+  sources = [(s, lambda d, s=s: (d - s) % p) for s in range(back + 1)]
+  sources += [(back + s, lambda d, s=s: (d + s) % p) for s in range(1, fwd + 1)]
+  report = np.zeros((p, p), np.int64)
+  for step, source in sources:
+    for d in range(p):
+      qp = pos[d].reshape(-1, bq)
+      kp = pos[source(d)].reshape(-1, bk)
+      visible = kp[None, :, None, :] >= 0
+      delta = qp[:, None, :, None] - kp[None, :, None, :]
+      if is_causal:
+        visible = visible & (delta >= 0)
+      if window is not None:
+        visible = visible & (delta <= window[0]) & (-delta <= window[1])
+      report[step, d] = int(visible.any(axis=(2, 3)).sum())
+  return report

@@ -1,0 +1,18 @@
+# Sourced by run_demo.sh and run_tests.sh: creates .venv if missing and installs the
+# package (with the [dev] extra when JAX_RING_DEV=1). Needs only python3.11+ and pip.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+extra=""
+[ "${JAX_RING_DEV:-0}" = "1" ] && extra="[dev]"
+stamp=".venv/.installed${extra}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet -e ".${extra}"
+  touch "$stamp"
+fi
+export PATH="$ROOT/.venv/bin:$PATH"
