@@ -11,13 +11,13 @@ from jax_ring._ring import BlockSizes, ring_attention, ring_attention_shard
 from jax_ring._work import work_report
 
 __all__ = [
-    "PRESETS",
-    "BlockSizes",
-    "Policy",
-    "layouts",
-    "policy_for",
-    "reference_attention",
-    "ring_attention",
-    "ring_attention_shard",
-    "work_report",
+  "PRESETS",
+  "BlockSizes",
+  "Policy",
+  "layouts",
+  "policy_for",
+  "reference_attention",
+  "ring_attention",
+  "ring_attention_shard",
+  "work_report",
 ]

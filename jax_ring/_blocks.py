@@ -69,8 +69,11 @@ def block_mask(spec: MaskSpec, q_pos, k_pos, q_seg, k_seg):
 
 def _scores(q, k, mask, scale, policy: Policy):
   s = jnp.einsum(
-      "bqkgh,bskh->bkgqs", q, k, precision=policy.precision,
-      preferred_element_type=policy.accum_dtype,
+    "bqkgh,bskh->bkgqs",
+    q,
+    k,
+    precision=policy.precision,
+    preferred_element_type=policy.accum_dtype,
   )
   s = s * jnp.asarray(scale, policy.accum_dtype)
   if mask is not None:
@@ -89,8 +92,11 @@ def block_forward(q, k, v, mask, scale, policy: Policy):
   probs = jnp.exp(s - row_max[..., None])
   denom = jnp.sum(probs, axis=-1)
   out = jnp.einsum(
-      "bkgqs,bskh->bqkgh", probs.astype(policy.compute_dtype), v,
-      precision=policy.precision, preferred_element_type=policy.accum_dtype,
+    "bkgqs,bskh->bqkgh",
+    probs.astype(policy.compute_dtype),
+    v,
+    precision=policy.precision,
+    preferred_element_type=policy.accum_dtype,
   )
   seen = denom > 0
   inv = jnp.where(seen, 1.0 / jnp.where(seen, denom, 1.0), 0.0)

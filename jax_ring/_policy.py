@@ -51,16 +51,16 @@ class Policy:
         object.__setattr__(self, field, jnp.dtype(value))
     if jnp.finfo(self.accum_dtype).bits < 32:
       raise ValueError(
-          f"Policy.accum_dtype={self.accum_dtype} must be float32 or wider: softmax "
-          "statistics merged in half precision drift as the ring grows"
+        f"Policy.accum_dtype={self.accum_dtype} must be float32 or wider: softmax "
+        "statistics merged in half precision drift as the ring grows"
       )
     if isinstance(self.precision, str):
       try:
         lax.Precision(self.precision)
       except ValueError as e:
         raise ValueError(
-            f"Policy.precision={self.precision!r} must be one of 'default', 'high', "
-            "'highest' or a jax.lax.Precision"
+          f"Policy.precision={self.precision!r} must be one of 'default', 'high', "
+          "'highest' or a jax.lax.Precision"
         ) from e
 
   @property
@@ -73,18 +73,16 @@ class Policy:
 
 
 PRESETS: dict[str, Policy] = {
-    # Exact float32 everywhere: the CPU default and the safe fallback.
-    "float32": Policy(),
-    # float32 storage, TF32 tensor-core matmuls (Ampere and later).
-    "tf32": Policy(precision="high"),
-    # bfloat16 matmuls and wire, float32 statistics and accumulators.
-    "bfloat16": Policy(compute_dtype=jnp.bfloat16, precision="default"),
-    # float16 matmuls with float32 accumulation (Volta, Turing tensor cores).
-    "float16": Policy(compute_dtype=jnp.float16, precision="default"),
-    # For tests: everything in float64 (needs jax_enable_x64).
-    "float64": Policy(
-        compute_dtype=jnp.float64, param_dtype=jnp.float64, accum_dtype=jnp.float64
-    ),
+  # Exact float32 everywhere: the CPU default and the safe fallback.
+  "float32": Policy(),
+  # float32 storage, TF32 tensor-core matmuls (Ampere and later).
+  "tf32": Policy(precision="high"),
+  # bfloat16 matmuls and wire, float32 statistics and accumulators.
+  "bfloat16": Policy(compute_dtype=jnp.bfloat16, precision="default"),
+  # float16 matmuls with float32 accumulation (Volta, Turing tensor cores).
+  "float16": Policy(compute_dtype=jnp.float16, precision="default"),
+  # For tests: everything in float64 (needs jax_enable_x64).
+  "float64": Policy(compute_dtype=jnp.float64, param_dtype=jnp.float64, accum_dtype=jnp.float64),
 }
 
 

@@ -9,8 +9,13 @@ from jax_ring import _validation
 
 
 def visibility_mask(
-    q_positions, k_positions, *, is_causal=False, window=None, q_segment_ids=None,
-    k_segment_ids=None,
+  q_positions,
+  k_positions,
+  *,
+  is_causal=False,
+  window=None,
+  q_segment_ids=None,
+  k_segment_ids=None,
 ):
   """Which query sees which key: bool [B or 1, T, S] from global positions and ids."""
   qp = q_positions[:, None]
@@ -52,7 +57,7 @@ def attention_with_lse(query, key, value, mask, scale):
 
 
 def reference_attention(
-    query, key, value, *, is_causal=False, segment_ids=None, local_window_size=None, scale=None
+  query, key, value, *, is_causal=False, segment_ids=None, local_window_size=None, scale=None
 ):
   """Dense softmax attention on one device; works in float64.
 
@@ -76,11 +81,13 @@ def reference_attention(
   window = _validation.normalize_window(local_window_size)
   scale = _validation.check_scale(scale, h)
   mask = visibility_mask(
-      jnp.arange(t), jnp.arange(s), is_causal=is_causal, window=window,
-      q_segment_ids=segment_ids, k_segment_ids=segment_ids,
+    jnp.arange(t),
+    jnp.arange(s),
+    is_causal=is_causal,
+    window=window,
+    q_segment_ids=segment_ids,
+    k_segment_ids=segment_ids,
   )
   dtype = jnp.promote_types(query.dtype, jnp.float32)
-  out, _ = attention_with_lse(
-      query.astype(dtype), key.astype(dtype), value.astype(dtype), mask, scale
-  )
+  out, _ = attention_with_lse(query.astype(dtype), key.astype(dtype), value.astype(dtype), mask, scale)
   return out.astype(query.dtype)

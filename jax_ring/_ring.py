@@ -23,11 +23,11 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ring import _validation, layouts
 from jax_ring._blocks import (
-    KVBlocks,
-    MaskSpec,
-    QBlocks,
-    chunk_backward,
-    chunk_forward,
+  KVBlocks,
+  MaskSpec,
+  QBlocks,
+  chunk_backward,
+  chunk_forward,
 )
 from jax_ring._policy import Policy, get_policy
 
@@ -140,10 +140,10 @@ def _prepare(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg) -> _Inputs:
   qg = q.astype(pol.compute_dtype).reshape(b, t, kh, n // kh, h)
   seg_block = lambda s, m: None if s is None else _block(s, m)
   kv = KVBlocks(
-      k=_block(k.astype(pol.transfer_dtype), cfg.block_kv),
-      v=_block(v.astype(pol.transfer_dtype), cfg.block_kv),
-      pos=k_pos.reshape(-1, cfg.block_kv),
-      seg=seg_block(k_seg, cfg.block_kv),
+    k=_block(k.astype(pol.transfer_dtype), cfg.block_kv),
+    v=_block(v.astype(pol.transfer_dtype), cfg.block_kv),
+    pos=k_pos.reshape(-1, cfg.block_kv),
+    seg=seg_block(k_seg, cfg.block_kv),
   )
   return _Inputs(_block(qg, cfg.block_q), q_pos.reshape(-1, cfg.block_q), seg_block(q_seg, cfg.block_q), kv)
 
@@ -200,17 +200,17 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
   delta = jnp.sum(do * res.out.astype(pol.accum_dtype), axis=-1)  # [B, T, N]
   delta = _block(delta.reshape(b, -1, kh, grp), bq)  # [nq, B, bq, K, G]
   qb = QBlocks(
-      q=x.q,
-      do=_block(g.astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq),
-      lse=res.lse,
-      delta=jnp.moveaxis(delta, 2, -1),
-      pos=x.q_pos,
-      seg=x.q_seg,
+    q=x.q,
+    do=_block(g.astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq),
+    lse=res.lse,
+    delta=jnp.moveaxis(delta, 2, -1),
+    pos=x.q_pos,
+    seg=x.q_seg,
   )
   dq = _zeros_like_both(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
   zeros_kv = lambda: (
-      _zeros_like_both(x.kv.k.shape, pol.accum_dtype, x.q, x.kv.k),
-      _zeros_like_both(x.kv.v.shape, pol.accum_dtype, x.q, x.kv.v),
+    _zeros_like_both(x.kv.k.shape, pol.accum_dtype, x.q, x.kv.k),
+    _zeros_like_both(x.kv.v.shape, pol.accum_dtype, x.q, x.kv.v),
   )
 
   def compute(kv, dkv, dq):
@@ -222,9 +222,7 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
   if cfg.steps_fwd:
     # These K/V started one device ahead and end `steps_fwd` ahead of their owner.
     fwd = cfg.steps_fwd
-    (dk2, dv2), dq = _pass_backward(
-        cfg, compute, _send(x.kv, cfg, -1), zeros_kv(), dq, fwd - 1, -1, fwd
-    )
+    (dk2, dv2), dq = _pass_backward(cfg, compute, _send(x.kv, cfg, -1), zeros_kv(), dq, fwd - 1, -1, fwd)
     dk, dv = dk + dk2, dv + dv2
   dq = _unblock(dq).reshape(res.q.shape).astype(res.q.dtype)
   dk = _unblock(dk).astype(res.k.dtype)
@@ -256,21 +254,33 @@ def _schedule(layout, window, is_causal, shard_len, ring_size, custom_positions)
   return back, fwd
 
 
+def _check_arguments(query, key, value, segment_ids, local_window_size, scale, block_sizes):
+  """The checks both entry points share: ((B, T, N, K), window, scale, block_sizes)."""
+  b, t, _, n, k, h = _validation.check_qkv(query, key, value, same_length=True)
+  _validation.check_segment_ids(segment_ids, b, t)
+  window = _validation.normalize_window(local_window_size)
+  scale = _validation.check_scale(scale, h)
+  block_sizes = BlockSizes() if block_sizes is None else block_sizes
+  if not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes={block_sizes!r} must be a jax_ring.BlockSizes or None")
+  return (b, t, n, k), window, scale, block_sizes
+
+
 def ring_attention_shard(
-    query,
-    key,
-    value,
-    *,
-    axis_name,
-    is_causal: bool = False,
-    segment_ids=None,
-    local_window_size=None,
-    scale: float | None = None,
-    layout: str = "contiguous",
-    policy: Policy | str | None = None,
-    block_sizes: BlockSizes | None = None,
-    positions=None,
-    _valid_length: int | None = None,
+  query,
+  key,
+  value,
+  *,
+  axis_name,
+  is_causal: bool = False,
+  segment_ids=None,
+  local_window_size=None,
+  scale: float | None = None,
+  layout: str = "contiguous",
+  policy: Policy | str | None = None,
+  block_sizes: BlockSizes | None = None,
+  positions=None,
+  _valid_length: int | None = None,
 ):
   """Ring attention for code already inside `jax.shard_map`: shards in, shard out.
 
@@ -291,22 +301,20 @@ def ring_attention_shard(
   Returns:
     [B, T, N, H] output shard in the policy's output dtype.
   """
-  b, t, _, _, _, h = _validation.check_qkv(query, key, value, same_length=True)
-  _validation.check_segment_ids(segment_ids, b, t)
-  window = _validation.normalize_window(local_window_size)
-  scale = _validation.check_scale(scale, h)
+  (b, t, _, _), window, scale, block_sizes = _check_arguments(
+    query, key, value, segment_ids, local_window_size, scale, block_sizes
+  )
   layout = layouts.resolve(layout, is_causal)
   policy = get_policy(policy)
-  block_sizes = BlockSizes() if block_sizes is None else block_sizes
-  if not isinstance(block_sizes, BlockSizes):
-    raise TypeError(f"block_sizes={block_sizes!r} must be a jax_ring.BlockSizes or None")
   with jax.named_scope("jax_ring.ring_attention_shard"):
     ring_size = lax.axis_size(axis_name)
     if positions is None:
       pos = layouts.shard_positions(layout, lax.axis_index(axis_name), t, ring_size)
     else:
       if tuple(positions.shape) != (t,) or not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"positions shape={tuple(positions.shape)} dtype={positions.dtype} must be int [{t}]")
+        raise ValueError(
+          f"positions shape={tuple(positions.shape)} dtype={positions.dtype} must be int [{t}]"
+        )
       pos = positions.astype(jnp.int32)
     has_padding = _valid_length is not None or positions is not None
     if _valid_length is not None:
@@ -322,24 +330,22 @@ def ring_attention_shard(
       seg = None if seg is None else pad(seg, -1)
     back, fwd = _schedule(layout, window, is_causal, t, ring_size, positions is not None)
     cfg = RingConfig(
-        axis_name=axis_name,
-        ring_size=ring_size,
-        mask=MaskSpec(is_causal=is_causal, window=window, has_padding=has_padding),
-        scale=scale,
-        policy=policy,
-        block_q=bq,
-        block_kv=bk,
-        steps_back=back,
-        steps_fwd=fwd,
+      axis_name=axis_name,
+      ring_size=ring_size,
+      mask=MaskSpec(is_causal=is_causal, window=window, has_padding=has_padding),
+      scale=scale,
+      policy=policy,
+      block_q=bq,
+      block_kv=bk,
+      steps_back=back,
+      steps_fwd=fwd,
     )
     out = _ring(cfg, query, key, value, pos, pos, seg, seg)
     return out[:, :t]
 
 
 def _explicit_axes(mesh) -> tuple:
-  return tuple(
-      a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit
-  )
+  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,15 +387,22 @@ def _global_impl(query, key, value, segment_ids, *, gc: _GlobalConfig, in_contex
     q, k, v = to(q), to(k), to(v)
     seg = None if seg is None else to(seg)
     out = ring_attention_shard(
-        q, k, v, axis_name=gc.seq_axis, is_causal=gc.is_causal, segment_ids=seg,
-        local_window_size=gc.window, scale=gc.scale, layout=gc.layout, policy=gc.policy,
-        block_sizes=gc.block_sizes, _valid_length=t if padded != t else None,
+      q,
+      k,
+      v,
+      axis_name=gc.seq_axis,
+      is_causal=gc.is_causal,
+      segment_ids=seg,
+      local_window_size=gc.window,
+      scale=gc.scale,
+      layout=gc.layout,
+      policy=gc.policy,
+      block_sizes=gc.block_sizes,
+      _valid_length=t if padded != t else None,
     )
     return layouts.relayout_shard(out, gc.layout, gc.seq_axis, p, inverse=True)
 
-  sharded = jax.shard_map(
-      body, mesh=None if in_context else mesh, in_specs=tuple(specs), out_specs=spec
-  )
+  sharded = jax.shard_map(body, mesh=None if in_context else mesh, in_specs=tuple(specs), out_specs=spec)
   return sharded(*args)[:, :t]
 
 
@@ -404,27 +417,25 @@ def _ring_attention_global(query, key, value, segment_ids, *, gc: _GlobalConfig)
   out_spec = P(gc.batch_axis, gc.seq_axis if t % p == 0 else None, gc.head_axis, None)
   impl = functools.partial(_global_impl, gc=gc, in_context=True)
   with jax.sharding.use_abstract_mesh(gc.mesh.abstract_mesh):
-    return jax.sharding.auto_axes(impl, axes=explicit, out_sharding=out_spec)(
-        query, key, value, segment_ids
-    )
+    return jax.sharding.auto_axes(impl, axes=explicit, out_sharding=out_spec)(query, key, value, segment_ids)
 
 
 def ring_attention(
-    query,
-    key,
-    value,
-    *,
-    mesh,
-    seq_axis="seq",
-    batch_axis=None,
-    head_axis=None,
-    is_causal: bool = False,
-    segment_ids=None,
-    local_window_size=None,
-    scale: float | None = None,
-    layout: str = "auto",
-    policy: Policy | str | None = None,
-    block_sizes: BlockSizes | None = None,
+  query,
+  key,
+  value,
+  *,
+  mesh,
+  seq_axis="seq",
+  batch_axis=None,
+  head_axis=None,
+  is_causal: bool = False,
+  segment_ids=None,
+  local_window_size=None,
+  scale: float | None = None,
+  layout: str = "auto",
+  policy: Policy | str | None = None,
+  block_sizes: BlockSizes | None = None,
 ):
   """Exact softmax attention with the sequence sharded over `seq_axis` of `mesh`.
 
@@ -453,10 +464,9 @@ def ring_attention(
   Returns:
     [B, T, N, H], in the policy's output dtype (default: the query's dtype).
   """
-  b, t, _, n, k, h = _validation.check_qkv(query, key, value, same_length=True)
-  _validation.check_segment_ids(segment_ids, b, t)
-  window = _validation.normalize_window(local_window_size)
-  scale = _validation.check_scale(scale, h)
+  (b, t, n, k), window, scale, block_sizes = _check_arguments(
+    query, key, value, segment_ids, local_window_size, scale, block_sizes
+  )
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
   _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
@@ -469,10 +479,9 @@ def ring_attention(
   _validation.check_divides(k, nh, "num_kv_heads", "head_axis", head_axis)
   layout = layouts.resolve(layout, is_causal)
   policy = get_policy(policy, mesh.devices.flat[0])
-  block_sizes = BlockSizes() if block_sizes is None else block_sizes
-  if not isinstance(block_sizes, BlockSizes):
-    raise TypeError(f"block_sizes={block_sizes!r} must be a jax_ring.BlockSizes or None")
-  gc = _GlobalConfig(mesh, seq_axis, batch_axis, head_axis, is_causal, window, scale, layout, policy, block_sizes)
+  gc = _GlobalConfig(
+    mesh, seq_axis, batch_axis, head_axis, is_causal, window, scale, layout, policy, block_sizes
+  )
   with jax.named_scope("jax_ring.ring_attention"):
     if _explicit_axes(mesh):
       # Explicit axes type arrays by their sharding: place the inputs on the mesh

@@ -12,10 +12,7 @@ def check_qkv(query, key, value, *, same_length: bool = False):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     if x.ndim != 4:
-      raise ValueError(
-          f"{name}.shape={tuple(x.shape)} must have rank 4: "
-          f"[batch, seq, heads, head_dim]"
-      )
+      raise ValueError(f"{name}.shape={tuple(x.shape)} must have rank 4: [batch, seq, heads, head_dim]")
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"{name}.dtype={x.dtype} must be a floating dtype")
   b, t, n, h = query.shape
@@ -30,8 +27,8 @@ def check_qkv(query, key, value, *, same_length: bool = False):
     raise ValueError(f"num_heads={n} must be a multiple of num_kv_heads={k}")
   if same_length and s != t:
     raise ValueError(
-        f"key length={s} must equal query length={t}: ring attention is self-attention "
-        "over one sharded sequence"
+      f"key length={s} must equal query length={t}: ring attention is self-attention "
+      "over one sharded sequence"
     )
   return b, t, s, n, k, h
 
@@ -54,9 +51,9 @@ def normalize_window(local_window_size) -> tuple[int, int] | None:
   if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool):
     window = (int(local_window_size), int(local_window_size))
   elif (
-      isinstance(local_window_size, (tuple, list))
-      and len(local_window_size) == 2
-      and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in local_window_size)
+    isinstance(local_window_size, (tuple, list))
+    and len(local_window_size) == 2
+    and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in local_window_size)
   ):
     window = (int(local_window_size[0]), int(local_window_size[1]))
   else:

@@ -9,13 +9,13 @@ from jax_ring._ring import BlockSizes, _local_blocks, _schedule
 
 
 def work_report(
-    *,
-    layout: str,
-    num_devices: int,
-    seq_len: int,
-    is_causal: bool = False,
-    local_window_size=None,
-    block_sizes: BlockSizes | None = None,
+  *,
+  layout: str,
+  num_devices: int,
+  seq_len: int,
+  is_causal: bool = False,
+  local_window_size=None,
+  block_sizes: BlockSizes | None = None,
 ) -> np.ndarray:
   """Score blocks computed per ring step and device: int array [steps, num_devices].
 

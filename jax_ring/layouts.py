@@ -77,8 +77,8 @@ def permutation(layout: str, length: int, num_shards: int) -> np.ndarray:
   """perm such that x[:, perm] is x in the layout (device i holds rows i*c:(i+1)*c)."""
   if length % multiple(layout, num_shards):
     raise ValueError(
-        f"length={length} must be a multiple of {multiple(layout, num_shards)} for "
-        f"layout={layout!r} over {num_shards} devices; see padded_length"
+      f"length={length} must be a multiple of {multiple(layout, num_shards)} for "
+      f"layout={layout!r} over {num_shards} devices; see padded_length"
     )
   return positions(layout, num_shards, length // num_shards).reshape(-1)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
-import time
+
+from _bench_utils import median_time, simulate_devices
 
 
 def parse_args(argv=None):
@@ -32,10 +32,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-    )
+  simulate_devices(args.devices)
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -74,22 +71,19 @@ def main(argv=None):
     stats = compiled.memory_analysis()
     mib = (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / 2**20
     out = jax.block_until_ready(forward(q, k, v))
-    times = {}
-    for name, fn, fargs in (("fwd", forward, (q, k, v)), ("fwd_bwd", compiled, (q, k, v, g))):
-      jax.block_until_ready(fn(*fargs))
-      samples = []
-      for _ in range(3):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*fargs))
-        samples.append(time.perf_counter() - start)
-      times[name] = float(np.median(samples))
+    times = {"fwd": median_time(forward, q, k, v), "fwd_bwd": median_time(compiled, q, k, v, g)}
     err = None
     if length <= args.max_reference_length:
       ref = jax.jit(lambda q, k, v: jax_ring.reference_attention(q, k, v, is_causal=args.causal))
       err = float(jnp.max(jnp.abs(np.asarray(out) - np.asarray(ref(*(np.asarray(x) for x in (q, k, v)))))))
-    rows.append({"length": length, "devices": args.devices, "max_abs_err": err, "mib_per_device": mib, **times})
+    rows.append(
+      {"length": length, "devices": args.devices, "max_abs_err": err, "mib_per_device": mib, **times}
+    )
     err_s = f"{err:10.2e}" if err is not None else f"{'-':>10}"
-    print(f"{length:8d} {args.devices:7d} {err_s} {mib:10.1f} {times['fwd']:8.3f} {times['fwd_bwd']:9.3f}", flush=True)
+    print(
+      f"{length:8d} {args.devices:7d} {err_s} {mib:10.1f} {times['fwd']:8.3f} {times['fwd_bwd']:9.3f}",
+      flush=True,
+    )
   out_path = pathlib.Path(args.out)
   out_path.parent.mkdir(parents=True, exist_ok=True)
   out_path.write_text(json.dumps({"causal": args.causal, "rows": rows}, indent=2))

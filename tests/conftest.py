@@ -44,7 +44,7 @@ def padded_segments(batch, length, seed=1):
     row = np.zeros(length, np.int32)
     for i, c in enumerate(cuts):
       row[c:] = i + 1
-    row[length - rng.integers(2, 5):] = -1
+    row[length - rng.integers(2, 5) :] = -1
     rows.append(row)
   return jnp.asarray(np.stack(rows))
 

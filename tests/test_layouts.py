@@ -25,7 +25,9 @@ def test_permutation_round_trip(layout, p):
   there = layouts.to_layout(x, layout, p)
   np.testing.assert_array_equal(layouts.from_layout(there, layout, p), x)
   np.testing.assert_array_equal(np.asarray(there).reshape(p, -1), layouts.positions(layout, p, n // p))
-  np.testing.assert_array_equal(layouts.permutation(layout, n, p)[layouts.inverse_permutation(layout, n, p)], np.arange(n))
+  np.testing.assert_array_equal(
+    layouts.permutation(layout, n, p)[layouts.inverse_permutation(layout, n, p)], np.arange(n)
+  )
 
 
 @pytest.mark.parametrize("layout", ["striped", "zigzag"])
@@ -35,11 +37,16 @@ def test_relayout_inside_shard_map_matches_permutation(layout, p):
   n = layouts.padded_length(layout, 64, p)
   x = jax.device_put(np.arange(2 * n).reshape(2, n).astype(np.float32), NamedSharding(mesh, P(None, "seq")))
   f = jax.shard_map(
-      lambda s: layouts.relayout_shard(s, layout, "seq", p), mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq")
+    lambda s: layouts.relayout_shard(s, layout, "seq", p),
+    mesh=mesh,
+    in_specs=P(None, "seq"),
+    out_specs=P(None, "seq"),
   )
   g = jax.shard_map(
-      lambda s: layouts.relayout_shard(s, layout, "seq", p, inverse=True),
-      mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"),
+    lambda s: layouts.relayout_shard(s, layout, "seq", p, inverse=True),
+    mesh=mesh,
+    in_specs=P(None, "seq"),
+    out_specs=P(None, "seq"),
   )
   moved = np.asarray(jax.jit(f)(x))
   np.testing.assert_array_equal(moved, np.asarray(layouts.to_layout(np.asarray(x), layout, p)))
@@ -47,10 +54,10 @@ def test_relayout_inside_shard_map_matches_permutation(layout, p):
 
 
 MASKS = {
-    "causal": {"is_causal": True},
-    "causal_window": {"is_causal": True, "local_window_size": (7, 0)},
-    "window": {"local_window_size": (5, 9)},
-    "segments_gqa": {"segment_ids": "padded", "is_causal": True},
+  "causal": {"is_causal": True},
+  "causal_window": {"is_causal": True, "local_window_size": (7, 0)},
+  "window": {"local_window_size": (5, 9)},
+  "segments_gqa": {"segment_ids": "padded", "is_causal": True},
 }
 
 
@@ -65,14 +72,16 @@ def test_every_layout_and_mask_matches_reference(p, layout, mask):
   mesh = make_mesh((p,), ("seq",))
   args = qkv(2, length, 4, 2, 8)
   fn = lambda q, k, v: ring_attention(
-      q, k, v, mesh=mesh, layout=layout, block_sizes=jax_ring.BlockSizes(4, 4), **options
+    q, k, v, mesh=mesh, layout=layout, block_sizes=jax_ring.BlockSizes(4, 4), **options
   )
   compare_with_reference(fn, lambda q, k, v: reference_attention(q, k, v, **options), args, 1e-5)
 
 
 def test_work_report_causal_contiguous_by_hand():
   # p=4, 16 tokens, 4 per device, blocks of 2: 2x2 block pairs per step.
-  got = work_report(layout="contiguous", num_devices=4, seq_len=16, is_causal=True, block_sizes=jax_ring.BlockSizes(2, 2))
+  got = work_report(
+    layout="contiguous", num_devices=4, seq_len=16, is_causal=True, block_sizes=jax_ring.BlockSizes(2, 2)
+  )
   # Step 0: own keys, the lower block triangle (3). Step s: keys of device d - s,
   # all 4 blocks when d >= s, none when they come from a later device.
   expected = [[3, 3, 3, 3], [0, 4, 4, 4], [0, 0, 4, 4], [0, 0, 0, 4]]
@@ -82,7 +91,9 @@ def test_work_report_causal_contiguous_by_hand():
 def test_work_report_causal_zigzag_by_hand():
   # Device i holds chunks i and 7-i. Own keys: (i,i), (7-i,i), (7-i,7-i) = 3 blocks.
   # Keys of device j != i: (7-i, j) always; (i, j) iff j < i; (7-i, 7-j) iff j > i: 2.
-  got = work_report(layout="zigzag", num_devices=4, seq_len=16, is_causal=True, block_sizes=jax_ring.BlockSizes(2, 2))
+  got = work_report(
+    layout="zigzag", num_devices=4, seq_len=16, is_causal=True, block_sizes=jax_ring.BlockSizes(2, 2)
+  )
   np.testing.assert_array_equal(got, [[3] * 4] + [[2] * 4] * 3)
   full = 4  # block pairs per step without a mask
   assert got[1:].max() == full // 2  # the busiest device does half a full step
@@ -91,8 +102,12 @@ def test_work_report_causal_zigzag_by_hand():
 def test_work_report_window_skips_ring_steps():
   # 8 devices x 4 tokens, window (4, 0): only the previous device's keys are needed.
   got = work_report(
-      layout="contiguous", num_devices=8, seq_len=32, is_causal=True, local_window_size=(4, 0),
-      block_sizes=jax_ring.BlockSizes(4, 4),
+    layout="contiguous",
+    num_devices=8,
+    seq_len=32,
+    is_causal=True,
+    local_window_size=(4, 0),
+    block_sizes=jax_ring.BlockSizes(4, 4),
   )
   np.testing.assert_array_equal(got[0], [1] * 8)
   np.testing.assert_array_equal(got[1], [0] + [1] * 7)
@@ -100,6 +115,8 @@ def test_work_report_window_skips_ring_steps():
 
 
 def test_work_report_striped_causal_balanced():
-  got = work_report(layout="striped", num_devices=4, seq_len=64, is_causal=True, block_sizes=jax_ring.BlockSizes(4, 4))
+  got = work_report(
+    layout="striped", num_devices=4, seq_len=64, is_causal=True, block_sizes=jax_ring.BlockSizes(4, 4)
+  )
   # Every device runs the same number of blocks at every step.
   assert all(len(set(row)) == 1 for row in got.tolist())

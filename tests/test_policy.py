@@ -3,6 +3,7 @@
 import types
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 from conftest import make_mesh, qkv, rel_err
@@ -19,19 +20,19 @@ def fake(platform, kind="fake", capability=None):
 
 
 @pytest.mark.parametrize(
-    "device, preset",
-    [
-        (fake("cpu", "cpu"), "float32"),
-        (fake("gpu", "Tesla P100-PCIE-16GB", "6.0"), "float32"),
-        (fake("gpu", "NVIDIA GeForce GTX 1080", "6.1"), "float32"),
-        (fake("gpu", "Tesla V100-SXM2-16GB", "7.0"), "float16"),
-        (fake("gpu", "Tesla T4", "7.5"), "float16"),
-        (fake("gpu", "NVIDIA A100-SXM4-40GB", "8.0"), "bfloat16"),
-        (fake("gpu", "NVIDIA GeForce RTX 4090", "8.9"), "bfloat16"),
-        (fake("gpu", "NVIDIA H100 80GB HBM3", "9.0"), "bfloat16"),
-        (fake("gpu", "NVIDIA B200", "10.0"), "bfloat16"),
-        (fake("tpu", "TPU v4"), "bfloat16"),
-    ],
+  "device, preset",
+  [
+    (fake("cpu", "cpu"), "float32"),
+    (fake("gpu", "Tesla P100-PCIE-16GB", "6.0"), "float32"),
+    (fake("gpu", "NVIDIA GeForce GTX 1080", "6.1"), "float32"),
+    (fake("gpu", "Tesla V100-SXM2-16GB", "7.0"), "float16"),
+    (fake("gpu", "Tesla T4", "7.5"), "float16"),
+    (fake("gpu", "NVIDIA A100-SXM4-40GB", "8.0"), "bfloat16"),
+    (fake("gpu", "NVIDIA GeForce RTX 4090", "8.9"), "bfloat16"),
+    (fake("gpu", "NVIDIA H100 80GB HBM3", "9.0"), "bfloat16"),
+    (fake("gpu", "NVIDIA B200", "10.0"), "bfloat16"),
+    (fake("tpu", "TPU v4"), "bfloat16"),
+  ],
 )
 def test_detection_table(device, preset, monkeypatch):
   monkeypatch.delenv("JAX_RING_POLICY", raising=False)
@@ -70,11 +71,13 @@ def test_policy_rejects_half_precision_statistics():
 def _errors(policy, devices, dtype=jnp.float32, **options):
   mesh = make_mesh((devices,), ("seq",))
   q, k, v = qkv(1, 256, 4, 2, 32, dtype=dtype)
-  fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, policy=policy, block_sizes=jax_ring.BlockSizes(32, 32), **options)
-  import jax
-
+  fn = lambda q, k, v: ring_attention(
+    q, k, v, mesh=mesh, policy=policy, block_sizes=jax_ring.BlockSizes(32, 32), **options
+  )
   out, vjp = jax.vjp(fn, q, k, v)
-  ref, ref_vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, **options), *(x.astype(jnp.float64) for x in (q, k, v)))
+  ref, ref_vjp = jax.vjp(
+    lambda q, k, v: reference_attention(q, k, v, **options), *(x.astype(jnp.float64) for x in (q, k, v))
+  )
   cot = jax.random.normal(jax.random.PRNGKey(5), out.shape, jnp.float32).astype(out.dtype)
   grads, ref_grads = vjp(cot), ref_vjp(cot.astype(jnp.float64))
   for g, x in zip(grads, (q, k, v)):

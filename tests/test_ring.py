@@ -16,13 +16,13 @@ SMALL_BLOCKS = jax_ring.BlockSizes(block_q=8, block_kv=16)
 
 # name -> (heads, kv_heads, length, options); lengths are deliberately awkward.
 CASES = {
-    "full": (4, 4, 64, {}),
-    "causal": (4, 4, 61, {"is_causal": True}),
-    "gqa_causal": (8, 2, 64, {"is_causal": True}),
-    "mqa": (4, 1, 50, {}),
-    "segments_padding": (4, 2, 64, {"segment_ids": "padded"}),
-    "window": (4, 2, 70, {"local_window_size": (9, 4)}),
-    "causal_window": (4, 2, 64, {"is_causal": True, "local_window_size": 6}),
+  "full": (4, 4, 64, {}),
+  "causal": (4, 4, 61, {"is_causal": True}),
+  "gqa_causal": (8, 2, 64, {"is_causal": True}),
+  "mqa": (4, 1, 50, {}),
+  "segments_padding": (4, 2, 64, {"segment_ids": "padded"}),
+  "window": (4, 2, 70, {"local_window_size": (9, 4)}),
+  "causal_window": (4, 2, 64, {"is_causal": True, "local_window_size": 6}),
 }
 
 
@@ -67,7 +67,7 @@ def test_two_dimensional_mesh_batch_sharded(causal):
   args = qkv(2, 64, 4, 2, 16)
   seg = padded_segments(2, 64)
   fn = lambda q, k, v: ring_attention(
-      q, k, v, mesh=mesh, batch_axis="data", is_causal=causal, segment_ids=seg, block_sizes=SMALL_BLOCKS
+    q, k, v, mesh=mesh, batch_axis="data", is_causal=causal, segment_ids=seg, block_sizes=SMALL_BLOCKS
   )
   ref = lambda q, k, v: reference_attention(q, k, v, is_causal=causal, segment_ids=seg)
   compare_with_reference(fn, ref, args, TOL)
@@ -76,7 +76,9 @@ def test_two_dimensional_mesh_batch_sharded(causal):
 def test_heads_sharded_gqa():
   mesh = make_mesh((4, 2), ("seq", "heads"))
   args = qkv(1, 48, 8, 2, 16)
-  fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, head_axis="heads", is_causal=True, block_sizes=SMALL_BLOCKS)
+  fn = lambda q, k, v: ring_attention(
+    q, k, v, mesh=mesh, head_axis="heads", is_causal=True, block_sizes=SMALL_BLOCKS
+  )
   ref = lambda q, k, v: reference_attention(q, k, v, is_causal=True)
   compare_with_reference(fn, ref, args, TOL)
 
@@ -120,8 +122,8 @@ def test_inside_user_jit():
 def test_same_result_on_every_device_count():
   args = qkv(1, 40, 4, 2, 8)
   outs = [
-      ring_attention(*args, mesh=make_mesh((p,), ("seq",)), is_causal=True, block_sizes=SMALL_BLOCKS)
-      for p in (1, 2, 4, 8)
+    ring_attention(*args, mesh=make_mesh((p,), ("seq",)), is_causal=True, block_sizes=SMALL_BLOCKS)
+    for p in (1, 2, 4, 8)
   ]
   for o in outs[1:]:
     np.testing.assert_allclose(np.asarray(o), np.asarray(outs[0]), rtol=2e-5, atol=2e-6)

@@ -20,29 +20,29 @@ def call(**overrides):
 
 
 @pytest.mark.parametrize(
-    "overrides, error, pattern",
-    [
-        ({"query": jnp.zeros((2, 8, 32))}, ValueError, r"query\.shape=\(2, 8, 32\) must have rank 4"),
-        ({"query": jnp.zeros((3, 8, 4, 8))}, ValueError, r"key batch=2 must equal query batch=3"),
-        ({"query": jnp.zeros((2, 8, 4, 16))}, ValueError, r"key head_dim=8 must equal query head_dim=16"),
-        ({"query": jnp.zeros((2, 8, 3, 8))}, ValueError, r"num_heads=3 must be a multiple of num_kv_heads=2"),
-        ({"value": jnp.zeros((2, 8, 1, 8))}, ValueError, r"key\.shape=.* must equal value\.shape"),
-        ({"key": jnp.zeros((2, 6, 2, 8)), "value": jnp.zeros((2, 6, 2, 8))}, ValueError, r"key length=6"),
-        ({"query": jnp.zeros((2, 8, 4, 8), jnp.int32)}, TypeError, r"query\.dtype=int32 must be a floating"),
-        ({"segment_ids": jnp.zeros((2, 7), jnp.int32)}, ValueError, r"segment_ids\.shape=\(2, 7\)"),
-        ({"segment_ids": jnp.zeros((2, 8))}, TypeError, r"segment_ids\.dtype=float.* must be an integer"),
-        ({"local_window_size": -1}, ValueError, r"local_window_size=-1 must be non-negative"),
-        ({"local_window_size": (3, -2)}, ValueError, r"local_window_size=\(3, -2\) must be non-negative"),
-        ({"local_window_size": 2.5}, TypeError, r"local_window_size=2.5 must be an int"),
-        ({"seq_axis": "sequence"}, ValueError, r"seq_axis='sequence' is not an axis of the mesh"),
-        ({"batch_axis": "data"}, ValueError, r"batch_axis='data' is not an axis of the mesh"),
-        ({"head_axis": "seq"}, ValueError, r"must name different mesh axes"),
-        ({"mesh": "mesh"}, TypeError, r"mesh='mesh' must be a jax.sharding.Mesh"),
-        ({"layout": "spiral"}, ValueError, r"Unsupported layout='spiral'"),
-        ({"policy": "int8"}, ValueError, r"policy='int8' is not a preset"),
-        ({"scale": -1.0}, ValueError, r"scale=-1.0 must be a finite positive"),
-        ({"block_sizes": (4, 4)}, TypeError, r"block_sizes=\(4, 4\) must be a jax_ring.BlockSizes"),
-    ],
+  "overrides, error, pattern",
+  [
+    ({"query": jnp.zeros((2, 8, 32))}, ValueError, r"query\.shape=\(2, 8, 32\) must have rank 4"),
+    ({"query": jnp.zeros((3, 8, 4, 8))}, ValueError, r"key batch=2 must equal query batch=3"),
+    ({"query": jnp.zeros((2, 8, 4, 16))}, ValueError, r"key head_dim=8 must equal query head_dim=16"),
+    ({"query": jnp.zeros((2, 8, 3, 8))}, ValueError, r"num_heads=3 must be a multiple of num_kv_heads=2"),
+    ({"value": jnp.zeros((2, 8, 1, 8))}, ValueError, r"key\.shape=.* must equal value\.shape"),
+    ({"key": jnp.zeros((2, 6, 2, 8)), "value": jnp.zeros((2, 6, 2, 8))}, ValueError, r"key length=6"),
+    ({"query": jnp.zeros((2, 8, 4, 8), jnp.int32)}, TypeError, r"query\.dtype=int32 must be a floating"),
+    ({"segment_ids": jnp.zeros((2, 7), jnp.int32)}, ValueError, r"segment_ids\.shape=\(2, 7\)"),
+    ({"segment_ids": jnp.zeros((2, 8))}, TypeError, r"segment_ids\.dtype=float.* must be an integer"),
+    ({"local_window_size": -1}, ValueError, r"local_window_size=-1 must be non-negative"),
+    ({"local_window_size": (3, -2)}, ValueError, r"local_window_size=\(3, -2\) must be non-negative"),
+    ({"local_window_size": 2.5}, TypeError, r"local_window_size=2.5 must be an int"),
+    ({"seq_axis": "sequence"}, ValueError, r"seq_axis='sequence' is not an axis of the mesh"),
+    ({"batch_axis": "data"}, ValueError, r"batch_axis='data' is not an axis of the mesh"),
+    ({"head_axis": "seq"}, ValueError, r"must name different mesh axes"),
+    ({"mesh": "mesh"}, TypeError, r"mesh='mesh' must be a jax.sharding.Mesh"),
+    ({"layout": "spiral"}, ValueError, r"Unsupported layout='spiral'"),
+    ({"policy": "int8"}, ValueError, r"policy='int8' is not a preset"),
+    ({"scale": -1.0}, ValueError, r"scale=-1.0 must be a finite positive"),
+    ({"block_sizes": (4, 4)}, TypeError, r"block_sizes=\(4, 4\) must be a jax_ring.BlockSizes"),
+  ],
 )
 def test_errors_name_the_argument(overrides, error, pattern):
   with pytest.raises(error, match=pattern):
@@ -51,7 +51,9 @@ def test_errors_name_the_argument(overrides, error, pattern):
 
 def test_batch_not_divisible_by_batch_axis():
   mesh = make_mesh((3, 2), ("data", "seq"))
-  with pytest.raises(ValueError, match=r"batch=2 must be divisible by the size 3 of mesh axis batch_axis='data'"):
+  with pytest.raises(
+    ValueError, match=r"batch=2 must be divisible by the size 3 of mesh axis batch_axis='data'"
+  ):
     jax_ring.ring_attention(Q, KV, KV, mesh=mesh, batch_axis="data")
 
 

@@ -1,0 +1,27 @@
+"""Helpers shared by the scripts: simulated devices and medians of timed runs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def simulate_devices(count: int) -> None:
+  """On a CPU-only host, asks XLA for `count` devices. Call before importing jax."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def median_time(fn, *args, repeats: int = 3) -> float:
+  """Median wall time of fn(*args) over `repeats` runs after one warm-up run."""
+  import jax
+  import numpy as np
+
+  jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    samples.append(time.perf_counter() - start)
+  return float(np.median(samples))
