@@ -44,8 +44,8 @@ def work_report(
     for d in range(p):
       qp = pos[d].reshape(-1, bq)
       kp = pos[source(d)].reshape(-1, bk)
-      visible = kp[None, :, None, :] >= 0
       delta = qp[:, None, :, None] - kp[None, :, None, :]
+      visible = np.broadcast_to(kp[None, :, None, :] >= 0, delta.shape)
       if is_causal:
         visible = visible & (delta >= 0)
       if window is not None:

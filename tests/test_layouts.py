@@ -77,6 +77,11 @@ def test_every_layout_and_mask_matches_reference(p, layout, mask):
   compare_with_reference(fn, lambda q, k, v: reference_attention(q, k, v, **options), args, 1e-5)
 
 
+def test_work_report_without_mask_counts_every_block_pair():
+  got = work_report(layout="contiguous", num_devices=4, seq_len=64, block_sizes=jax_ring.BlockSizes(4, 8))
+  np.testing.assert_array_equal(got, np.full((4, 4), (16 // 4) * (16 // 8)))
+
+
 def test_work_report_causal_contiguous_by_hand():
   # p=4, 16 tokens, 4 per device, blocks of 2: 2x2 block pairs per step.
   got = work_report(
