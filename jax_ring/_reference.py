@@ -91,3 +91,74 @@ def reference_attention(
   dtype = jnp.promote_types(query.dtype, jnp.float32)
   out, _ = attention_with_lse(query.astype(dtype), key.astype(dtype), value.astype(dtype), mask, scale)
   return out.astype(query.dtype)
+
+
+def dilated_pattern_mask(length: int, num_heads: int, segment_length: int, rate: int):
+  """bool [N, T, T]: which query sees which key under one (segment, rate) pattern.
+
+  Head n keeps the positions whose offset from their segment's start is n mod rate;
+  a kept query sees the kept keys of its own segment.
+  """
+  pos = jnp.arange(length)
+  segment = pos // segment_length
+  offset = pos - segment * segment_length
+  kept = (offset[None, :] % rate) == (jnp.arange(num_heads)[:, None] % rate)  # [N, T]
+  same_segment = segment[:, None] == segment[None, :]
+  return kept[:, :, None] & kept[:, None, :] & same_segment[None]
+
+
+def reference_dilated_attention(
+  query, key, value, *, segment_lengths, dilation_rates, is_causal=False, segment_ids=None, scale=None
+):
+  """Dense LongNet dilated attention on one device; works in float64.
+
+  Every (segment length, rate) pattern gives an output and a log-sum-exp per query
+  and head (see `dilated_pattern_mask`, with causal and segment-id masks on top); the
+  patterns are merged by their softmax denominators:
+  out = sum_i exp(lse_i - logsumexp_j lse_j) * out_i. A query no pattern selects gets 0.
+
+  Args:
+    query: [B, T, N, H]; key, value: [B, T, K, H] (N % K == 0).
+    segment_lengths, dilation_rates: equally long sequences of positive ints.
+    is_causal, segment_ids, scale: as in `reference_attention`.
+
+  Returns:
+    [B, T, N, H] in the query's dtype.
+  """
+  from jax_ring._dilated import check_patterns
+
+  b, t, _, n, _, h = _validation.check_qkv(query, key, value, same_length=True)
+  _validation.check_segment_ids(segment_ids, b, t)
+  scale = _validation.check_scale(scale, h)
+  lengths, rates = check_patterns(segment_lengths, dilation_rates)
+  base = visibility_mask(
+    jnp.arange(t), jnp.arange(t), is_causal=is_causal, q_segment_ids=segment_ids, k_segment_ids=segment_ids
+  )  # [B or 1, T, T]
+  dtype = jnp.promote_types(query.dtype, jnp.float32)
+  q, k, v = (x.astype(dtype) for x in (query, key, value))
+  outs, lses = [], []
+  for w, r in zip(lengths, rates):
+    mask = base[:, None] & dilated_pattern_mask(t, n, w, r)[None]  # [B, N, T, T]
+    out, lse = _attention_per_head_mask(q, k, v, mask, scale)
+    outs.append(out)
+    lses.append(lse)
+  lse = jnp.stack(lses)  # [m, B, N, T]
+  total = jax.nn.logsumexp(lse, axis=0)
+  safe = jnp.where(jnp.isneginf(total), 0.0, total)
+  weights = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - safe))  # [m, B, N, T]
+  out = sum(o * jnp.moveaxis(wt, 1, 2)[..., None] for o, wt in zip(outs, weights))
+  return out.astype(query.dtype)
+
+
+def _attention_per_head_mask(query, key, value, mask, scale):
+  """attention_with_lse with a mask [B, N, T, S] that differs per query head."""
+  groups = query.shape[2] // key.shape[2]
+  key = jnp.repeat(key, groups, axis=2)
+  value = jnp.repeat(value, groups, axis=2)
+  per_head = jax.vmap(
+    lambda q, k, v, m: attention_with_lse(q[:, :, None], k[:, :, None], v[:, :, None], m, scale),
+    in_axes=(2, 2, 2, 1),
+    out_axes=(2, 1),
+  )
+  out, lse = per_head(query, key, value, mask)
+  return out[:, :, :, 0], lse[:, :, 0]

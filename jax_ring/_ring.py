@@ -66,15 +66,27 @@ class RingConfig:
   # `steps_fwd` after it (rotating -1). A full ring is (ring_size - 1, 0).
   steps_back: int
   steps_fwd: int
+  # Devices on the mesh axis; when larger than ring_size the axis holds
+  # axis_size // ring_size independent rings of consecutive devices (sub-rings).
+  axis_size: int | None = None
 
 
-def ring_permutation(ring_size: int, shift: int):
-  """Pairs (source, destination) that move every shard `shift` devices along the ring."""
-  return [(i, (i + shift) % ring_size) for i in range(ring_size)]
+def ring_permutation(ring_size: int, shift: int, axis_size: int | None = None):
+  """Pairs (source, destination) that move every shard `shift` devices along its ring.
+
+  With `axis_size` > `ring_size`, devices [i * ring_size, (i + 1) * ring_size) form
+  ring i, and shards never leave their ring.
+  """
+  axis_size = ring_size if axis_size is None else axis_size
+  return [
+    (base + i, base + (i + shift) % ring_size)
+    for base in range(0, axis_size, ring_size)
+    for i in range(ring_size)
+  ]
 
 
 def _send(tree, cfg: RingConfig, shift: int):
-  perm = ring_permutation(cfg.ring_size, shift)
+  perm = ring_permutation(cfg.ring_size, shift, cfg.axis_size)
   return jax.tree.map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
 
 
@@ -192,21 +204,24 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg):
   return out, _Residuals(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
 
 
-def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
+def _block_rows(x, block: int):
+  """Per-row statistics [B, T, K, G] -> blocked [nq, B, K, G, bq] (the lse layout)."""
+  return jnp.moveaxis(_block(x, block), 2, -1)
+
+
+def _unblock_rows(x):
+  """Blocked statistics [nq, B, K, G, bq] -> [B, T, K, G]."""
+  return _unblock(jnp.moveaxis(x, -1, 2))
+
+
+def _ring_backward_state(cfg: RingConfig, x: _Inputs, do, lse, delta):
+  """dq, dk, dv (blocked, accumulation dtype) given the blocked dO, lse and delta.
+
+  delta is sum(dO * O) over the head dim, minus the cotangent of lse if lse is an
+  output too (d lse_i / d s_ij = p_ij enters the score gradient like -delta does).
+  """
   pol = cfg.policy
-  x = _prepare(cfg, res.q, res.k, res.v, res.q_pos, res.k_pos, res.q_seg, res.k_seg)
-  nq, b, bq, kh, grp, h = x.q.shape
-  do = g.astype(pol.accum_dtype)
-  delta = jnp.sum(do * res.out.astype(pol.accum_dtype), axis=-1)  # [B, T, N]
-  delta = _block(delta.reshape(b, -1, kh, grp), bq)  # [nq, B, bq, K, G]
-  qb = QBlocks(
-    q=x.q,
-    do=_block(g.astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq),
-    lse=res.lse,
-    delta=jnp.moveaxis(delta, 2, -1),
-    pos=x.q_pos,
-    seg=x.q_seg,
-  )
+  qb = QBlocks(q=x.q, do=do, lse=lse, delta=delta, pos=x.q_pos, seg=x.q_seg)
   dq = _zeros_like_both(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
   zeros_kv = lambda: (
     _zeros_like_both(x.kv.k.shape, pol.accum_dtype, x.q, x.kv.k),
@@ -224,6 +239,17 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
     fwd = cfg.steps_fwd
     (dk2, dv2), dq = _pass_backward(cfg, compute, _send(x.kv, cfg, -1), zeros_kv(), dq, fwd - 1, -1, fwd)
     dk, dv = dk + dk2, dv + dv2
+  return dq, dk, dv
+
+
+def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
+  pol = cfg.policy
+  x = _prepare(cfg, res.q, res.k, res.v, res.q_pos, res.k_pos, res.q_seg, res.k_seg)
+  nq, b, bq, kh, grp, h = x.q.shape
+  delta = jnp.sum(g.astype(pol.accum_dtype) * res.out.astype(pol.accum_dtype), axis=-1)  # [B, T, N]
+  do = _block(g.astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
+  delta = _block_rows(delta.reshape(b, -1, kh, grp), bq)
+  dq, dk, dv = _ring_backward_state(cfg, x, do, res.lse, delta)
   dq = _unblock(dq).reshape(res.q.shape).astype(res.q.dtype)
   dk = _unblock(dk).astype(res.k.dtype)
   dv = _unblock(dv).astype(res.v.dtype)
@@ -406,18 +432,40 @@ def _global_impl(query, key, value, segment_ids, *, gc: _GlobalConfig, in_contex
   return sharded(*args)[:, :t]
 
 
+def call_on_mesh(impl, mesh, out_spec, *args):
+  """Calls impl(*args, in_context=...) inside jit. Explicit mesh axes are made Auto for
+  the call (`auto_axes`), where XLA may pad uneven shards; the result gets `out_spec`."""
+  explicit = _explicit_axes(mesh)
+  if not explicit:
+    return impl(*args, in_context=False)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    return jax.sharding.auto_axes(functools.partial(impl, in_context=True), axes=explicit, out_sharding=out_spec)(
+      *args
+    )
+
+
+def place_on_mesh(mesh, seq_axis, batch_axis, head_axis, length, query, key, value, segment_ids):
+  """With Explicit axes, arrays are typed by their sharding: put the inputs on the mesh
+  first (sharded along the sequence when the axis divides the length)."""
+  if not _explicit_axes(mesh):
+    return query, key, value, segment_ids
+  seq = seq_axis if length % mesh.shape[seq_axis] == 0 else None
+  put = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+  query, key, value = (put(x, P(batch_axis, seq, head_axis, None)) for x in (query, key, value))
+  return query, key, value, put(segment_ids, P(batch_axis, seq))
+
+
+def output_spec(mesh, seq_axis, batch_axis, head_axis, length):
+  """The output's spec: the sequence stays sharded when the axis divides its length."""
+  seq = seq_axis if length % mesh.shape[seq_axis] == 0 else None
+  return P(batch_axis, seq, head_axis, None)
+
+
 @functools.partial(jax.jit, static_argnames=("gc",))
 def _ring_attention_global(query, key, value, segment_ids, *, gc: _GlobalConfig):
-  explicit = _explicit_axes(gc.mesh)
-  if not explicit:
-    return _global_impl(query, key, value, segment_ids, gc=gc, in_context=False)
-  # Explicit axes: run inside auto_axes, where XLA may shard unevenly; the output
-  # keeps the sequence sharded when the mesh axis divides its length.
-  t, p = query.shape[1], gc.mesh.shape[gc.seq_axis]
-  out_spec = P(gc.batch_axis, gc.seq_axis if t % p == 0 else None, gc.head_axis, None)
-  impl = functools.partial(_global_impl, gc=gc, in_context=True)
-  with jax.sharding.use_abstract_mesh(gc.mesh.abstract_mesh):
-    return jax.sharding.auto_axes(impl, axes=explicit, out_sharding=out_spec)(query, key, value, segment_ids)
+  out_spec = output_spec(gc.mesh, gc.seq_axis, gc.batch_axis, gc.head_axis, query.shape[1])
+  impl = functools.partial(_global_impl, gc=gc)
+  return call_on_mesh(impl, gc.mesh, out_spec, query, key, value, segment_ids)
 
 
 def ring_attention(
@@ -483,12 +531,7 @@ def ring_attention(
     mesh, seq_axis, batch_axis, head_axis, is_causal, window, scale, layout, policy, block_sizes
   )
   with jax.named_scope("jax_ring.ring_attention"):
-    if _explicit_axes(mesh):
-      # Explicit axes type arrays by their sharding: place the inputs on the mesh
-      # first (sharded along the sequence when the axis divides it).
-      p = mesh.shape[seq_axis]
-      seq = seq_axis if t % p == 0 else None
-      put = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
-      query, key, value = (put(x, P(batch_axis, seq, head_axis, None)) for x in (query, key, value))
-      segment_ids = put(segment_ids, P(batch_axis, seq))
+    query, key, value, segment_ids = place_on_mesh(
+      mesh, seq_axis, batch_axis, head_axis, t, query, key, value, segment_ids
+    )
     return _ring_attention_global(query, key, value, segment_ids, gc=gc)
