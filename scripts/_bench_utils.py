@@ -13,12 +13,14 @@ def simulate_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
-def median_time(fn, *args, repeats: int = 3) -> float:
-  """Median wall time of fn(*args) over `repeats` runs after one warm-up run."""
+def median_time(fn, *args, repeats: int = 3, warmup: bool = True) -> float:
+  """Median wall time of fn(*args) over `repeats` runs, after one warm-up run unless
+  `warmup` is False (for an already compiled function whose runs take minutes)."""
   import jax
   import numpy as np
 
-  jax.block_until_ready(fn(*args))
+  if warmup:
+    jax.block_until_ready(fn(*args))
   samples = []
   for _ in range(repeats):
     start = time.perf_counter()

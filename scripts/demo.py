@@ -1,93 +1,102 @@
-"""Demo: exact ring attention on a device mesh, checked against dense attention.
+"""The demo: ring attention lets a model use context that lives on another device.
 
-On a CPU-only machine it simulates 8 devices. For each sequence length it prints the
-maximum error against the dense reference (where the dense scores fit in memory), the
-per-device memory of forward+backward from the compiler, and the median time.
+Trains the same small decoder LM twice on long-context key-value retrieval (see
+scripts/train.py), with the sequence split over the devices of a mesh: once with
+exact ring attention, once with shard-local attention. The (key, value) pairs sit in
+the first shard and the question in the last, so only the ring model can answer.
+Prints a summary table and writes results/demo/report.json and results/demo/report.png.
 
-    python scripts/demo.py [--devices 8] [--lengths 1024 4096 16384] [--causal]
+On a CPU-only machine it simulates 8 devices; with GPUs or TPUs it uses them.
+
+    python scripts/demo.py [--steps 400] [--seq-len 256] [--time-budget 270]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
-import sys
+import os
+import time
 
-from _bench_utils import median_time, simulate_devices
+import train
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--devices", type=int, default=8, help="devices in the ring (simulated on CPU)")
-  p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--kv-heads", type=int, default=2)
-  p.add_argument("--head-dim", type=int, default=64)
-  p.add_argument("--causal", action="store_true", help="causal mask (zigzag layout)")
-  p.add_argument("--max-reference-length", type=int, default=4096, help="longest length checked densely")
-  p.add_argument("--out", default="results/demo.json", help="where to write the table as JSON")
+  p.add_argument("--steps", type=int, default=400, help="most training steps per model")
+  p.add_argument("--seq-len", type=int, default=256)
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator")
+  p.add_argument("--time-budget", type=float, default=270.0, help="seconds of training per model")
+  p.add_argument("--target-accuracy", type=float, default=0.95, help="ring training stops here")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default="results/demo")
+  p.add_argument("--no-progress", action="store_true")
   return p.parse_args(argv)
+
+
+def run(args, log=print):
+  """Trains both models; returns the report dict."""
+  import jax
+
+  task = train.Task(seq_len=args.seq_len)
+  report = {"task": vars(task) | {"vocab_size": task.vocab_size, "chance": task.chance}, "runs": {}}
+  devices = jax.devices()
+  log(f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform}); sequence of {args.seq_len} tokens")
+  ring_steps = None
+  for attention in ("ring", "local"):
+    targs = train.parse_args(
+      [
+        f"--attention={attention}",
+        f"--steps={ring_steps or args.steps}",
+        f"--batch={args.batch}",
+        f"--seq-len={args.seq_len}",
+        f"--seed={args.seed}",
+        f"--out={os.path.join(args.out, attention)}",
+        f"--time-budget={args.time_budget}",
+        "--eval-every=25",
+        *([f"--target-accuracy={args.target_accuracy}"] if attention == "ring" else []),
+        *(["--no-progress"] if args.no_progress else []),
+      ]
+    )
+    start = time.perf_counter()
+    history = train.train(targs, task, log=log)
+    seconds = time.perf_counter() - start
+    final = history["eval"][-1]
+    report["runs"][attention] = {
+      "steps": history["step"][-1],
+      "seconds": seconds,
+      "final_train_loss": history["loss"][-1],
+      "eval_loss": final["loss"],
+      "eval_accuracy": final["accuracy"],
+      "devices": history["devices"],
+      "history": history,
+    }
+    # The shard-local model gets as many steps as the ring model needed.
+    ring_steps = ring_steps or history["step"][-1]
+  return report
 
 
 def main(argv=None):
   args = parse_args(argv)
-  simulate_devices(args.devices)
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  import jax_ring
-
-  devices = jax.devices()
-  if len(devices) < args.devices:
-    sys.exit(f"--devices={args.devices} but only {len(devices)} {devices[0].platform} devices are visible")
-  mesh = jax.make_mesh((args.devices,), ("seq",), devices=devices[: args.devices])
-  policy = jax_ring.policy_for(devices[0])
-  print(f"{args.devices} x {devices[0].device_kind} ({devices[0].platform}), policy: {policy}")
-  attend = lambda q, k, v: jax_ring.ring_attention(q, k, v, mesh=mesh, is_causal=args.causal)
-  forward = jax.jit(attend)
-
-  def fwd_bwd(q, k, v, g):
-    out, vjp = jax.vjp(attend, q, k, v)
-    return out, vjp(g)
-
-  rows = []
-  header = f"{'length':>8} {'devices':>7} {'max |err|':>10} {'MiB/device':>10} {'fwd s':>8} {'fwd+bwd s':>9}"
-  print(header)
-  print("-" * len(header))
-  for length in args.lengths:
-    sharding = NamedSharding(mesh, P(None, "seq"))
-    keys = jax.random.split(jax.random.PRNGKey(length), 4)
-    qshape = (1, length, args.heads, args.head_dim)
-    kshape = (1, length, args.kv_heads, args.head_dim)
-    q = jax.device_put(jax.random.normal(keys[0], qshape, jnp.float32), sharding)
-    k = jax.device_put(jax.random.normal(keys[1], kshape, jnp.float32), sharding)
-    v = jax.device_put(jax.random.normal(keys[2], kshape, jnp.float32), sharding)
-    g = jax.device_put(jax.random.normal(keys[3], qshape, jnp.float32), sharding)
-    compiled = jax.jit(fwd_bwd).lower(q, k, v, g).compile()
-    stats = compiled.memory_analysis()
-    mib = (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / 2**20
-    out = jax.block_until_ready(forward(q, k, v))
-    times = {"fwd": median_time(forward, q, k, v), "fwd_bwd": median_time(compiled, q, k, v, g)}
-    err = None
-    if length <= args.max_reference_length:
-      ref = jax.jit(lambda q, k, v: jax_ring.reference_attention(q, k, v, is_causal=args.causal))
-      err = float(jnp.max(jnp.abs(np.asarray(out) - np.asarray(ref(*(np.asarray(x) for x in (q, k, v)))))))
-    rows.append(
-      {"length": length, "devices": args.devices, "max_abs_err": err, "mib_per_device": mib, **times}
-    )
-    err_s = f"{err:10.2e}" if err is not None else f"{'-':>10}"
+  train.setup_devices(args.devices)
+  report = run(args)
+  runs = report["runs"]
+  chance = report["task"]["chance"]
+  print()
+  print("| attention | devices | steps | train s | eval loss | eval accuracy | chance |")
+  print("|---|---|---|---|---|---|---|")
+  for name, r in runs.items():
     print(
-      f"{length:8d} {args.devices:7d} {err_s} {mib:10.1f} {times['fwd']:8.3f} {times['fwd_bwd']:9.3f}",
-      flush=True,
+      f"| {name} | {r['devices']} | {r['steps']} | {r['seconds']:.0f} | {r['eval_loss']:.3f} | "
+      f"{r['eval_accuracy']:.3f} | {chance:.3f} |"
     )
-  out_path = pathlib.Path(args.out)
-  out_path.parent.mkdir(parents=True, exist_ok=True)
-  out_path.write_text(json.dumps({"causal": args.causal, "rows": rows}, indent=2))
-  print(f"wrote {out_path}")
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "report.json"), "w") as f:
+    json.dump(report, f, indent=1)
+  train.plot([r["history"] for r in runs.values()], os.path.join(args.out, "report.png"))
+  gap = runs["ring"]["eval_accuracy"] - runs["local"]["eval_accuracy"]
+  print(f"\nring - local accuracy: {gap:+.3f}. Report: {args.out}/report.json, {args.out}/report.png")
 
 
 if __name__ == "__main__":

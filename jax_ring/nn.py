@@ -1,0 +1,413 @@
+"""Flax NNX modules over jax_ring's attention functions.
+
+- `RingAttention`: multi-head self-attention (q/k/v/out projections, GQA, optional
+  rotary embeddings from global positions) whose core is ring attention over a mesh,
+  dense attention on one device, or shard-local attention (each shard attends only
+  within itself: the baseline that shows what the ring buys).
+- `DilatedAttention`: the same projections around LongNet dilated attention, with
+  LongNet's sub-layer norm before the output projection.
+- `make_attention_fn`: a drop-in `attention_fn` for `flax.nnx.MultiHeadAttention`.
+
+Legend: B batch, T sequence length, D model features, N query heads, K kv heads,
+H head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_ring import _validation
+from jax_ring._dilated import check_patterns, dilated_attention
+from jax_ring._policy import Policy
+from jax_ring._reference import reference_attention, reference_dilated_attention
+from jax_ring._ring import BlockSizes, ring_attention
+
+RING_KINDS = ("ring", "dense", "local")
+DILATED_KINDS = ("dilated", "dense")
+
+
+def apply_rope(x, positions, base: float = 10000.0):
+  """Rotary position embedding (Su et al. 2021, RoFormer) of x [B, T, N, H] at integer
+  global positions [T] or [B, T]; pairs dimension i with i + H/2."""
+  h = x.shape[-1]
+  if h % 2:
+    raise ValueError(f"head_dim={h} must be even for rotary embeddings")
+  inv_freq = 1.0 / (base ** (jnp.arange(0, h // 2, dtype=jnp.float32) / (h // 2)))
+  angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [(B,) T, H/2]
+  if angles.ndim == 2:
+    angles = angles[None]
+  sin, cos = jnp.sin(angles)[:, :, None], jnp.cos(angles)[:, :, None]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _positive_int(name: str, value) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"{name}={value!r} must be a positive int")
+  return value
+
+
+def _check_kind(kind: str, allowed: Sequence[str], mesh, seq_axis) -> None:
+  if kind not in allowed:
+    raise ValueError(f"kind={kind!r} is not a known attention kind; expected one of {tuple(allowed)}")
+  if kind in ("ring", "local"):
+    if not isinstance(mesh, jax.sharding.Mesh):
+      raise ValueError(f"kind={kind!r} needs mesh= a jax.sharding.Mesh; got mesh={mesh!r}")
+  if isinstance(mesh, jax.sharding.Mesh):
+    _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
+  elif mesh is not None:
+    raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh or None")
+
+
+def _kernel_init(init, sharding):
+  if sharding is None:
+    return init
+  return nnx.with_partitioning(init, tuple(sharding), eager_sharding=False)
+
+
+class _Projected(nnx.Module):
+  """q/k/v/out projections shared by the attention modules."""
+
+  def __init__(
+    self,
+    num_heads: int,
+    in_features: int,
+    *,
+    num_kv_heads: int | None,
+    head_dim: int | None,
+    out_features: int | None,
+    use_bias: bool,
+    rope_base: float | None,
+    dtype,
+    param_dtype,
+    kernel_init,
+    qkv_sharding,
+    out_sharding,
+    rngs: nnx.Rngs,
+  ):
+    self.num_heads = _positive_int("num_heads", num_heads)
+    self.in_features = _positive_int("in_features", in_features)
+    self.num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+    if head_dim is None:
+      if in_features % num_heads:
+        raise ValueError(
+          f"in_features={in_features} must be divisible by num_heads={num_heads} (or pass head_dim=)"
+        )
+      head_dim = in_features // num_heads
+    self.head_dim = _positive_int("head_dim", head_dim)
+    if rope_base is not None and head_dim % 2:
+      raise ValueError(f"head_dim={head_dim} must be even for rotary embeddings (rope_base={rope_base})")
+    self.rope_base = rope_base
+    out_features = in_features if out_features is None else _positive_int("out_features", out_features)
+    init = nnx.initializers.lecun_normal() if kernel_init is None else kernel_init
+    common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    qkv_init = _kernel_init(init, qkv_sharding)
+    self.query = nnx.Linear(in_features, num_heads * head_dim, kernel_init=qkv_init, **common)
+    self.key = nnx.Linear(in_features, self.num_kv_heads * head_dim, kernel_init=qkv_init, **common)
+    self.value = nnx.Linear(in_features, self.num_kv_heads * head_dim, kernel_init=qkv_init, **common)
+    self.out = nnx.Linear(
+      num_heads * head_dim, out_features, kernel_init=_kernel_init(init, out_sharding), **common
+    )
+
+  def project(self, x, positions):
+    if x.ndim != 3 or x.shape[-1] != self.in_features:
+      raise ValueError(f"x.shape={tuple(x.shape)} must be [batch, seq, {self.in_features}]")
+    b, t, _ = x.shape
+    q = self.query(x).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.key(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.value(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    if self.rope_base is not None:
+      pos = jnp.arange(t) if positions is None else positions
+      q, k = apply_rope(q, pos, self.rope_base), apply_rope(k, pos, self.rope_base)
+    return q, k, v
+
+
+class RingAttention(_Projected):
+  """Multi-head self-attention whose core is ring attention over `seq_axis` of `mesh`.
+
+  Args:
+    num_heads, in_features: N and D.
+    kind: "ring" (needs mesh), "dense" (jax_ring.reference_attention on one device,
+      the numerical definition), or "local" (needs mesh: each shard of the sequence
+      attends only within itself; a baseline, not exact attention).
+    num_kv_heads: K for GQA/MQA (default N). head_dim: H (default D // N).
+    out_features: default D.
+    mesh, seq_axis, batch_axis, head_axis, is_causal, local_window_size, layout,
+      policy, block_sizes: as in `jax_ring.ring_attention`.
+    rope_base: rotary embeddings with this base on q and k at global positions
+      (None: none).
+    use_bias, dtype, param_dtype, kernel_init: as in `flax.nnx.Linear`.
+    qkv_sharding, out_sharding: optional partition names for the [D, N*H] and [N*H, D]
+      kernels (e.g. (None, "model") and ("model", None)), stored as metadata only.
+    rngs: `flax.nnx.Rngs`.
+
+  Call: x [B, T, D], segment_ids int [B, T] or None, positions [T] or [B, T] (for RoPE,
+  default arange(T)) -> [B, T, out_features].
+  """
+
+  def __init__(
+    self,
+    num_heads: int,
+    in_features: int,
+    *,
+    kind: str = "ring",
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    out_features: int | None = None,
+    mesh=None,
+    seq_axis="seq",
+    batch_axis=None,
+    head_axis=None,
+    is_causal: bool = False,
+    local_window_size=None,
+    layout: str = "auto",
+    policy: Policy | str | None = None,
+    block_sizes: BlockSizes | None = None,
+    rope_base: float | None = None,
+    use_bias: bool = False,
+    dtype=None,
+    param_dtype=jnp.float32,
+    kernel_init=None,
+    qkv_sharding=None,
+    out_sharding=None,
+    rngs: nnx.Rngs,
+  ):
+    _check_kind(kind, RING_KINDS, mesh, seq_axis)
+    super().__init__(
+      num_heads,
+      in_features,
+      num_kv_heads=num_kv_heads,
+      head_dim=head_dim,
+      out_features=out_features,
+      use_bias=use_bias,
+      rope_base=rope_base,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      kernel_init=kernel_init,
+      qkv_sharding=qkv_sharding,
+      out_sharding=out_sharding,
+      rngs=rngs,
+    )
+    self.kind = kind
+    self.options = nnx.static(
+      dict(
+        mesh=mesh,
+        seq_axis=seq_axis,
+        batch_axis=batch_axis,
+        head_axis=head_axis,
+        is_causal=is_causal,
+        local_window_size=_validation.normalize_window(local_window_size),
+        layout=layout,
+        policy=policy,
+        block_sizes=block_sizes,
+      )
+    )
+
+  def attend(self, q, k, v, segment_ids):
+    o = dict(self.options)
+    if self.kind == "dense":
+      return reference_attention(
+        q, k, v, is_causal=o["is_causal"], segment_ids=segment_ids, local_window_size=o["local_window_size"]
+      ).astype(q.dtype)
+    if self.kind == "local":
+      segment_ids = shard_segments(q.shape[0], q.shape[1], o["mesh"].shape[o["seq_axis"]], segment_ids)
+      o["layout"] = "contiguous"
+    return ring_attention(q, k, v, segment_ids=segment_ids, **o)
+
+  def __call__(self, x, *, segment_ids=None, positions=None):
+    q, k, v = self.project(x, positions)
+    out = self.attend(q, k, v, segment_ids)
+    return self.out(out.reshape(*out.shape[:2], -1))
+
+
+def shard_segments(batch: int, length: int, shards: int, segment_ids=None):
+  """Segment ids that confine attention to contiguous shards of ceil(T / shards)
+  tokens (combined with existing ids): what shard-local attention sees."""
+  shard = -(-length // shards)
+  block = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) // shard, (batch, length))
+  if segment_ids is None:
+    return block
+  seg = segment_ids.astype(jnp.int32)
+  return jnp.where(seg >= 0, seg * shards + block, -1)
+
+
+class DilatedAttention(_Projected):
+  """Multi-head self-attention over LongNet dilated attention.
+
+  Args (beyond those of `RingAttention`):
+    segment_lengths, dilation_rates: the LongNet patterns (equally long, positive).
+    kind: "dilated" (jax_ring.dilated_attention; distributed when `mesh` is given) or
+      "dense" (jax_ring.reference_dilated_attention, the definition).
+    sub_layer_norm: LongNet's (and Magneto's) LayerNorm on the attention output before
+      the output projection (default True).
+  """
+
+  def __init__(
+    self,
+    num_heads: int,
+    in_features: int,
+    *,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    kind: str = "dilated",
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    out_features: int | None = None,
+    mesh=None,
+    seq_axis="seq",
+    batch_axis=None,
+    is_causal: bool = False,
+    policy: Policy | str | None = None,
+    block_sizes: BlockSizes | None = None,
+    rope_base: float | None = None,
+    sub_layer_norm: bool = True,
+    use_bias: bool = False,
+    dtype=None,
+    param_dtype=jnp.float32,
+    kernel_init=None,
+    qkv_sharding=None,
+    out_sharding=None,
+    rngs: nnx.Rngs,
+  ):
+    _check_kind(kind, DILATED_KINDS, mesh, seq_axis)
+    lengths, rates = check_patterns(segment_lengths, dilation_rates)
+    super().__init__(
+      num_heads,
+      in_features,
+      num_kv_heads=num_kv_heads,
+      head_dim=head_dim,
+      out_features=out_features,
+      use_bias=use_bias,
+      rope_base=rope_base,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      kernel_init=kernel_init,
+      qkv_sharding=qkv_sharding,
+      out_sharding=out_sharding,
+      rngs=rngs,
+    )
+    self.kind = kind
+    self.sub_norm = (
+      nnx.LayerNorm(num_heads * self.head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+      if sub_layer_norm
+      else None
+    )
+    self.options = nnx.static(
+      dict(
+        segment_lengths=lengths,
+        dilation_rates=rates,
+        mesh=mesh,
+        seq_axis=seq_axis,
+        batch_axis=batch_axis,
+        is_causal=is_causal,
+        policy=policy,
+        block_sizes=block_sizes,
+      )
+    )
+
+  def attend(self, q, k, v, segment_ids):
+    o = dict(self.options)
+    if self.kind == "dense":
+      keep = ("segment_lengths", "dilation_rates", "is_causal")
+      out = reference_dilated_attention(q, k, v, segment_ids=segment_ids, **{n: o[n] for n in keep})
+      return out.astype(q.dtype)
+    return dilated_attention(q, k, v, segment_ids=segment_ids, **o)
+
+  def __call__(self, x, *, segment_ids=None, positions=None):
+    q, k, v = self.project(x, positions)
+    out = self.attend(q, k, v, segment_ids)
+    out = out.reshape(*out.shape[:2], -1)
+    if self.sub_norm is not None:
+      out = self.sub_norm(out)
+    return self.out(out)
+
+
+def make_attention_fn(
+  *,
+  mesh,
+  seq_axis="seq",
+  is_causal: bool = False,
+  batch_axis=None,
+  head_axis=None,
+  local_window_size=None,
+  layout: str = "auto",
+  policy: Policy | str | None = None,
+  block_sizes: BlockSizes | None = None,
+) -> Callable[..., Any]:
+  """An `attention_fn` for `flax.nnx.MultiHeadAttention` that runs ring attention.
+
+  The result takes (query, key, value, bias=None, mask=None, **kwargs) as Flax calls
+  it; `is_causal` is on if either the factory or the call asks for it. A dense `mask`
+  or `bias`, dropout in training, or `sow_weights` cannot be honoured without the
+  [T, T] matrix ring attention never builds: they raise ValueError. Express masks
+  with `is_causal`, `local_window_size` here, or call `jax_ring.ring_attention` with
+  segment ids.
+  """
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
+  _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
+  window = _validation.normalize_window(local_window_size)
+
+  def attention_fn(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    dropout_rate: float = 0.0,
+    deterministic: bool = True,
+    dtype=None,
+    module=None,
+    is_causal_call: bool = False,
+    **kwargs,
+  ):
+    if bias is not None:
+      raise ValueError(
+        f"bias of shape {tuple(bias.shape)} was passed: ring attention takes no dense bias "
+        "(it never builds the [T, T] logits)"
+      )
+    if mask is not None:
+      raise ValueError(
+        f"mask of shape {tuple(mask.shape)} was passed: ring attention takes no dense mask; "
+        "use is_causal=, local_window_size= or segment ids"
+      )
+    if dropout_rate > 0.0 and not deterministic:
+      raise ValueError(f"dropout_rate={dropout_rate} in training: ring attention has no attention dropout")
+    if module is not None:
+      raise ValueError("sow_weights=True: ring attention never materializes the attention weights")
+    call_causal = bool(kwargs.pop("is_causal", False)) or is_causal_call
+    if dtype is not None:
+      query, key, value = (x.astype(dtype) for x in (query, key, value))
+    return ring_attention(
+      query,
+      key,
+      value,
+      mesh=mesh,
+      seq_axis=seq_axis,
+      batch_axis=batch_axis,
+      head_axis=head_axis,
+      is_causal=is_causal or call_causal,
+      local_window_size=window,
+      layout=layout,
+      policy=policy,
+      block_sizes=block_sizes,
+    )
+
+  return attention_fn
+
+
+__all__ = [
+  "DilatedAttention",
+  "RingAttention",
+  "apply_rope",
+  "make_attention_fn",
+  "shard_segments",
+]

@@ -1,0 +1,155 @@
+"""A decoder-only language model whose attention is selectable: dense, ring, shard-local
+or dilated. RMSNorm, rotary embeddings from global positions, GQA, SwiGLU.
+
+Legend: B batch, T sequence length, D model width, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_ring import nn as ring_nn
+
+ATTENTION_KINDS = ("dense", "ring", "local", "dilated", "dilated_dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+  """Hyper-parameters of `DecoderLM`.
+
+  attention: "dense" (one device, the reference), "ring" (exact, over the mesh's seq
+  axis), "local" (each shard of the sequence attends only within itself), "dilated"
+  (LongNet patterns, over the mesh when given) or "dilated_dense" (their reference).
+  """
+
+  vocab_size: int
+  dim: int = 64
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  mlp_hidden: int = 128
+  attention: str = "ring"
+  rope_base: float = 10000.0
+  segment_lengths: tuple[int, ...] = (64,)
+  dilation_rates: tuple[int, ...] = (1,)
+  max_seq_len: int | None = None
+  dtype: str | None = None
+  param_dtype: str = "float32"
+  policy: str | None = None
+
+  def validate(self, mesh=None, seq_axis="seq") -> None:
+    for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"LMConfig.{name}={value!r} must be a positive int")
+    if self.attention not in ATTENTION_KINDS:
+      raise ValueError(f"LMConfig.attention={self.attention!r} is not one of {ATTENTION_KINDS}")
+    if self.dim % self.num_heads:
+      raise ValueError(f"LMConfig.dim={self.dim} must be divisible by num_heads={self.num_heads}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f"LMConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+      )
+    if (self.dim // self.num_heads) % 2:
+      raise ValueError(f"head dim {self.dim // self.num_heads} (dim / num_heads) must be even for RoPE")
+    if self.attention in ("ring", "local") and mesh is None:
+      raise ValueError(f"LMConfig.attention={self.attention!r} needs a mesh")
+    if mesh is not None and self.max_seq_len is not None:
+      shards = mesh.shape[seq_axis] if seq_axis in mesh.axis_names else None
+      if shards is None:
+        raise ValueError(f"seq_axis={seq_axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+      if self.max_seq_len < shards:
+        raise ValueError(
+          f"LMConfig.max_seq_len={self.max_seq_len} is shorter than the {shards} devices of mesh axis "
+          f"{seq_axis!r}: every device needs at least one token"
+        )
+
+
+def _dtype(name):
+  return None if name is None else jnp.dtype(name)
+
+
+class SwiGLU(nnx.Module):
+  """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.gate = nnx.Linear(dim, hidden, **kw)
+    self.up = nnx.Linear(dim, hidden, **kw)
+    self.down = nnx.Linear(hidden, dim, **kw)
+
+  def __call__(self, x):
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+def make_attention(config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs):
+  """The attention module of one block, as the config selects."""
+  common = dict(
+    num_kv_heads=config.num_kv_heads,
+    mesh=mesh,
+    seq_axis=seq_axis,
+    batch_axis=batch_axis,
+    is_causal=True,
+    policy=config.policy,
+    rope_base=config.rope_base,
+    dtype=_dtype(config.dtype),
+    param_dtype=_dtype(config.param_dtype),
+    rngs=rngs,
+  )
+  if config.attention.startswith("dilated"):
+    kind = "dense" if config.attention == "dilated_dense" else "dilated"
+    return ring_nn.DilatedAttention(
+      config.num_heads,
+      config.dim,
+      segment_lengths=config.segment_lengths,
+      dilation_rates=config.dilation_rates,
+      kind=kind,
+      **common,
+    )
+  return ring_nn.RingAttention(config.num_heads, config.dim, kind=config.attention, **common)
+
+
+class Block(nnx.Module):
+  def __init__(self, config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs):
+    dt, pdt = _dtype(config.dtype), _dtype(config.param_dtype)
+    self.attn_norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.attn = make_attention(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.mlp = SwiGLU(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
+
+  def __call__(self, x, segment_ids, positions):
+    x = x + self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions)
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class DecoderLM(nnx.Module):
+  """Decoder-only LM: tokens int [B, T] -> logits float32 [B, T, V].
+
+  Rotary embeddings use global token positions (natural order), so the numbers do
+  not depend on how the ring lays tokens out on devices.
+  """
+
+  def __init__(self, config: LMConfig, *, mesh=None, seq_axis="seq", batch_axis=None, rngs: nnx.Rngs):
+    config.validate(mesh, seq_axis)
+    self.config = config
+    dt, pdt = _dtype(config.dtype), _dtype(config.param_dtype)
+    self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.blocks = nnx.List(
+      [Block(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs) for _ in range(config.num_layers)]
+    )
+    self.norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.head = nnx.Linear(config.dim, config.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs)
+
+  def __call__(self, tokens, *, segment_ids=None, positions=None):
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"tokens shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
+    if positions is None:
+      positions = jnp.arange(tokens.shape[1])
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x, segment_ids, positions)
+    return self.head(self.norm(x)).astype(jnp.float32)

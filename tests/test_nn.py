@@ -1,0 +1,226 @@
+"""Flax NNX modules and models: equal to their dense paths, bad configs rejected."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh, rel_err
+from flax import nnx
+from jax.sharding import AxisType
+
+from jax_ring import nn as ring_nn
+from models import DecoderLM, LMConfig, LongNet, LongNetConfig
+
+TOL = 1e-5
+
+
+def _auto_mesh(shape, names):
+  n = int(np.prod(shape))
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=jax.devices()[:n])
+
+
+def _x(batch=2, length=40, dim=32, seed=0):
+  return jax.random.normal(jax.random.PRNGKey(seed), (batch, length, dim), jnp.float32)
+
+
+def _grads_and_out(module, x, **kw):
+  def loss(m, x):
+    out = m(x, **kw)
+    return jnp.sum(out * jnp.cos(out)), out
+
+  (_, out), grads = nnx.value_and_grad(loss, has_aux=True, argnums=(0, 1))(module, x)
+  return out, grads
+
+
+def _assert_same(module_a, module_b, x, **kw):
+  out_a, (gm_a, gx_a) = _grads_and_out(module_a, x, **kw)
+  out_b, (gm_b, gx_b) = _grads_and_out(module_b, x, **kw)
+  assert rel_err(out_a, out_b) < TOL
+  assert rel_err(gx_a, gx_b) < TOL
+  leaves_a, leaves_b = jax.tree.leaves(gm_a), jax.tree.leaves(gm_b)
+  assert len(leaves_a) == len(leaves_b) > 0
+  for a, b in zip(leaves_a, leaves_b):
+    assert rel_err(a, b) < TOL
+
+
+def _ring_pair(mesh, batch_axis=None, **kw):
+  make = lambda kind, mesh: ring_nn.RingAttention(
+    4, 32, num_kv_heads=2, kind=kind, mesh=mesh, batch_axis=batch_axis, rope_base=10000.0, rngs=nnx.Rngs(0), **kw
+  )
+  return make("ring", mesh), make("dense", None)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_ring_module_equals_dense(devices):
+  ring, dense = _ring_pair(make_mesh((devices,), ("seq",)), is_causal=True)
+  _assert_same(ring, dense, _x())
+
+
+def test_ring_module_on_2d_mesh_with_segments():
+  mesh = _auto_mesh((2, 4), ("data", "seq"))
+  ring, dense = _ring_pair(mesh, batch_axis="data", local_window_size=(7, 0))
+  seg = jnp.asarray(np.repeat([[0, 1], [2, -1]], 20, axis=1), jnp.int32)
+  _assert_same(ring, dense, _x(), segment_ids=seg)
+
+
+@pytest.mark.parametrize("devices", [None, 2, 8])
+def test_dilated_module_equals_dense(devices):
+  mesh = None if devices is None else make_mesh((devices,), ("seq",))
+  make = lambda kind, mesh: ring_nn.DilatedAttention(
+    4,
+    32,
+    segment_lengths=(8, 20),
+    dilation_rates=(1, 2),
+    kind=kind,
+    mesh=mesh,
+    is_causal=True,
+    rope_base=10000.0,
+    rngs=nnx.Rngs(1),
+  )
+  _assert_same(make("dilated", mesh), make("dense", None), _x())
+
+
+def test_dilated_module_on_2d_mesh():
+  mesh = _auto_mesh((2, 4), ("data", "seq"))
+  make = lambda kind, mesh: ring_nn.DilatedAttention(
+    4, 32, segment_lengths=(16,), dilation_rates=(2,), kind=kind, mesh=mesh, batch_axis="data", rngs=nnx.Rngs(1)
+  )
+  _assert_same(make("dilated", mesh), make("dense", None), _x())
+
+
+def test_local_kind_is_shard_local():
+  # A query in the last shard must not see the first: changing token 0 leaves it alone.
+  mesh = make_mesh((4,), ("seq",))
+  local = ring_nn.RingAttention(4, 32, kind="local", mesh=mesh, is_causal=True, rngs=nnx.Rngs(0))
+  x = _x(1)
+  y = x.at[:, 0].add(5.0)
+  out_x, out_y = local(x), local(y)
+  np.testing.assert_array_equal(out_x[:, 10:], out_y[:, 10:])
+  assert not np.allclose(out_x[:, :10], out_y[:, :10])
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_make_attention_fn_matches_flax_default(devices):
+  mesh = make_mesh((devices,), ("seq",))
+  make = lambda fn: nnx.MultiHeadAttention(
+    num_heads=4,
+    in_features=32,
+    num_kv_heads=2,
+    decode=False,
+    rngs=nnx.Rngs(0),
+    **({} if fn is None else {"attention_fn": fn}),
+  )
+  flax_default = make(None)
+  ring = make(ring_nn.make_attention_fn(mesh=mesh, is_causal=True))
+  causal_mask = nnx.make_causal_mask(jnp.ones((2, 40)))
+  x = _x()
+
+  def grads(m, **kw):
+    f = lambda m, x: jnp.sum(jnp.sin(m(x, **kw)))
+    return nnx.value_and_grad(f, argnums=(0, 1))(m, x)
+
+  (va, (gma, gxa)), (vb, (gmb, gxb)) = grads(ring), grads(flax_default, mask=causal_mask)
+  assert abs(float(va - vb)) <= 1e-4 * abs(float(vb)) + 1e-5
+  assert rel_err(ring(x), flax_default(x, mask=causal_mask)) < TOL
+  assert rel_err(gxa, gxb) < TOL
+  for a, b in zip(jax.tree.leaves(gma), jax.tree.leaves(gmb)):
+    assert rel_err(a, b) < TOL
+
+
+def test_make_attention_fn_rejects_dense_mask():
+  mesh = make_mesh((2,), ("seq",))
+  mha = nnx.MultiHeadAttention(
+    num_heads=4, in_features=32, decode=False, attention_fn=ring_nn.make_attention_fn(mesh=mesh), rngs=nnx.Rngs(0)
+  )
+  with pytest.raises(ValueError, match="mask"):
+    mha(_x(), mask=nnx.make_causal_mask(jnp.ones((2, 40))))
+
+
+def test_parameter_sharding_metadata():
+  plain = ring_nn.RingAttention(4, 32, kind="dense", rngs=nnx.Rngs(0))
+  assert all(s == P() or all(a is None for a in s) for s in jax.tree.leaves(_specs(plain)))
+  sharded = ring_nn.RingAttention(
+    4, 32, kind="dense", qkv_sharding=(None, "model"), out_sharding=("model", None), rngs=nnx.Rngs(0)
+  )
+  specs = _specs(sharded)
+  assert specs["query"]["kernel"] == P(None, "model")
+  assert specs["out"]["kernel"] == P("model", None)
+
+
+def _specs(module):
+  return nnx.get_partition_spec(nnx.state(module, nnx.Param))
+
+
+P = jax.sharding.PartitionSpec
+
+
+@pytest.mark.parametrize(
+  ("make", "match"),
+  [
+    (lambda: ring_nn.RingAttention(6, 32, num_kv_heads=4, kind="dense", rngs=nnx.Rngs(0)), "num_heads=6"),
+    (lambda: ring_nn.RingAttention(5, 32, kind="dense", rngs=nnx.Rngs(0)), "in_features=32"),
+    (lambda: ring_nn.RingAttention(4, 32, kind="flash", rngs=nnx.Rngs(0)), "kind='flash'"),
+    (lambda: ring_nn.RingAttention(4, 32, kind="ring", rngs=nnx.Rngs(0)), "needs mesh"),
+    (
+      lambda: ring_nn.RingAttention(4, 32, mesh=make_mesh((2,), ("seq",)), seq_axis="sp", rngs=nnx.Rngs(0)),
+      "seq_axis='sp'",
+    ),
+    (
+      lambda: ring_nn.DilatedAttention(4, 32, segment_lengths=(8,), dilation_rates=(1, 2), rngs=nnx.Rngs(0)),
+      "same length",
+    ),
+    (lambda: DecoderLM(LMConfig(vocab_size=10, attention="sparse"), rngs=nnx.Rngs(0)), "attention='sparse'"),
+    (lambda: DecoderLM(LMConfig(vocab_size=10, num_heads=3), rngs=nnx.Rngs(0)), "num_heads=3"),
+    (lambda: DecoderLM(LMConfig(vocab_size=10, attention="ring"), rngs=nnx.Rngs(0)), "needs a mesh"),
+    (
+      lambda: DecoderLM(
+        LMConfig(vocab_size=10, max_seq_len=4), mesh=make_mesh((8,), ("seq",)), rngs=nnx.Rngs(0)
+      ),
+      "max_seq_len=4",
+    ),
+  ],
+)
+def test_bad_configuration_fails_at_construction(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def _lm_pair(attention, mesh, **config):
+  cfg = LMConfig(vocab_size=37, dim=32, num_heads=4, num_kv_heads=2, mlp_hidden=64, **config)
+  ring = DecoderLM(dataclasses_replace(cfg, attention=attention), mesh=mesh, rngs=nnx.Rngs(0))
+  dense_kind = "dilated_dense" if attention == "dilated" else "dense"
+  dense = DecoderLM(dataclasses_replace(cfg, attention=dense_kind), rngs=nnx.Rngs(0))
+  return ring, dense
+
+
+def dataclasses_replace(cfg, **kw):
+  import dataclasses
+
+  return dataclasses.replace(cfg, **kw)
+
+
+@pytest.mark.parametrize("attention", ["ring", "dilated"])
+def test_decoder_lm_equals_dense(attention):
+  mesh = make_mesh((4,), ("seq",))
+  ring, dense = _lm_pair(attention, mesh, segment_lengths=(8, 32), dilation_rates=(1, 2))
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 36), 0, 37)
+  loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 0])
+  la, ga = nnx.value_and_grad(loss)(ring)
+  lb, gb = nnx.value_and_grad(loss)(dense)
+  assert abs(float(la - lb)) < 1e-5 * abs(float(lb))
+  for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    assert rel_err(a, b) < 1e-4
+
+
+def test_longnet_equals_its_reference():
+  mesh = make_mesh((4,), ("seq",))
+  cfg = LongNetConfig(vocab_size=23, dim=32, num_heads=4, ffn_hidden=64, segment_lengths=(8, 16), dilation_rates=(1, 2))
+  fast = LongNet(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+  ref = LongNet(dataclasses_replace(cfg, reference=True), rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 48), 0, 23)
+  loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 3])
+  la, ga = nnx.value_and_grad(loss)(fast)
+  lb, gb = nnx.value_and_grad(loss)(ref)
+  assert abs(float(la - lb)) < 1e-5 * abs(float(lb))
+  for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    assert rel_err(a, b) < 1e-4
