@@ -32,9 +32,9 @@ class Task:
   (key), answer tokens (value)."""
 
   seq_len: int = 256
-  num_pairs: int = 4
-  num_keys: int = 16
-  num_values: int = 16
+  num_pairs: int = 3
+  num_keys: int = 4
+  num_values: int = 8
   num_fillers: int = 32
   pair_region: int = 32  # pairs sit in the first `pair_region` tokens
 
@@ -83,10 +83,11 @@ def parse_args(argv=None):
   p.add_argument("--attention", default="ring", choices=["ring", "local", "dense", "dilated"])
   p.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator")
   p.add_argument("--data", type=int, default=1, help="size of the mesh's data axis")
+  p.add_argument("--seq", type=int, default=None, help="size of the seq axis (default: devices / data)")
   p.add_argument("--steps", type=int, default=300)
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq-len", type=int, default=256)
-  p.add_argument("--pairs", type=int, default=4)
+  p.add_argument("--pairs", type=int, default=3)
   p.add_argument("--dim", type=int, default=64)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--heads", type=int, default=4)
@@ -96,11 +97,12 @@ def parse_args(argv=None):
   p.add_argument("--weight-decay", type=float, default=0.01)
   p.add_argument("--clip", type=float, default=1.0)
   p.add_argument("--eval-every", type=int, default=50)
-  p.add_argument("--eval-batches", type=int, default=4)
+  p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--ckpt-dir", default=None, help="orbax checkpoints here (default: none)")
   p.add_argument("--ckpt-every", type=int, default=100)
   p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  p.add_argument("--stop-after", type=int, default=None, help="stop at this step (an interruption)")
   p.add_argument("--target-accuracy", type=float, default=None, help="stop once eval reaches it")
   p.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
   p.add_argument("--out", default="results/train", help="folder for history.json and loss.png")
@@ -207,21 +209,34 @@ class Checkpoints:
   def latest(self):
     return self.manager.latest_step()
 
+  @staticmethod
+  def _states(model, optimizer):
+    from flax import nnx
+
+    return {"model": nnx.state(model, nnx.Param), "optimizer": nnx.state(optimizer)}
+
   def save(self, step: int, model, optimizer, force=False):
     from flax import nnx
 
-    state = {"model": nnx.state(model, nnx.Param), "optimizer": nnx.state(optimizer)}
-    self.manager.save(step, args=self.ocp.args.StandardSave(nnx.to_pure_dict(state)), force=force)
+    if step in self.manager.all_steps():
+      return
+    pure = {name: nnx.to_pure_dict(s) for name, s in self._states(model, optimizer).items()}
+    self.manager.save(step, args=self.ocp.args.StandardSave(pure), force=force)
 
   def restore(self, step: int, model, optimizer):
+    import jax
+    import numpy as np
     from flax import nnx
 
-    state = {"model": nnx.state(model, nnx.Param), "optimizer": nnx.state(optimizer)}
-    target = nnx.to_pure_dict(state)
+    states = self._states(model, optimizer)
+    target = {name: nnx.to_pure_dict(s) for name, s in states.items()}
     restored = self.manager.restore(step, args=self.ocp.args.StandardRestore(target))
-    nnx.replace_by_pure_dict(state, restored)
-    nnx.update(model, state["model"])
-    nnx.update(optimizer, state["optimizer"])
+    # Host arrays: jit places them on the mesh like freshly initialized parameters.
+    restored = jax.tree.map(np.asarray, restored)
+    for name, state in states.items():
+      nnx.replace_by_pure_dict(state, restored[name])
+    nnx.update(model, states["model"])
+    nnx.update(optimizer, states["optimizer"])
 
   def close(self):
     self.manager.wait_until_finished()
@@ -237,8 +252,13 @@ def train(args, task: Task | None = None, log=print):
   from tqdm import tqdm
 
   task = task or Task(seq_len=args.seq_len, num_pairs=args.pairs)
-  seq = jax.device_count() // args.data if args.attention != "dense" else 1
-  mesh = make_mesh(args.data if args.attention != "dense" else 1, seq)
+  if args.attention == "dense":
+    data, seq = 1, 1
+  else:
+    data, seq = args.data, args.seq or jax.device_count() // args.data
+  if data * seq > jax.device_count():
+    raise ValueError(f"--data={data} x --seq={seq} devices, but only {jax.device_count()} are visible")
+  mesh = make_mesh(data, seq)
   model, optimizer = build(args, task, mesh)
   train_step, eval_step = make_steps()
 
@@ -284,6 +304,8 @@ def train(args, task: Task | None = None, log=print):
       if args.target_accuracy is not None and ev_acc >= args.target_accuracy:
         break
     if args.time_budget is not None and time.perf_counter() - t0 > args.time_budget:
+      break
+    if args.stop_after is not None and step + 1 >= args.stop_after:
       break
   if ckpt is not None:
     ckpt.save(history["step"][-1] if history["step"] else start, model, optimizer, force=True)
