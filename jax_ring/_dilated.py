@@ -126,10 +126,8 @@ class _Layout:
     self.pat = pat
     self.c, offsets = _virtual_heads(cfg, pat.rate)
     self.offsets = jnp.asarray(offsets, jnp.int32)  # [K, C]
-    if pat.ring > 1:
-      start = (lax.axis_index(cfg.axis_name) % pat.ring) * shard
-    else:
-      start = jnp.zeros((), jnp.int32)
+    ring = pat.ring > 1
+    start = (lax.axis_index(cfg.axis_name) % pat.ring) * shard if ring else jnp.zeros((), jnp.int32)
     self.start = start  # offset of the piece inside its segment
     self.first = start // pat.rate  # selected index of slot 0
     r = pat.rate
@@ -297,7 +295,7 @@ def _dilated_bwd(cfg: DilatedConfig, res, g):
       x = sel.inputs(sel.ring)
       bq = sel.ring.block_q
       do = _block(sel.gather_rows(g.astype(pol.compute_dtype))[:, :, None], bq)
-      rows = lambda r, fill: _block_rows(sel.gather_rows(r, fill)[:, :, None], bq)
+      rows = lambda r, fill, sel=sel, bq=bq: _block_rows(sel.gather_rows(r, fill)[:, :, None], bq)
       gq, gk, gv = _ring_backward_state(sel.ring, x, do, rows(lse, -jnp.inf), rows(delta, 0.0))
       dq = dq + sel.scatter_rows(_unblock(gq)[:, :, 0])
       dk = dk + sel.scatter_kv(_unblock(gk))

@@ -439,9 +439,9 @@ def call_on_mesh(impl, mesh, out_spec, *args):
   if not explicit:
     return impl(*args, in_context=False)
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    return jax.sharding.auto_axes(functools.partial(impl, in_context=True), axes=explicit, out_sharding=out_spec)(
-      *args
-    )
+    return jax.sharding.auto_axes(
+      functools.partial(impl, in_context=True), axes=explicit, out_sharding=out_spec
+    )(*args)
 
 
 def place_on_mesh(mesh, seq_axis, batch_axis, head_axis, length, query, key, value, segment_ids):

@@ -55,9 +55,8 @@ def _positive_int(name: str, value) -> int:
 def _check_kind(kind: str, allowed: Sequence[str], mesh, seq_axis) -> None:
   if kind not in allowed:
     raise ValueError(f"kind={kind!r} is not a known attention kind; expected one of {tuple(allowed)}")
-  if kind in ("ring", "local"):
-    if not isinstance(mesh, jax.sharding.Mesh):
-      raise ValueError(f"kind={kind!r} needs mesh= a jax.sharding.Mesh; got mesh={mesh!r}")
+  if kind in ("ring", "local") and not isinstance(mesh, jax.sharding.Mesh):
+    raise ValueError(f"kind={kind!r} needs mesh= a jax.sharding.Mesh; got mesh={mesh!r}")
   if isinstance(mesh, jax.sharding.Mesh):
     _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
   elif mesh is not None:

@@ -139,10 +139,15 @@ class DecoderLM(nnx.Module):
     dt, pdt = _dtype(config.dtype), _dtype(config.param_dtype)
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.blocks = nnx.List(
-      [Block(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs) for _ in range(config.num_layers)]
+      [
+        Block(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
+        for _ in range(config.num_layers)
+      ]
     )
     self.norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
-    self.head = nnx.Linear(config.dim, config.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.head = nnx.Linear(
+      config.dim, config.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs
+    )
 
   def __call__(self, tokens, *, segment_ids=None, positions=None):
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):

@@ -8,7 +8,7 @@ Prints a summary table and writes results/demo/report.json and results/demo/repo
 
 On a CPU-only machine it simulates 8 devices; with GPUs or TPUs it uses them.
 
-    python scripts/demo.py [--steps 400] [--seq-len 256] [--time-budget 270]
+    python scripts/demo.py [--steps 600] [--seq-len 256] [--time-budget 270]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import train
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--steps", type=int, default=400, help="most training steps per model")
+  p.add_argument("--steps", type=int, default=600, help="most training steps per model")
   p.add_argument("--seq-len", type=int, default=256)
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator")

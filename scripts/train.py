@@ -154,9 +154,15 @@ def build(args, task: Task, mesh):
     rngs=nnx.Rngs(args.seed),
   )
   schedule = optax.warmup_cosine_decay_schedule(
-    0.0, args.lr, warmup_steps=args.warmup, decay_steps=max(args.steps, args.warmup + 1), end_value=args.lr * 0.05
+    0.0,
+    args.lr,
+    warmup_steps=args.warmup,
+    decay_steps=max(args.steps, args.warmup + 1),
+    end_value=args.lr * 0.05,
   )
-  tx = optax.chain(optax.clip_by_global_norm(args.clip), optax.adamw(schedule, weight_decay=args.weight_decay))
+  tx = optax.chain(
+    optax.clip_by_global_norm(args.clip), optax.adamw(schedule, weight_decay=args.weight_decay)
+  )
   return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
@@ -333,7 +339,9 @@ def plot(histories, path: str) -> None:
   fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
   for h in histories:
     ax_loss.plot(h["step"], h["loss"], label=h["attention"])
-    ax_acc.plot([e["step"] for e in h["eval"]], [e["accuracy"] for e in h["eval"]], marker="o", label=h["attention"])
+    ax_acc.plot(
+      [e["step"] for e in h["eval"]], [e["accuracy"] for e in h["eval"]], marker="o", label=h["attention"]
+    )
   if histories and "chance" in histories[0]:
     ax_acc.axhline(histories[0]["chance"], color="gray", linestyle=":", label="chance")
   ax_loss.set(xlabel="step", ylabel="training loss", yscale="log")

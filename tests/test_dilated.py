@@ -34,7 +34,7 @@ def _case(name):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("devices", [None, 1, 2, 4, 8])
+@pytest.mark.parametrize("devices", [None, 2, 4, 8])
 def test_matches_reference(devices, case):
   args, options = _case(case)
   mesh = None if devices is None else make_mesh((devices,), ("seq",))
@@ -104,9 +104,13 @@ def _visibility(fn):
 def test_literal_pattern_t8_w4_r2(devices):
   expected = np.array([EXPECTED_T8_W4_R2[0], EXPECTED_T8_W4_R2[1]])
   mesh = None if devices is None else make_mesh((devices,), ("seq",))
-  got = _visibility(lambda q, k, v: dilated_attention(q, k, v, segment_lengths=(4,), dilation_rates=(2,), mesh=mesh))
+  got = _visibility(
+    lambda q, k, v: dilated_attention(q, k, v, segment_lengths=(4,), dilation_rates=(2,), mesh=mesh)
+  )
   np.testing.assert_array_equal(got, expected)
-  ref = _visibility(lambda q, k, v: reference_dilated_attention(q, k, v, segment_lengths=(4,), dilation_rates=(2,)))
+  ref = _visibility(
+    lambda q, k, v: reference_dilated_attention(q, k, v, segment_lengths=(4,), dilation_rates=(2,))
+  )
   np.testing.assert_array_equal(ref, expected)
 
 
@@ -125,7 +129,9 @@ def test_unselected_query_gets_zero_and_zero_gradient():
 
 def _compiled(mesh, length, rate, heads=2):
   q, k, v = qkv(1, length, heads, heads, 16)
-  fn = lambda q, k, v: dilated_attention(q, k, v, segment_lengths=(length // 4,), dilation_rates=(rate,), mesh=mesh)
+  fn = lambda q, k, v: dilated_attention(
+    q, k, v, segment_lengths=(length // 4,), dilation_rates=(rate,), mesh=mesh
+  )
   loss = lambda q, k, v: jnp.sum(fn(q, k, v) ** 2)
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
 
@@ -175,7 +181,7 @@ def test_memory_grows_linearly_with_length():
     fn = lambda q, k, v: dilated_attention(
       q, k, v, segment_lengths=(256, 1024, 4096), dilation_rates=(1, 2, 4), mesh=mesh
     )
-    loss = lambda q, k, v: jnp.sum(fn(q, k, v))
+    loss = lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v))
     mem = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().memory_analysis()
     temp[length] = mem.temp_size_in_bytes
   assert temp[8192] <= 2.2 * temp[4096], temp

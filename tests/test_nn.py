@@ -54,7 +54,15 @@ def _assert_same(module_a, module_b, x, **kw):
 
 def _ring_pair(mesh, batch_axis=None, **kw):
   make = lambda kind, mesh: ring_nn.RingAttention(
-    4, 32, num_kv_heads=2, kind=kind, mesh=mesh, batch_axis=batch_axis, rope_base=10000.0, rngs=nnx.Rngs(0), **kw
+    4,
+    32,
+    num_kv_heads=2,
+    kind=kind,
+    mesh=mesh,
+    batch_axis=batch_axis,
+    rope_base=10000.0,
+    rngs=nnx.Rngs(0),
+    **kw,
   )
   return make("ring", mesh), make("dense", None)
 
@@ -104,7 +112,14 @@ def test_dilated_module_equals_dense(devices):
 def test_dilated_module_on_2d_mesh():
   mesh = _auto_mesh((2, 4), ("data", "seq"))
   make = lambda kind, mesh: ring_nn.DilatedAttention(
-    4, 32, segment_lengths=(16,), dilation_rates=(2,), kind=kind, mesh=mesh, batch_axis="data", rngs=nnx.Rngs(1)
+    4,
+    32,
+    segment_lengths=(16,),
+    dilation_rates=(2,),
+    kind=kind,
+    mesh=mesh,
+    batch_axis="data",
+    rngs=nnx.Rngs(1),
   )
   _assert_same(make("dilated", mesh), make("dense", None), _x())
 
@@ -150,7 +165,11 @@ def test_make_attention_fn_matches_flax_default(devices):
 def test_make_attention_fn_rejects_dense_mask():
   mesh = make_mesh((2,), ("seq",))
   mha = nnx.MultiHeadAttention(
-    num_heads=4, in_features=32, decode=False, attention_fn=ring_nn.make_attention_fn(mesh=mesh), rngs=nnx.Rngs(0)
+    num_heads=4,
+    in_features=32,
+    decode=False,
+    attention_fn=ring_nn.make_attention_fn(mesh=mesh),
+    rngs=nnx.Rngs(0),
   )
   with pytest.raises(ValueError, match="mask"):
     mha(_x(), mask=nnx.make_causal_mask(jnp.ones((2, 40))))
@@ -233,7 +252,9 @@ def test_decoder_lm_equals_dense(attention):
 
 def test_longnet_equals_its_reference():
   mesh = _auto_mesh((4,), ("seq",))
-  cfg = LongNetConfig(vocab_size=23, dim=32, num_heads=4, ffn_hidden=64, segment_lengths=(8, 16), dilation_rates=(1, 2))
+  cfg = LongNetConfig(
+    vocab_size=23, dim=32, num_heads=4, ffn_hidden=64, segment_lengths=(8, 16), dilation_rates=(1, 2)
+  )
   fast = LongNet(cfg, mesh=mesh, rngs=nnx.Rngs(0))
   ref = LongNet(dataclasses_replace(cfg, reference=True), rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 48), 0, 23)
