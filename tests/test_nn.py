@@ -225,7 +225,7 @@ def test_bad_configuration_fails_at_construction(make, match):
 
 
 def _lm_pair(attention, mesh, **config):
-  cfg = LMConfig(vocab_size=37, dim=32, num_heads=4, num_kv_heads=2, mlp_hidden=64, **config)
+  cfg = LMConfig(vocab_size=37, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_hidden=64, **config)
   ring = DecoderLM(dataclasses_replace(cfg, attention=attention), mesh=mesh, rngs=nnx.Rngs(0))
   dense_kind = "dilated_dense" if attention == "dilated" else "dense"
   dense = DecoderLM(dataclasses_replace(cfg, attention=dense_kind), rngs=nnx.Rngs(0))
@@ -253,7 +253,13 @@ def test_decoder_lm_equals_dense(attention):
 def test_longnet_equals_its_reference():
   mesh = _auto_mesh((4,), ("seq",))
   cfg = LongNetConfig(
-    vocab_size=23, dim=32, num_heads=4, ffn_hidden=64, segment_lengths=(8, 16), dilation_rates=(1, 2)
+    vocab_size=23,
+    dim=32,
+    num_layers=1,
+    num_heads=4,
+    ffn_hidden=64,
+    segment_lengths=(8, 16),
+    dilation_rates=(1, 2),
   )
   fast = LongNet(cfg, mesh=mesh, rngs=nnx.Rngs(0))
   ref = LongNet(dataclasses_replace(cfg, reference=True), rngs=nnx.Rngs(0))
