@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ring import _validation
@@ -53,7 +52,10 @@ from jax_ring._ring import (
   _unblock,
   _unblock_rows,
   call_on_mesh,
+  check_block_sizes,
+  constrain,
   output_spec,
+  pad_seq,
   place_on_mesh,
 )
 
@@ -145,10 +147,7 @@ class _Layout:
 
 def _pieces(x, pat: Pattern, fill=0):
   """[B, T, ...] -> [B, pieces, piece, ...], padding the shard to whole pieces."""
-  total = pat.pieces * pat.piece
-  if total != x.shape[1]:
-    pad = [(0, 0), (0, total - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
-    x = jnp.pad(x, pad, constant_values=fill)
+  x = pad_seq(x, pat.pieces * pat.piece - x.shape[1], fill)
   return x.reshape(x.shape[0], pat.pieces, pat.piece, *x.shape[2:])
 
 
@@ -231,9 +230,7 @@ class _Selected:
     )
 
   def pad_slots(self, x, fill=0):
-    if not self.pad:
-      return x
-    return jnp.pad(x, [(0, 0), (0, self.pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    return pad_seq(x, self.pad, fill)
 
   def gather_rows(self, x, fill=0.0):
     """Per-query-head rows [B, T, N, ...] -> folded slots [B', n_pad, G // C, ...]."""
@@ -331,19 +328,18 @@ def check_patterns(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tu
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh", "seq_axis", "batch_axis", "length"))
 def _dilated_global(query, key, value, segment_ids, *, cfg, mesh, seq_axis, batch_axis, length):
   t = query.shape[1]
-  pad = lambda x, v=0: jnp.pad(x, [(0, 0), (0, length - t)] + [(0, 0)] * (x.ndim - 2), constant_values=v)
   if segment_ids is None:
     segment_ids = jnp.zeros(query.shape[:2], jnp.int32)
-  seg = pad(segment_ids.astype(jnp.int32), -1)
-  query, key, value = pad(query), pad(key), pad(value)
+  seg = pad_seq(segment_ids.astype(jnp.int32), length - t, -1)
+  query, key, value = (pad_seq(x, length - t) for x in (query, key, value))
   if mesh is None:
     return dilated(cfg, query, key, value, seg)[:, :t]
 
   spec, seg_spec = P(batch_axis, seq_axis, None, None), P(batch_axis, seq_axis)
 
   def impl(q, k, v, s, *, in_context):
-    constrain = lambda x, sp: lax.with_sharding_constraint(x, sp if in_context else NamedSharding(mesh, sp))
-    args = constrain(q, spec), constrain(k, spec), constrain(v, spec), constrain(s, seg_spec)
+    c = lambda x, sp: constrain(x, sp, mesh, in_context)
+    args = c(q, spec), c(k, spec), c(v, spec), c(s, seg_spec)
     body = functools.partial(dilated, cfg)
     sharded = jax.shard_map(
       body, mesh=None if in_context else mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec
@@ -404,9 +400,7 @@ def dilated_attention(
   _validation.check_segment_ids(segment_ids, b, t)
   scale = _validation.check_scale(scale, h)
   lengths, rates = check_patterns(segment_lengths, dilation_rates)
-  block_sizes = BlockSizes() if block_sizes is None else block_sizes
-  if not isinstance(block_sizes, BlockSizes):
-    raise TypeError(f"block_sizes={block_sizes!r} must be a jax_ring.BlockSizes or None")
+  block_sizes = check_block_sizes(block_sizes)
   if mesh is None:
     devices, policy = 1, get_policy(policy)
     if batch_axis is not None:

@@ -280,16 +280,33 @@ def _schedule(layout, window, is_causal, shard_len, ring_size, custom_positions)
   return back, fwd
 
 
+def pad_seq(x, extra: int, value=0):
+  """Pads axis 1 (the sequence) of x with `extra` entries of `value`."""
+  if not extra:
+    return x
+  return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+
+
+def check_block_sizes(block_sizes) -> BlockSizes:
+  """None -> the defaults; anything but a BlockSizes is a TypeError."""
+  block_sizes = BlockSizes() if block_sizes is None else block_sizes
+  if not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes={block_sizes!r} must be a jax_ring.BlockSizes or None")
+  return block_sizes
+
+
+def constrain(x, spec, mesh, in_context: bool):
+  """Sharding constraint with a bare spec inside a mesh context, a NamedSharding outside."""
+  return lax.with_sharding_constraint(x, spec if in_context else NamedSharding(mesh, spec))
+
+
 def _check_arguments(query, key, value, segment_ids, local_window_size, scale, block_sizes):
   """The checks both entry points share: ((B, T, N, K), window, scale, block_sizes)."""
   b, t, _, n, k, h = _validation.check_qkv(query, key, value, same_length=True)
   _validation.check_segment_ids(segment_ids, b, t)
   window = _validation.normalize_window(local_window_size)
   scale = _validation.check_scale(scale, h)
-  block_sizes = BlockSizes() if block_sizes is None else block_sizes
-  if not isinstance(block_sizes, BlockSizes):
-    raise TypeError(f"block_sizes={block_sizes!r} must be a jax_ring.BlockSizes or None")
-  return (b, t, n, k), window, scale, block_sizes
+  return (b, t, n, k), window, scale, check_block_sizes(block_sizes)
 
 
 def ring_attention_shard(
@@ -350,10 +367,9 @@ def ring_attention_shard(
     if padded != t:
       has_padding = True
       extra = padded - t
-      pad = lambda x, v=0: jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=v)
-      query, key, value = pad(query), pad(key), pad(value)
+      query, key, value = (pad_seq(x, extra) for x in (query, key, value))
       pos = jnp.pad(pos, (0, extra), constant_values=-1)
-      seg = None if seg is None else pad(seg, -1)
+      seg = None if seg is None else pad_seq(seg, extra, -1)
     back, fwd = _schedule(layout, window, is_causal, t, ring_size, positions is not None)
     cfg = RingConfig(
       axis_name=axis_name,
@@ -396,16 +412,14 @@ def _global_impl(query, key, value, segment_ids, *, gc: _GlobalConfig, in_contex
   t = query.shape[1]
   padded = layouts.padded_length(gc.layout, t, p)
   if padded != t:
-    pad = lambda x, v=0: jnp.pad(x, [(0, 0), (0, padded - t)] + [(0, 0)] * (x.ndim - 2), constant_values=v)
-    query, key, value = pad(query), pad(key), pad(value)
-    segment_ids = None if segment_ids is None else pad(segment_ids, -1)
+    query, key, value = (pad_seq(x, padded - t) for x in (query, key, value))
+    segment_ids = None if segment_ids is None else pad_seq(segment_ids, padded - t, -1)
   spec = P(gc.batch_axis, gc.seq_axis, gc.head_axis, None)
   seg_spec = P(gc.batch_axis, gc.seq_axis)
-  constrain = lambda x, s: lax.with_sharding_constraint(x, s if in_context else NamedSharding(mesh, s))
-  args = [constrain(x, spec) for x in (query, key, value)]
+  args = [constrain(x, spec, mesh, in_context) for x in (query, key, value)]
   specs = [spec, spec, spec]
   if segment_ids is not None:
-    args.append(constrain(segment_ids, seg_spec))
+    args.append(constrain(segment_ids, seg_spec, mesh, in_context))
     specs.append(seg_spec)
 
   def body(q, k, v, seg=None):

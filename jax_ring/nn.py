@@ -214,7 +214,7 @@ class RingAttention(_Projected):
     if self.kind == "dense":
       return reference_attention(
         q, k, v, is_causal=o["is_causal"], segment_ids=segment_ids, local_window_size=o["local_window_size"]
-      ).astype(q.dtype)
+      )
     if self.kind == "local":
       segment_ids = shard_segments(q.shape[0], q.shape[1], o["mesh"].shape[o["seq_axis"]], segment_ids)
       o["layout"] = "contiguous"
@@ -315,8 +315,7 @@ class DilatedAttention(_Projected):
     o = dict(self.options)
     if self.kind == "dense":
       keep = ("segment_lengths", "dilation_rates", "is_causal")
-      out = reference_dilated_attention(q, k, v, segment_ids=segment_ids, **{n: o[n] for n in keep})
-      return out.astype(q.dtype)
+      return reference_dilated_attention(q, k, v, segment_ids=segment_ids, **{n: o[n] for n in keep})
     return dilated_attention(q, k, v, segment_ids=segment_ids, **o)
 
   def __call__(self, x, *, segment_ids=None, positions=None):
@@ -353,6 +352,7 @@ def make_attention_fn(
     raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
   _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
   window = _validation.normalize_window(local_window_size)
+  factory_causal = is_causal
 
   def attention_fn(
     query,
@@ -365,7 +365,7 @@ def make_attention_fn(
     deterministic: bool = True,
     dtype=None,
     module=None,
-    is_causal_call: bool = False,
+    is_causal: bool = False,
     **kwargs,
   ):
     if bias is not None:
@@ -382,7 +382,6 @@ def make_attention_fn(
       raise ValueError(f"dropout_rate={dropout_rate} in training: ring attention has no attention dropout")
     if module is not None:
       raise ValueError("sow_weights=True: ring attention never materializes the attention weights")
-    call_causal = bool(kwargs.pop("is_causal", False)) or is_causal_call
     if dtype is not None:
       query, key, value = (x.astype(dtype) for x in (query, key, value))
     return ring_attention(
@@ -393,7 +392,7 @@ def make_attention_fn(
       seq_axis=seq_axis,
       batch_axis=batch_axis,
       head_axis=head_axis,
-      is_causal=is_causal or call_causal,
+      is_causal=factory_causal or is_causal,
       local_window_size=window,
       layout=layout,
       policy=policy,

@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jax_ring import nn as ring_nn
+from models.transformer import decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +95,4 @@ class LongNet(nnx.Module):
     self.head = nnx.Linear(config.dim, config.vocab_size, use_bias=False, rngs=rngs)
 
   def __call__(self, tokens, *, segment_ids=None, positions=None):
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"tokens shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
-    if positions is None:
-      positions = jnp.arange(tokens.shape[1])
-    x = self.embed(tokens)
-    for block in self.blocks:
-      x = block(x, segment_ids, positions)
-    return self.head(self.norm(x)).astype(jnp.float32)
+    return decode(self, tokens, segment_ids, positions)

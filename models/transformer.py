@@ -150,11 +150,16 @@ class DecoderLM(nnx.Module):
     )
 
   def __call__(self, tokens, *, segment_ids=None, positions=None):
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"tokens shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
-    if positions is None:
-      positions = jnp.arange(tokens.shape[1])
-    x = self.embed(tokens)
-    for block in self.blocks:
-      x = block(x, segment_ids, positions)
-    return self.head(self.norm(x)).astype(jnp.float32)
+    return decode(self, tokens, segment_ids, positions)
+
+
+def decode(model, tokens, segment_ids, positions):
+  """embed -> blocks -> norm -> head, the forward pass both models share."""
+  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
+  if positions is None:
+    positions = jnp.arange(tokens.shape[1])
+  x = model.embed(tokens)
+  for block in model.blocks:
+    x = block(x, segment_ids, positions)
+  return model.head(model.norm(x)).astype(jnp.float32)

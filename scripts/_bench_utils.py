@@ -27,3 +27,18 @@ def median_time(fn, *args, repeats: int = 3, warmup: bool = True) -> float:
     jax.block_until_ready(fn(*args))
     samples.append(time.perf_counter() - start)
   return float(np.median(samples))
+
+
+def header(script: str, argv, num_devices: int) -> list[str]:
+  """Markdown heading with the command, then the date, machine, devices and jax version."""
+  import datetime
+  import platform
+
+  import jax
+
+  device = jax.devices()[0]
+  return [
+    f"\n### `{' '.join([f'python scripts/{script}', *argv])}`\n",
+    f"{datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
+    f"{num_devices} x {device.device_kind} ({device.platform}), jax {jax.__version__}\n",
+  ]

@@ -13,12 +13,9 @@ program. Ratios compare programs measured in the same run.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import sys
 
-from _bench_utils import median_time, simulate_devices
+from _bench_utils import header, median_time, simulate_devices
 
 
 def parse_args(argv=None):
@@ -47,11 +44,7 @@ def main(argv=None):
 
   devices = jax.devices()
   mesh = jax.make_mesh((args.devices,), ("seq",), devices=devices[: args.devices])
-  lines = [
-    f"\n### `{' '.join(['python scripts/bench_attention.py', *sys.argv[1:]])}`\n",
-    f"{datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
-    f"{args.devices} x {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}\n",
-  ]
+  lines = header("bench_attention.py", sys.argv[1:], args.devices)
 
   def inputs(length, sharding):
     keys = jax.random.split(jax.random.PRNGKey(0), 4)

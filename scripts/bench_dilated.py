@@ -12,13 +12,10 @@ H=64, float32 and the LongNet patterns w=(2048, 4096, 8192, 16384), r=(1, 2, 4, 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import sys
 import time
 
-from _bench_utils import median_time, simulate_devices
+from _bench_utils import header, median_time, simulate_devices
 
 
 def parse_args(argv=None):
@@ -53,10 +50,7 @@ def main(argv=None):
     return jnp.sum(jax_ring.dilated_attention(q, k, v, mesh=mesh, **pattern).astype(jnp.float32))
 
   step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  lines = [
-    f"\n### `{' '.join(['python scripts/bench_dilated.py', *sys.argv[1:]])}`\n",
-    f"{datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
-    f"{args.devices} x {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}\n",
+  lines = header("bench_dilated.py", sys.argv[1:], args.devices) + [
     f"Dilated attention forward+backward, B=1, N={args.heads}, H={args.head_dim}, float32, "
     f"w={tuple(args.segments)}, r={tuple(args.rates)}, sequence over {args.devices} devices.\n",
     "| tokens | compile s | fwd+bwd s | s per 64K tokens | temp MiB/device | args MiB/device |",
