@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -97,7 +98,7 @@ def parse_args(argv=None):
   p.add_argument("--weight-decay", type=float, default=0.01)
   p.add_argument("--clip", type=float, default=1.0)
   p.add_argument("--eval-every", type=int, default=50)
-  p.add_argument("--eval-batches", type=int, default=8)
+  p.add_argument("--eval-batches", type=int, default=8, help="0: no evaluation")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--ckpt-dir", default=None, help="orbax checkpoints here (default: none)")
   p.add_argument("--ckpt-every", type=int, default=100)
@@ -128,8 +129,10 @@ def make_mesh(data: int, seq: int):
 
 def build(args, task: Task, mesh):
   """(model, optimizer) for the arguments."""
-  import optax
+  import jax
   from flax import nnx
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   from models import DecoderLM, LMConfig
 
@@ -153,20 +156,32 @@ def build(args, task: Task, mesh):
     batch_axis="data" if kind != "dense" and args.data > 1 else None,
     rngs=nnx.Rngs(args.seed),
   )
+  tx = make_tx(args.lr, args.warmup, args.steps, args.weight_decay, args.clip)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  # Replicated on the mesh from the start, as the train step returns them: the second
+  # step then reuses the first step's executable.
+  replicated = NamedSharding(mesh, P())
+  for obj in (model, optimizer):
+    nnx.update(obj, jax.device_put(nnx.state(obj), replicated))
+  return model, optimizer
+
+
+@functools.cache
+def make_tx(lr: float, warmup: int, steps: int, weight_decay: float, clip: float):
+  """AdamW with warmup + cosine decay and clipping; cached, so that runs with the same
+  settings share one optimizer graph and hence the compiled train step."""
+  import optax
+
   schedule = optax.warmup_cosine_decay_schedule(
-    0.0,
-    args.lr,
-    warmup_steps=args.warmup,
-    decay_steps=max(args.steps, args.warmup + 1),
-    end_value=args.lr * 0.05,
+    0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1), end_value=lr * 0.05
   )
-  tx = optax.chain(
-    optax.clip_by_global_norm(args.clip), optax.adamw(schedule, weight_decay=args.weight_decay)
-  )
-  return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+  return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
 
 
+@functools.cache
 def make_steps():
+  """The jitted train and eval steps, shared by every run in a process (a second run
+  with the same model structure and mesh reuses the compiled step)."""
   import jax.numpy as jnp
   import optax
   from flax import nnx
@@ -302,7 +317,7 @@ def train(args, task: Task | None = None, log=print):
     if ckpt is not None:
       ckpt.save(step + 1, model, optimizer)
     done = step + 1 == args.steps
-    if (step + 1) % args.eval_every == 0 or done:
+    if args.eval_batches and ((step + 1) % args.eval_every == 0 or done):
       ev_loss, ev_acc = evaluate(eval_step, model, task, args, shard)
       history["eval"].append({"step": step + 1, "loss": ev_loss, "accuracy": ev_acc})
       if args.no_progress:
@@ -316,7 +331,8 @@ def train(args, task: Task | None = None, log=print):
   if ckpt is not None:
     ckpt.save(history["step"][-1] if history["step"] else start, model, optimizer, force=True)
     ckpt.close()
-  if history["step"] and (not history["eval"] or history["eval"][-1]["step"] != history["step"][-1]):
+  final_eval = not history["eval"] or history["eval"][-1]["step"] != history["step"][-1]
+  if args.eval_batches and history["step"] and final_eval:
     ev_loss, ev_acc = evaluate(eval_step, model, task, args, shard)
     history["eval"].append({"step": history["step"][-1], "loss": ev_loss, "accuracy": ev_acc})
   history["chance"] = task.chance

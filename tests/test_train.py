@@ -10,18 +10,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import train  # noqa: E402
 
-SMALL = ["--seq-len=64", "--batch=4", "--dim=32", "--eval-every=1000", "--eval-batches=1", "--no-progress"]
+SMALL = ["--seq-len=64", "--batch=4", "--dim=32", "--layers=1", "--eval-batches=0", "--no-progress", "--out="]
 
 
-def _losses(tmp_path, *extra):
-  args = train.parse_args([*SMALL, f"--out={tmp_path}", *extra])
+def _losses(*extra):
+  args = train.parse_args([*SMALL, *extra])
   return np.array(train.train(args, log=lambda *_: None)["loss"])
 
 
-def test_eight_devices_give_the_losses_of_one(tmp_path):
-  one = _losses(tmp_path / "one", "--attention=ring", "--seq=1", "--steps=4")
-  eight = _losses(tmp_path / "eight", "--attention=ring", "--seq=8", "--steps=4")
-  two_d = _losses(tmp_path / "two_d", "--attention=ring", "--data=2", "--seq=4", "--steps=4")
+def test_eight_devices_give_the_losses_of_one():
+  one = _losses("--attention=ring", "--seq=1", "--steps=4")
+  eight = _losses("--attention=ring", "--seq=8", "--steps=4")
+  two_d = _losses("--attention=ring", "--data=2", "--seq=4", "--steps=4")
   assert np.all(np.isfinite(one)) and len(set(one.tolist())) == 4  # parameters move
   np.testing.assert_allclose(eight, one, rtol=2e-5)
   np.testing.assert_allclose(two_d, one, rtol=2e-5)
@@ -29,10 +29,10 @@ def test_eight_devices_give_the_losses_of_one(tmp_path):
 
 def test_resume_continues_exactly(tmp_path):
   common = ["--attention=ring", "--seq=4", "--steps=6", "--ckpt-every=3"]
-  full = _losses(tmp_path / "full", *common, f"--ckpt-dir={tmp_path / 'ckpt_full'}")
+  full = _losses(*common)
   ckpt = f"--ckpt-dir={tmp_path / 'ckpt'}"
-  first = _losses(tmp_path / "a", *common, ckpt, "--stop-after=3")
-  rest = _losses(tmp_path / "b", *common, ckpt, "--resume")
+  first = _losses(*common, ckpt, "--stop-after=3")
+  rest = _losses(*common, ckpt, "--resume")
   assert len(first) == 3 and len(rest) == 3
   np.testing.assert_array_equal(np.concatenate([first, rest]), full)
 
@@ -53,7 +53,7 @@ def test_demo_task_ring_beats_shard_local(tmp_path):
   # The demo at reduced size: 128 tokens over 8 devices; the pairs are in shard 0 and
   # the question in shard 7.
   common = ["--seq-len=128", "--batch=16", "--eval-batches=8", "--no-progress", "--eval-every=50"]
-  common += ["--steps=500", "--seq=8"]
+  common += ["--steps=500", "--seq=8", "--layers=1"]
   task = train.Task(seq_len=128, pair_region=16)
   ring = train.train(
     train.parse_args([*common, "--attention=ring", "--target-accuracy=0.9", f"--out={tmp_path / 'r'}"]), task
