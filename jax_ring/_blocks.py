@@ -1,12 +1,15 @@
 """Attention of query blocks against key blocks, with masks from global positions.
 
 Shapes (BTNH legend, blocked): B batch, K kv heads, G = N // K query heads per kv head,
-H head dim, bq / bk block lengths, nq / nk numbers of blocks.
+H head dim, bq / bk block lengths, nq / nk numbers of blocks. Heads come before rows,
+so every product below is a plain batched matmul over (B, K) with no transposes:
 
-    q blocks   [nq, B, bq, K, G, H]      k, v blocks   [nk, B, bk, K, H]
+    q blocks   [nq, B, K, G, bq, H]      k, v blocks   [nk, B, K, bk, H]
     q pos      [nq, bq] int32            k pos         [nk, bk] int32 (-1: padding)
     q seg      [nq, B, bq] or None       k seg         [nk, B, bk] or None
-    out acc    [nq, B, bq, K, G, H]      lse acc       [nq, B, K, G, bq]
+    out acc    [nq, B, K, G, bq, H]      row stats     [nq, B, K, G, bq]
+
+Queries arrive multiplied by the softmax scale.
 
 Every (query block, key block) pair that the masks rule out entirely is skipped with
 `lax.cond`: no matmul, no exponential.
@@ -67,93 +70,85 @@ def block_mask(spec: MaskSpec, q_pos, k_pos, q_seg, k_seg):
   return mask
 
 
-def _scores(q, k, mask, scale, policy: Policy):
+def _scores(q, k, mask, policy: Policy):
+  """Scores [B, K, G, bq, bk] of pre-scaled queries, -inf where masked."""
   s = jnp.einsum(
-    "bqkgh,bskh->bkgqs",
-    q,
-    k,
-    precision=policy.precision,
-    preferred_element_type=policy.accum_dtype,
+    "bkgqh,bksh->bkgqs", q, k, precision=policy.precision, preferred_element_type=policy.accum_dtype
   )
-  s = s * jnp.asarray(scale, policy.accum_dtype)
   if mask is not None:
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
   return s
 
 
-def block_forward(q, k, v, mask, scale, policy: Policy):
-  """One block: normalized output [B, bq, K, G, H] and lse [B, K, G, bq], both accum dtype.
+def block_update(q, k, v, mask, policy: Policy, o, m, l):
+  """Adds one key block to the unnormalized running state of one query block.
 
-  Rows that see no key get output 0 and lse -inf.
+  o [B, K, G, bq, H] is the sum of exp(s - m) v so far, m [B, K, G, bq] the running
+  row maximum (-inf before any visible key), l the sum of exp(s - m). Normalizing once
+  at the end (`finalize`) instead of per block saves a division and a merge per tile.
   """
-  s = _scores(q, k, mask, scale, policy)
-  row_max = jnp.max(s, axis=-1)
-  row_max = jnp.where(jnp.isneginf(row_max), 0.0, row_max)
-  probs = jnp.exp(s - row_max[..., None])
-  denom = jnp.sum(probs, axis=-1)
-  out = jnp.einsum(
-    "bkgqs,bskh->bqkgh",
+  s = _scores(q, k, mask, policy)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with no visible key yet
+  probs = jnp.exp(s - m_safe[..., None])
+  alpha = jnp.exp(m - m_safe)
+  l = l * alpha + jnp.sum(probs, axis=-1)
+  pv = jnp.einsum(
+    "bkgqs,bksh->bkgqh",
     probs.astype(policy.compute_dtype),
     v,
     precision=policy.precision,
     preferred_element_type=policy.accum_dtype,
   )
-  seen = denom > 0
-  inv = jnp.where(seen, 1.0 / jnp.where(seen, denom, 1.0), 0.0)
-  out = out * jnp.moveaxis(inv, -1, 1)[..., None]
-  lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+  return o * alpha[..., None] + pv, m_new, l
+
+
+def finalize(o, m, l):
+  """(normalized output, lse) from the running state. Rows that saw no key: 0, -inf."""
+  seen = l > 0
+  safe_l = jnp.where(seen, l, 1.0)
+  out = jnp.where(seen[..., None], o / safe_l[..., None], 0.0)
+  lse = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
   return out, lse
 
 
-def merge(out_a, lse_a, out_b, lse_b):
-  """Merges two partial softmax results over disjoint key sets (by their denominators)."""
-  lse = jnp.logaddexp(lse_a, lse_b)
-  safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
-  w_a = jnp.moveaxis(jnp.exp(lse_a - safe), -1, 1)[..., None]
-  w_b = jnp.moveaxis(jnp.exp(lse_b - safe), -1, 1)[..., None]
-  return out_a * w_a + out_b * w_b, lse
-
-
-def block_backward(q, k, v, do, lse, delta, mask, scale, policy: Policy):
+def block_backward(q, k, v, do, lse, delta, mask, policy: Policy):
   """Gradients of one block given the final lse and delta = sum(dO * O, -1).
 
-  Returns dq [B, bq, K, G, H], dk, dv [B, bk, K, H], all in the accum dtype.
+  q is pre-scaled, so the dq returned still lacks the factor `scale`; dk is exact.
+  Returns dq [B, K, G, bq, H], dk, dv [B, K, bk, H], all in the accum dtype.
   """
-  s = _scores(q, k, mask, scale, policy)
+  s = _scores(q, k, mask, policy)
   lse_safe = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
   probs = jnp.exp(s - lse_safe[..., None])
   cd, acc, prec = policy.compute_dtype, policy.accum_dtype, policy.precision
-  dv = jnp.einsum("bkgqs,bqkgh->bskh", probs.astype(cd), do, precision=prec, preferred_element_type=acc)
-  dp = jnp.einsum("bqkgh,bskh->bkgqs", do, v, precision=prec, preferred_element_type=acc)
-  ds = (probs * (dp - delta[..., None]) * jnp.asarray(scale, acc)).astype(cd)
-  dq = jnp.einsum("bkgqs,bskh->bqkgh", ds, k, precision=prec, preferred_element_type=acc)
-  dk = jnp.einsum("bkgqs,bqkgh->bskh", ds, q, precision=prec, preferred_element_type=acc)
+  dv = jnp.einsum("bkgqs,bkgqh->bksh", probs.astype(cd), do, precision=prec, preferred_element_type=acc)
+  dp = jnp.einsum("bkgqh,bksh->bkgqs", do, v, precision=prec, preferred_element_type=acc)
+  ds = (probs * (dp - delta[..., None])).astype(cd)
+  dq = jnp.einsum("bkgqs,bksh->bkgqh", ds, k, precision=prec, preferred_element_type=acc)
+  dk = jnp.einsum("bkgqs,bkgqh->bksh", ds, q, precision=prec, preferred_element_type=acc)
   return dq, dk, dv
 
 
-def chunk_forward(spec: MaskSpec, scale, policy, q, q_pos, q_seg, kv: KVBlocks, out, lse):
-  """Adds the keys of `kv` to the running (out, lse) of every query block."""
+def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, kv: KVBlocks, acc):
+  """Adds the keys of `kv` to the running state (o, m, l) of every query block."""
 
   def over_q(_, xs):
-    qb, qp, qs, o, l = xs
+    qb, qp, qs, state = xs
 
-    def over_k(carry, ys):
+    def over_k(state, ys):
       kb, vb, kp, ks = ys
       mask = block_mask(spec, qp, kp, qs, ks)
-
-      def compute(o, l):
-        ob, lb = block_forward(qb, kb, vb, mask, scale, policy)
-        return merge(o, l, ob, lb)
-
+      compute = lambda st: block_update(qb, kb, vb, mask, policy, *st)
       if mask is None:
-        return compute(*carry), None
-      return lax.cond(jnp.any(mask), compute, lambda o, l: (o, l), *carry), None
+        return compute(state), None
+      return lax.cond(jnp.any(mask), compute, lambda st: st, state), None
 
-    (o, l), _ = lax.scan(over_k, (o, l), tuple(kv))
-    return None, (o, l)
+    state, _ = lax.scan(over_k, state, tuple(kv))
+    return None, state
 
-  _, (out, lse) = lax.scan(over_q, None, (q, q_pos, q_seg, out, lse))
-  return out, lse
+  _, acc = lax.scan(over_q, None, (q, q_pos, q_seg, acc))
+  return acc
 
 
 class QBlocks(NamedTuple):
@@ -167,7 +162,7 @@ class QBlocks(NamedTuple):
   seg: jax.Array | None
 
 
-def chunk_backward(spec: MaskSpec, scale, policy, qb: QBlocks, dq, kv: KVBlocks, dk, dv):
+def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk, dv):
   """Adds the gradient contributions of the pair (all query blocks, kv) to dq, dk, dv."""
 
   def over_k(dq, xs):
@@ -178,7 +173,7 @@ def chunk_backward(spec: MaskSpec, scale, policy, qb: QBlocks, dq, kv: KVBlocks,
       mask = block_mask(spec, qp, kp, qs, ks)
 
       def compute(dkb, dvb, dqb):
-        g_q, g_k, g_v = block_backward(q, kb, vb, do, l, delta, mask, scale, policy)
+        g_q, g_k, g_v = block_backward(q, kb, vb, do, l, delta, mask, policy)
         return (dkb + g_k, dvb + g_v), dqb + g_q
 
       def skip(dkb, dvb, dqb):

@@ -43,13 +43,14 @@ from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import (
   BlockSizes,
   RingConfig,
-  _block,
+  _block_q,
   _block_rows,
   _local_blocks,
   _prepare,
   _ring_backward_state,
   _ring_forward_state,
-  _unblock,
+  _unblock_kv,
+  _unblock_q,
   _unblock_rows,
   call_on_mesh,
   check_block_sizes,
@@ -257,7 +258,7 @@ def _forward(cfg: DilatedConfig, q, k, v, seg):
     with jax.named_scope(f"pattern_w{pat.segment}_r{pat.rate}"):
       sel = _Selected(cfg, pat, q, k, v, seg)
       o, l = _ring_forward_state(sel.ring, sel.inputs(sel.ring))
-      o = sel.scatter_rows(_unblock(o)[:, :, 0])
+      o = sel.scatter_rows(_unblock_q(o)[:, :, 0])
       l = sel.scatter_rows(_unblock_rows(l)[:, :, 0], -jnp.inf)
       new = jnp.logaddexp(lse, l)
       safe = jnp.where(jnp.isneginf(new), 0.0, new)
@@ -291,12 +292,12 @@ def _dilated_bwd(cfg: DilatedConfig, res, g):
       sel = _Selected(cfg, pat, q, k, v, seg)
       x = sel.inputs(sel.ring)
       bq = sel.ring.block_q
-      do = _block(sel.gather_rows(g.astype(pol.compute_dtype))[:, :, None], bq)
+      do = _block_q(sel.gather_rows(g.astype(pol.compute_dtype))[:, :, None], bq)
       rows = lambda r, fill, sel=sel, bq=bq: _block_rows(sel.gather_rows(r, fill)[:, :, None], bq)
       gq, gk, gv = _ring_backward_state(sel.ring, x, do, rows(lse, -jnp.inf), rows(delta, 0.0))
-      dq = dq + sel.scatter_rows(_unblock(gq)[:, :, 0])
-      dk = dk + sel.scatter_kv(_unblock(gk))
-      dv = dv + sel.scatter_kv(_unblock(gv))
+      dq = dq + sel.scatter_rows(_unblock_q(gq)[:, :, 0])
+      dk = dk + sel.scatter_kv(_unblock_kv(gk))
+      dv = dv + sel.scatter_kv(_unblock_kv(gv))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 

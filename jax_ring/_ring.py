@@ -28,6 +28,7 @@ from jax_ring._blocks import (
   QBlocks,
   chunk_backward,
   chunk_forward,
+  finalize,
 )
 from jax_ring._policy import Policy, get_policy
 
@@ -120,16 +121,33 @@ def _pass_backward(cfg: RingConfig, compute, kv, dkv, dq, transfers: int, shift:
   return dkv, dq
 
 
-def _block(x, n):
-  """[B, T, ...] -> [T // n, B, n, ...]."""
-  b, t = x.shape[:2]
-  return jnp.moveaxis(x.reshape(b, t // n, n, *x.shape[2:]), 1, 0)
+def _block_q(x, n):
+  """Queries or their like [B, T, K, G, H] -> blocks [T // n, B, K, G, n, H]."""
+  b, t, kh, g, h = x.shape
+  return x.reshape(b, t // n, n, kh, g, h).transpose(1, 0, 3, 4, 2, 5)
 
 
-def _unblock(x):
-  """[nb, B, n, ...] -> [B, nb * n, ...]."""
-  nb, b, n = x.shape[:3]
-  return jnp.moveaxis(x, 0, 1).reshape(b, nb * n, *x.shape[3:])
+def _unblock_q(x):
+  """[nq, B, K, G, n, H] -> [B, nq * n, K, G, H]."""
+  nq, b, kh, g, n, h = x.shape
+  return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * n, kh, g, h)
+
+
+def _block_kv(x, n):
+  """Keys or values [B, T, K, H] -> blocks [T // n, B, K, n, H]."""
+  b, t, kh, h = x.shape
+  return x.reshape(b, t // n, n, kh, h).transpose(1, 0, 3, 2, 4)
+
+
+def _unblock_kv(x):
+  """[nk, B, K, n, H] -> [B, nk * n, K, H]."""
+  nk, b, kh, n, h = x.shape
+  return x.transpose(1, 0, 3, 2, 4).reshape(b, nk * n, kh, h)
+
+
+def _block_seg(x, n):
+  """Segment ids [B, T] -> [T // n, B, n]; None stays None."""
+  return None if x is None else jnp.moveaxis(x.reshape(x.shape[0], -1, n), 1, 0)
 
 
 def _zeros_like_both(shape, dtype, a, b):
@@ -139,7 +157,7 @@ def _zeros_like_both(shape, dtype, a, b):
 
 
 class _Inputs(NamedTuple):
-  q: jax.Array  # [nq, B, bq, K, G, H] compute dtype
+  q: jax.Array  # [nq, B, K, G, bq, H] compute dtype, times the softmax scale
   q_pos: jax.Array  # [nq, bq]
   q_seg: jax.Array | None  # [nq, B, bq]
   kv: KVBlocks  # blocks of the local K/V (wire dtype)
@@ -149,15 +167,17 @@ def _prepare(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg) -> _Inputs:
   b, t, n, h = q.shape
   kh = k.shape[2]
   pol = cfg.policy
-  qg = q.astype(pol.compute_dtype).reshape(b, t, kh, n // kh, h)
-  seg_block = lambda s, m: None if s is None else _block(s, m)
+  scaled = q.astype(pol.accum_dtype) * jnp.asarray(cfg.scale, pol.accum_dtype)
+  qg = scaled.astype(pol.compute_dtype).reshape(b, t, kh, n // kh, h)
   kv = KVBlocks(
-    k=_block(k.astype(pol.transfer_dtype), cfg.block_kv),
-    v=_block(v.astype(pol.transfer_dtype), cfg.block_kv),
+    k=_block_kv(k.astype(pol.transfer_dtype), cfg.block_kv),
+    v=_block_kv(v.astype(pol.transfer_dtype), cfg.block_kv),
     pos=k_pos.reshape(-1, cfg.block_kv),
-    seg=seg_block(k_seg, cfg.block_kv),
+    seg=_block_seg(k_seg, cfg.block_kv),
   )
-  return _Inputs(_block(qg, cfg.block_q), q_pos.reshape(-1, cfg.block_q), seg_block(q_seg, cfg.block_q), kv)
+  return _Inputs(
+    _block_q(qg, cfg.block_q), q_pos.reshape(-1, cfg.block_q), _block_seg(q_seg, cfg.block_q), kv
+  )
 
 
 def _as_compute(kv: KVBlocks, policy: Policy) -> KVBlocks:
@@ -182,36 +202,38 @@ class _Residuals(NamedTuple):
 
 
 def _ring_forward_state(cfg: RingConfig, x: _Inputs):
-  """(out, lse) in accumulation dtype, blocked: [nq, B, bq, K, G, H], [nq, B, K, G, bq]."""
+  """(out, lse) in accumulation dtype, blocked: [nq, B, K, G, bq, H], [nq, B, K, G, bq]."""
   pol = cfg.policy
-  nq, b, bq, kh, g, h = x.q.shape
-  out = _zeros_like_both(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
-  lse = jnp.full_like(out, -jnp.inf, shape=(nq, b, kh, g, bq))
+  o = _zeros_like_both(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
+  m = jnp.full_like(o, -jnp.inf, shape=x.q.shape[:-1])
+  l = jnp.zeros_like(m)
 
   def compute(kv, acc):
-    return chunk_forward(cfg.mask, cfg.scale, pol, x.q, x.q_pos, x.q_seg, _as_compute(kv, pol), *acc)
+    return chunk_forward(cfg.mask, pol, x.q, x.q_pos, x.q_seg, _as_compute(kv, pol), acc)
 
-  acc = _pass_forward(cfg, compute, x.kv, (out, lse), cfg.steps_back, +1)
+  acc = _pass_forward(cfg, compute, x.kv, (o, m, l), cfg.steps_back, +1)
   if cfg.steps_fwd:
     acc = _pass_forward(cfg, compute, _send(x.kv, cfg, -1), acc, cfg.steps_fwd - 1, -1)
-  return acc
+  return finalize(*acc)
 
 
 def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg):
   x = _prepare(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg)
   out, lse = _ring_forward_state(cfg, x)
-  out = _unblock(out).reshape(q.shape).astype(cfg.policy.out_dtype(q.dtype))
+  out = _unblock_q(out).reshape(q.shape).astype(cfg.policy.out_dtype(q.dtype))
   return out, _Residuals(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
 
 
 def _block_rows(x, block: int):
   """Per-row statistics [B, T, K, G] -> blocked [nq, B, K, G, bq] (the lse layout)."""
-  return jnp.moveaxis(_block(x, block), 2, -1)
+  b, t, kh, g = x.shape
+  return x.reshape(b, t // block, block, kh, g).transpose(1, 0, 3, 4, 2)
 
 
 def _unblock_rows(x):
   """Blocked statistics [nq, B, K, G, bq] -> [B, T, K, G]."""
-  return _unblock(jnp.moveaxis(x, -1, 2))
+  nq, b, kh, g, n = x.shape
+  return x.transpose(1, 0, 4, 2, 3).reshape(b, nq * n, kh, g)
 
 
 def _ring_backward_state(cfg: RingConfig, x: _Inputs, do, lse, delta):
@@ -229,7 +251,7 @@ def _ring_backward_state(cfg: RingConfig, x: _Inputs, do, lse, delta):
   )
 
   def compute(kv, dkv, dq):
-    dq, dk, dv = chunk_backward(cfg.mask, cfg.scale, pol, qb, dq, _as_compute(kv, pol), *dkv)
+    dq, dk, dv = chunk_backward(cfg.mask, pol, qb, dq, _as_compute(kv, pol), *dkv)
     return dq, (dk, dv)
 
   back = cfg.steps_back
@@ -239,20 +261,20 @@ def _ring_backward_state(cfg: RingConfig, x: _Inputs, do, lse, delta):
     fwd = cfg.steps_fwd
     (dk2, dv2), dq = _pass_backward(cfg, compute, _send(x.kv, cfg, -1), zeros_kv(), dq, fwd - 1, -1, fwd)
     dk, dv = dk + dk2, dv + dv2
-  return dq, dk, dv
+  return dq * jnp.asarray(cfg.scale, pol.accum_dtype), dk, dv
 
 
 def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
   pol = cfg.policy
   x = _prepare(cfg, res.q, res.k, res.v, res.q_pos, res.k_pos, res.q_seg, res.k_seg)
-  nq, b, bq, kh, grp, h = x.q.shape
+  nq, b, kh, grp, bq, h = x.q.shape
   delta = jnp.sum(g.astype(pol.accum_dtype) * res.out.astype(pol.accum_dtype), axis=-1)  # [B, T, N]
-  do = _block(g.astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
+  do = _block_q(g.astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
   delta = _block_rows(delta.reshape(b, -1, kh, grp), bq)
   dq, dk, dv = _ring_backward_state(cfg, x, do, res.lse, delta)
-  dq = _unblock(dq).reshape(res.q.shape).astype(res.q.dtype)
-  dk = _unblock(dk).astype(res.k.dtype)
-  dv = _unblock(dv).astype(res.v.dtype)
+  dq = _unblock_q(dq).reshape(res.q.shape).astype(res.q.dtype)
+  dk = _unblock_kv(dk).astype(res.k.dtype)
+  dv = _unblock_kv(dv).astype(res.v.dtype)
   return dq, dk, dv, None, None, None, None
 
 
