@@ -44,12 +44,30 @@ class BlockSizes:
 
   block_q: int = 256
   block_kv: int = 256
+  # KV heads (with their query heads) per pass around the ring; None: all at once.
+  # One head per pass keeps the ring's per-device buffers (blocked copies, K/V and
+  # dK/dV in flight, accumulators) at one head's size: 1/8 of all-at-once for N=8, and
+  # on the measured CPU no slower (docs/benchmarks.md). On accelerators with short
+  # shards, more heads per pass amortize the per-step latency of the ring.
+  kv_heads: int | None = 1
 
   def __post_init__(self):
-    for name in ("block_q", "block_kv"):
+    for name in ("block_q", "block_kv", "kv_heads"):
       value = getattr(self, name)
+      if name == "kv_heads" and value is None:
+        continue
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"BlockSizes.{name}={value!r} must be a positive int")
+
+  def head_groups(self, num_kv_heads: int) -> int:
+    """How many passes `num_kv_heads` local kv heads take."""
+    if self.kv_heads is None or self.kv_heads >= num_kv_heads:
+      return 1
+    if num_kv_heads % self.kv_heads:  # e.g. kv_heads=2 with 3 heads on a device
+      raise ValueError(
+        f"BlockSizes.kv_heads={self.kv_heads} must divide the number of kv heads on a device, {num_kv_heads}"
+      )
+    return num_kv_heads // self.kv_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +88,9 @@ class RingConfig:
   # Devices on the mesh axis; when larger than ring_size the axis holds
   # axis_size // ring_size independent rings of consecutive devices (sub-rings).
   axis_size: int | None = None
+  # The kv heads (with their query heads) run through the ring in this many groups,
+  # one after another.
+  head_groups: int = 1
 
 
 def ring_permutation(ring_size: int, shift: int, axis_size: int | None = None):
@@ -217,10 +238,31 @@ def _ring_forward_state(cfg: RingConfig, x: _Inputs):
   return finalize(*acc)
 
 
+def _head_groups(cfg: RingConfig, q, k):
+  """(number of groups, query heads per group, kv heads per group)."""
+  groups = cfg.head_groups
+  return groups, q.shape[2] // groups, k.shape[2] // groups
+
+
+def _heads(x, j, width: int):
+  """Heads [j * width, (j + 1) * width) of x [B, T, heads, ...] (j may be traced)."""
+  return lax.dynamic_slice_in_dim(x, j * width, width, axis=2)
+
+
 def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg):
-  x = _prepare(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg)
-  out, lse = _ring_forward_state(cfg, x)
-  out = _unblock_q(out).reshape(q.shape).astype(cfg.policy.out_dtype(q.dtype))
+  # Head groups run one after another, so the ring's buffers (blocked copies, K/V in
+  # flight, accumulators) hold one group's heads at a time.
+  groups, wq, wk = _head_groups(cfg, q, k)
+  out_dtype = cfg.policy.out_dtype(q.dtype)
+
+  def group(out, j):
+    x = _prepare(cfg, _heads(q, j, wq), _heads(k, j, wk), _heads(v, j, wk), q_pos, k_pos, q_seg, k_seg)
+    o, lse = _ring_forward_state(cfg, x)
+    o = _unblock_q(o).reshape(*q.shape[:2], wq, q.shape[3]).astype(out_dtype)
+    return lax.dynamic_update_slice_in_dim(out, o, j * wq, axis=2), lse
+
+  out = _zeros_like_both(q.shape, out_dtype, q, k)
+  out, lse = lax.scan(group, out, jnp.arange(groups))
   return out, _Residuals(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
 
 
@@ -266,15 +308,27 @@ def _ring_backward_state(cfg: RingConfig, x: _Inputs, do, lse, delta):
 
 def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
   pol = cfg.policy
-  x = _prepare(cfg, res.q, res.k, res.v, res.q_pos, res.k_pos, res.q_seg, res.k_seg)
-  nq, b, kh, grp, bq, h = x.q.shape
-  delta = jnp.sum(g.astype(pol.accum_dtype) * res.out.astype(pol.accum_dtype), axis=-1)  # [B, T, N]
-  do = _block_q(g.astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
-  delta = _block_rows(delta.reshape(b, -1, kh, grp), bq)
-  dq, dk, dv = _ring_backward_state(cfg, x, do, res.lse, delta)
-  dq = _unblock_q(dq).reshape(res.q.shape).astype(res.q.dtype)
-  dk = _unblock_kv(dk).astype(res.k.dtype)
-  dv = _unblock_kv(dv).astype(res.v.dtype)
+  groups, wq, wk = _head_groups(cfg, res.q, res.k)
+  delta_all = jnp.sum(g.astype(pol.accum_dtype) * res.out.astype(pol.accum_dtype), axis=-1)  # [B, T, N]
+
+  def group(grads, xs):
+    j, lse = xs
+    q, k, v = _heads(res.q, j, wq), _heads(res.k, j, wk), _heads(res.v, j, wk)
+    x = _prepare(cfg, q, k, v, res.q_pos, res.k_pos, res.q_seg, res.k_seg)
+    nq, b, kh, grp, bq, h = x.q.shape
+    do = _block_q(_heads(g, j, wq).astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
+    delta = _block_rows(_heads(delta_all, j, wq).reshape(b, -1, kh, grp), bq)
+    gq, gk, gv = _ring_backward_state(cfg, x, do, lse, delta)
+    gq = _unblock_q(gq).reshape(q.shape)
+    new = (gq, _unblock_kv(gk), _unblock_kv(gv))
+    widths = (wq, wk, wk)
+    return tuple(
+      lax.dynamic_update_slice_in_dim(a, n.astype(a.dtype), j * w, axis=2)
+      for a, n, w in zip(grads, new, widths)
+    ), None
+
+  zeros = tuple(_zeros_like_both(x.shape, x.dtype, x, res.k) for x in (res.q, res.k, res.v))
+  (dq, dk, dv), _ = lax.scan(group, zeros, (jnp.arange(groups), res.lse))
   return dq, dk, dv, None, None, None, None
 
 
@@ -403,6 +457,7 @@ def ring_attention_shard(
       block_kv=bk,
       steps_back=back,
       steps_fwd=fwd,
+      head_groups=block_sizes.head_groups(key.shape[2]),
     )
     out = _ring(cfg, query, key, value, pos, pos, seg, seg)
     return out[:, :t]

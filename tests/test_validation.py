@@ -71,3 +71,11 @@ def test_block_sizes_validated():
 def test_reference_validates_too():
   with pytest.raises(ValueError, match=r"num_heads=3 must be a multiple of num_kv_heads=2"):
     jax_ring.reference_attention(jnp.zeros((1, 4, 3, 8)), jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 2, 8)))
+
+
+def test_kv_heads_per_pass_validated():
+  with pytest.raises(ValueError, match=r"BlockSizes.kv_heads=0 must be a positive int"):
+    jax_ring.BlockSizes(kv_heads=0)
+  q, kv = jnp.zeros((2, 8, 6, 8)), jnp.zeros((2, 8, 3, 8))
+  with pytest.raises(ValueError, match=r"BlockSizes.kv_heads=2 must divide the number of kv heads .* 3"):
+    jax_ring.ring_attention(q, kv, kv, mesh=MESH, block_sizes=jax_ring.BlockSizes(kv_heads=2))

@@ -1,0 +1,33 @@
+"""scripts/bench.py --quick runs end to end on tiny sizes and writes its tables and plots."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import bench  # noqa: E402
+
+
+def test_quick_benchmark_writes_its_tables(tmp_path):
+  out = tmp_path / "bench.md"
+  out.write_text("# Benchmarks\n\nkept text\n")
+  argv = ["--quick", "--lengths=256", "--devices=1,2", "--heads=2", "--head-dim=16", "--repeats=1"]
+  argv += ["--budget-mib=2", "--max-length-devices=1,2", "--dense-max-length=256", "--ra-chunk=128"]
+  argv += [f"--out={out}", f"--plot-dir={tmp_path}"]
+  bench.main(argv)
+  lines = out.read_text().splitlines()[4:-1]  # the section's body
+  bench.write_section(str(out), "quick", "second run")  # replaces the section, keeps the rest
+  assert out.read_text().endswith(
+    "kept text\n<!-- bench.py quick -->\nsecond run\n<!-- /bench.py quick -->\n"
+  )
+  bench.write_section(str(out), "quick", "\n".join(lines))
+  text = out.read_text()
+  assert text.startswith("# Benchmarks\n\nkept text\n")
+  assert text.count("<!-- bench.py quick -->") == 1 and text.count("<!-- /bench.py quick -->") == 1
+  assert "GFLOP/s" in text and "| impl | devices | T |" in text
+  rows = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")]
+  for impl in ("jax_ring", "ringattention", "dense"):
+    assert impl in rows, f"no {impl} row in\n{text}"
+  assert "| devices | jax_ring | ringattention |" in text
+  for mask in ("full", "causal"):
+    assert (tmp_path / f"bench_{mask}.png").stat().st_size > 0
