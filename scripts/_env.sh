@@ -1,5 +1,6 @@
-# Sourced by run_demo.sh and run_tests.sh: creates .venv if missing and installs the
-# package (with the [dev] extra when JAX_RING_DEV=1). Needs only python3.11+ and pip.
+# Sourced by the run_*.sh scripts: creates .venv if missing and installs the package
+# (with the [dev] extra when JAX_RING_DEV=1, or the extra named by JAX_RING_EXTRA).
+# Needs only python3.11+ and pip.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -9,6 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 extra=""
 [ "${JAX_RING_DEV:-0}" = "1" ] && extra="[dev]"
+[ -n "${JAX_RING_EXTRA:-}" ] && extra="[${JAX_RING_EXTRA}]"
 stamp=".venv/.installed${extra}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
