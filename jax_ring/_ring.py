@@ -44,24 +44,32 @@ class BlockSizes:
 
   block_q: int = 256
   block_kv: int = 256
-  # KV heads (with their query heads) per pass around the ring; None: all at once.
-  # One head per pass keeps the ring's per-device buffers (blocked copies, K/V and
-  # dK/dV in flight, accumulators) at one head's size: 1/8 of all-at-once for N=8, and
-  # on the measured CPU no slower (docs/benchmarks.md). On accelerators with short
-  # shards, more heads per pass amortize the per-step latency of the ring.
-  kv_heads: int | None = 1
+  # KV heads (with their query heads) per pass around the ring. Fewer heads per pass
+  # shrink the ring's per-device buffers (blocked copies, K/V and dK/dV in flight,
+  # accumulators) by the same factor; more amortize the fixed cost of each ring step,
+  # which dominates short shards. None picks per call: the most heads (a divisor of the
+  # local kv heads, at least 1) whose local length x heads is at most `pass_tokens`.
+  kv_heads: int | None = None
+  pass_tokens: int = 4096
 
   def __post_init__(self):
-    for name in ("block_q", "block_kv", "kv_heads"):
+    for name in ("block_q", "block_kv", "kv_heads", "pass_tokens"):
       value = getattr(self, name)
       if name == "kv_heads" and value is None:
         continue
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"BlockSizes.{name}={value!r} must be a positive int")
 
-  def head_groups(self, num_kv_heads: int) -> int:
-    """How many passes `num_kv_heads` local kv heads take."""
-    if self.kv_heads is None or self.kv_heads >= num_kv_heads:
+  def head_groups(self, num_kv_heads: int, local_length: int) -> int:
+    """How many passes `num_kv_heads` local kv heads take for a shard of `local_length`."""
+    if self.kv_heads is None:
+      fits = [
+        h
+        for h in range(1, num_kv_heads + 1)
+        if num_kv_heads % h == 0 and h * local_length <= self.pass_tokens
+      ]
+      return num_kv_heads // max(fits, default=1)
+    if self.kv_heads >= num_kv_heads:
       return 1
     if num_kv_heads % self.kv_heads:  # e.g. kv_heads=2 with 3 heads on a device
       raise ValueError(
@@ -457,7 +465,7 @@ def ring_attention_shard(
       block_kv=bk,
       steps_back=back,
       steps_fwd=fwd,
-      head_groups=block_sizes.head_groups(key.shape[2]),
+      head_groups=block_sizes.head_groups(key.shape[2], padded),
     )
     out = _ring(cfg, query, key, value, pos, pos, seg, seg)
     return out[:, :t]

@@ -1,4 +1,5 @@
-"""Helpers shared by the scripts: simulated devices and medians of timed runs."""
+"""Helpers shared by the scripts: simulated devices, medians of timed runs, the
+forward+backward program and its compiled memory."""
 
 from __future__ import annotations
 
@@ -27,6 +28,23 @@ def median_time(fn, *args, repeats: int = 3, warmup: bool = True) -> float:
     jax.block_until_ready(fn(*args))
     samples.append(time.perf_counter() - start)
   return float(np.median(samples))
+
+
+def fwd_bwd(attend):
+  """(q, k, v, dO) -> (output, (dq, dk, dv)) of attention function `attend`."""
+  import jax
+
+  def both(q, k, v, g):
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, vjp(g)
+
+  return both
+
+
+def memory_mib(compiled) -> float:
+  """Per-device temp + argument memory of a compiled program, in MiB."""
+  stats = compiled.memory_analysis()
+  return (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / 2**20
 
 
 def header(script: str, argv, num_devices: int) -> list[str]:

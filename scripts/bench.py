@@ -13,7 +13,7 @@ per-device budget (compile only, nothing runs), for jax_ring and the reference.
     python scripts/bench.py                           # the full suite -> docs/benchmarks.md
     python scripts/bench.py --lengths 8192 --devices 8 --no-max-length
 
-The reference package is optional (`pip install -e .[bench]`); it needs a two-line
+The reference package is optional (`pip install -e .[bench]`); it needs a small
 import shim on current JAX (`jax.lib.xla_bridge` is gone), which lives here, not in
 the library. Without it, its rows are skipped with a message.
 """
@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-from _bench_utils import header, median_time, simulate_devices
+from _bench_utils import fwd_bwd, header, median_time, memory_mib, simulate_devices
 
 QUICK = dict(lengths="1024,2048", devices="1,8", causal="both", dtypes="float32", repeats=2, budget_mib=32)
 
@@ -159,26 +159,12 @@ class Suite:
       return self.ra is not None and length % d == 0 and (length // d) % self.ra_chunk(length // d) == 0
     return True
 
-  @staticmethod
-  def fwd_bwd(attend):
-    import jax
-
-    def both(q, k, v, g):
-      out, vjp = jax.vjp(attend, q, k, v)
-      return out, vjp(g)
-
-    return both
-
   def shapes(self, length, dtype, sharding):
     import jax
 
     a = self.args
     shape = (a.batch, length, a.heads, a.head_dim)
     return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for _ in range(4)]
-
-  def memory_mib(self, compiled) -> float:
-    stats = compiled.memory_analysis()
-    return (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / 2**20
 
   def measure(self, impl, length, d, causal, dtype):
     """(fwd s, fwd+bwd s, MiB/device, output) for one configuration."""
@@ -193,8 +179,8 @@ class Suite:
       jax.device_put(jax.random.normal(x, shape, jnp.float32).astype(dtype), sharding) for x in keys
     ]
     fwd = jax.jit(attend).lower(q, k, v).compile()
-    both = jax.jit(self.fwd_bwd(attend)).lower(q, k, v, g).compile()
-    mib = self.memory_mib(both)
+    both = jax.jit(fwd_bwd(attend)).lower(q, k, v, g).compile()
+    mib = memory_mib(both)
     t_fwd = median_time(fwd, q, k, v, repeats=a.repeats)
     t_both = median_time(both, q, k, v, g, repeats=a.repeats)
     return t_fwd, t_both, mib, fwd(q, k, v)
@@ -204,8 +190,8 @@ class Suite:
     import jax.numpy as jnp
 
     attend, sharding = self.attention(impl, length, d, False, "float32")
-    compiled = jax.jit(self.fwd_bwd(attend)).lower(*self.shapes(length, jnp.float32, sharding)).compile()
-    return self.memory_mib(compiled) <= budget_mib
+    compiled = jax.jit(fwd_bwd(attend)).lower(*self.shapes(length, jnp.float32, sharding)).compile()
+    return memory_mib(compiled) <= budget_mib
 
   def max_length(self, impl, d, budget_mib, step: int) -> int:
     """Longest multiple of `step` that fits: doubling, then bisection to 1/32."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _bench_utils import header, median_time, simulate_devices
+from _bench_utils import fwd_bwd, header, median_time, memory_mib, simulate_devices
 
 
 def parse_args(argv=None):
@@ -53,15 +53,9 @@ def main(argv=None):
 
   def measure(attend, length, sharding):
     q, k, v, g = inputs(length, sharding)
-
-    def fwd_bwd(q, k, v, g):
-      out, vjp = jax.vjp(attend, q, k, v)
-      return out, vjp(g)
-
     fwd = jax.jit(attend).lower(q, k, v).compile()
-    both = jax.jit(fwd_bwd).lower(q, k, v, g).compile()
-    stats = both.memory_analysis()
-    mib = (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / 2**20
+    both = jax.jit(fwd_bwd(attend)).lower(q, k, v, g).compile()
+    mib = memory_mib(both)
     time = lambda fn, *xs: median_time(fn, *xs, repeats=args.repeats)
     return time(fwd, q, k, v), time(both, q, k, v, g), mib
 

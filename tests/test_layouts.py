@@ -72,7 +72,7 @@ def test_every_layout_and_mask_matches_reference(p, layout, mask):
   mesh = make_mesh((p,), ("seq",))
   args = qkv(2, length, 4, 2, 8)
   fn = lambda q, k, v: ring_attention(
-    q, k, v, mesh=mesh, layout=layout, block_sizes=jax_ring.BlockSizes(4, 4), **options
+    q, k, v, mesh=mesh, layout=layout, block_sizes=jax_ring.BlockSizes(4, 4, kv_heads=1), **options
   )
   compare_with_reference(fn, lambda q, k, v: reference_attention(q, k, v, **options), args, 1e-5)
 

@@ -72,7 +72,7 @@ def _errors(policy, devices, dtype=jnp.float32, **options):
   mesh = make_mesh((devices,), ("seq",))
   q, k, v = qkv(1, 256, 4, 2, 32, dtype=dtype)
   fn = lambda q, k, v: ring_attention(
-    q, k, v, mesh=mesh, policy=policy, block_sizes=jax_ring.BlockSizes(32, 32), **options
+    q, k, v, mesh=mesh, policy=policy, block_sizes=jax_ring.BlockSizes(32, 32, kv_heads=1), **options
   )
   out, vjp = jax.vjp(fn, q, k, v)
   ref, ref_vjp = jax.vjp(

@@ -12,7 +12,7 @@ import jax_ring
 from jax_ring import reference_attention, ring_attention
 
 TOL = 1e-5
-SMALL_BLOCKS = jax_ring.BlockSizes(block_q=8, block_kv=16)
+SMALL_BLOCKS = jax_ring.BlockSizes(block_q=8, block_kv=16, kv_heads=1)  # several passes per call
 
 # name -> (heads, kv_heads, length, options); lengths are deliberately awkward.
 CASES = {
@@ -151,8 +151,9 @@ def test_hlo_uses_only_collective_permute(options):
 def test_memory_per_device_is_linear_and_divided_by_devices():
   """Per-device memory of forward+backward, from the compiler (deterministic).
 
-  T=32768, N=8, H=64, float32, default block sizes (one kv head per pass around the
-  ring): temp at 8 devices at most 1/4 of one device's, and linear in the length.
+  T=32768, N=8, H=64, float32, default block sizes (which send one kv head per pass
+  around the ring at these shard lengths): temp at 8 devices at most 1/4 of one
+  device's, and linear in the length.
   """
   mesh8 = make_mesh((8,), ("seq",))
   stats = lambda mesh, t, **o: _compiled_fwd_bwd(mesh, t, **o).memory_analysis()
@@ -164,12 +165,24 @@ def test_memory_per_device_is_linear_and_divided_by_devices():
 
 
 def test_one_head_per_pass_divides_ring_buffers_by_heads():
-  """All 8 heads in one pass hold 8x the ring's buffers of one head per pass: the
-  default's temp is at most 1/4 of the all-at-once figure at 8 devices."""
+  """All 8 heads in one pass hold 8x the ring's buffers of one head per pass: at 8
+  devices, one head per pass takes at most 1/4 of the all-at-once temp memory."""
   mesh8 = make_mesh((8,), ("seq",))
-  one = _compiled_fwd_bwd(mesh8, 16384).memory_analysis().temp_size_in_bytes
-  every = _compiled_fwd_bwd(mesh8, 16384, block_sizes=jax_ring.BlockSizes(kv_heads=None)).memory_analysis()
-  assert one <= every.temp_size_in_bytes / 4, (one, every.temp_size_in_bytes)
+  temp = lambda h: (
+    _compiled_fwd_bwd(mesh8, 16384, block_sizes=jax_ring.BlockSizes(kv_heads=h))
+    .memory_analysis()
+    .temp_size_in_bytes
+  )
+  one, every = temp(1), temp(8)
+  assert one <= every / 4, (one, every)
+
+
+def test_heads_per_pass_chosen_by_shard_length():
+  bs = jax_ring.BlockSizes()  # at most 4096 local tokens x heads per pass
+  assert [bs.head_groups(8, t) for t in (256, 512, 1024, 4096, 65536)] == [1, 1, 2, 8, 8]
+  assert bs.head_groups(3, 2048) == 3 and bs.head_groups(2, 1000) == 1
+  assert jax_ring.BlockSizes(kv_heads=2).head_groups(8, 256) == 4
+  assert jax_ring.BlockSizes(kv_heads=8).head_groups(8, 65536) == 1
 
 
 def test_max_length_budget_at_8_devices():
