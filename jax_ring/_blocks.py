@@ -70,13 +70,31 @@ def block_mask(spec: MaskSpec, q_pos, k_pos, q_seg, k_seg):
   return mask
 
 
+def _dot(spec: str, a, b, policy: Policy):
+  return jnp.einsum(spec, a, b, precision=policy.precision, preferred_element_type=policy.accum_dtype)
+
+
+def _rows(x):
+  """[B, K, G, bq, ...] -> [B * K, G * bq, ...] (a free reshape)."""
+  return x.reshape(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
+
+
+def _flat(x):
+  """[B, K, ...] -> [B * K, ...]; K/V blocks, their transposes, per-head row stats."""
+  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
 def _scores(q, k, mask, policy: Policy):
-  """Scores [B, K, G, bq, bk] of pre-scaled queries, -inf where masked."""
-  s = jnp.einsum(
-    "bkgqh,bksh->bkgqs", q, k, precision=policy.precision, preferred_element_type=policy.accum_dtype
-  )
+  """Scores [B * K, G * bq, bk] of pre-scaled queries q [B, K, G, bq, H] against keys
+  k [B, K, bk, H], -inf where masked.
+
+  The tile math runs on 3-d arrays, one batch axis: with the size-1 axes of B and G
+  kept, the CPU compiler copied every score tile once more before its row maximum.
+  """
+  s = _dot("xqh,xsh->xqs", _rows(q), _flat(k), policy)
   if mask is not None:
-    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    b, kh, g, bq = q.shape[:4]
+    s = jnp.where(mask[:, None, None], s.reshape(b, kh, g, bq, -1), -jnp.inf).reshape(s.shape)
   return s
 
 
@@ -88,19 +106,15 @@ def block_update(q, k, v, mask, policy: Policy, o, m, l):
   at the end (`finalize`) instead of per block saves a division and a merge per tile.
   """
   s = _scores(q, k, mask, policy)
-  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  m0, l0 = _rows(m[..., None])[..., 0], _rows(l[..., None])[..., 0]
+  m_new = jnp.maximum(m0, jnp.max(s, axis=-1))
   m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with no visible key yet
   probs = jnp.exp(s - m_safe[..., None])
-  alpha = jnp.exp(m - m_safe)
-  l = l * alpha + jnp.sum(probs, axis=-1)
-  pv = jnp.einsum(
-    "bkgqs,bksh->bkgqh",
-    probs.astype(policy.compute_dtype),
-    v,
-    precision=policy.precision,
-    preferred_element_type=policy.accum_dtype,
-  )
-  return o * alpha[..., None] + pv, m_new, l
+  alpha = jnp.exp(m0 - m_safe)
+  l_new = l0 * alpha + jnp.sum(probs, axis=-1)
+  pv = _dot("xqs,xsh->xqh", probs.astype(policy.compute_dtype), _flat(v), policy)
+  o_new = _rows(o) * alpha[..., None] + pv
+  return o_new.reshape(o.shape), m_new.reshape(m.shape), l_new.reshape(l.shape)
 
 
 def finalize(o, m, l):
@@ -112,22 +126,30 @@ def finalize(o, m, l):
   return out, lse
 
 
-def block_backward(q, k, v, do, lse, delta, mask, policy: Policy):
+def block_backward(q, q_t, k, v, do, do_t, lse, delta, mask, policy: Policy):
   """Gradients of one block given the final lse and delta = sum(dO * O, -1).
 
+  The dK and dV products contract over query rows. With the rows on the left
+  operand's last axis they run at the full matmul rate; with a transposed score tile
+  they ran at half of it. So q and dO also come transposed, q_t and do_t
+  [B, K, H, G, bq], and dK, dV come out transposed, [B, K, H, bk].
+
   q is pre-scaled, so the dq returned still lacks the factor `scale`; dk is exact.
-  Returns dq [B, K, G, bq, H], dk, dv [B, K, bk, H], all in the accum dtype.
+  Returns dq [B, K, G, bq, H], dk_t, dv_t, all in the accum dtype.
   """
+  cd = policy.compute_dtype
   s = _scores(q, k, mask, policy)
+  lse = _rows(lse[..., None])[..., 0]
   lse_safe = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
   probs = jnp.exp(s - lse_safe[..., None])
-  cd, acc, prec = policy.compute_dtype, policy.accum_dtype, policy.precision
-  dv = jnp.einsum("bkgqs,bkgqh->bksh", probs.astype(cd), do, precision=prec, preferred_element_type=acc)
-  dp = jnp.einsum("bkgqh,bksh->bkgqs", do, v, precision=prec, preferred_element_type=acc)
-  ds = (probs * (dp - delta[..., None])).astype(cd)
-  dq = jnp.einsum("bkgqs,bksh->bkgqh", ds, k, precision=prec, preferred_element_type=acc)
-  dk = jnp.einsum("bkgqs,bkgqh->bksh", ds, q, precision=prec, preferred_element_type=acc)
-  return dq, dk, dv
+  dp = _dot("xqh,xsh->xqs", _rows(do), _flat(v), policy)
+  ds = (probs * (dp - _rows(delta[..., None]))).astype(cd)
+  dq = _dot("xqs,xsh->xqh", ds, _flat(k), policy).reshape(q.shape)
+  t_rows = lambda x: x.reshape(x.shape[0] * x.shape[1], x.shape[2], -1)  # [B*K, H, G*bq]
+  dk_t = _dot("xhq,xqs->xhs", t_rows(q_t), ds, policy)
+  dv_t = _dot("xhq,xqs->xhs", t_rows(do_t), probs.astype(cd), policy)
+  shape_t = (*k.shape[:2], k.shape[3], k.shape[2])
+  return dq, dk_t.reshape(shape_t), dv_t.reshape(shape_t)
 
 
 def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, kv: KVBlocks, acc):
@@ -155,25 +177,30 @@ class QBlocks(NamedTuple):
   """The per-query-block residuals the backward pass walks over."""
 
   q: jax.Array
+  q_t: jax.Array  # [nq, B, K, H, G, bq]
   do: jax.Array
+  do_t: jax.Array
   lse: jax.Array
   delta: jax.Array
   pos: jax.Array
   seg: jax.Array | None
 
 
-def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk, dv):
-  """Adds the gradient contributions of the pair (all query blocks, kv) to dq, dk, dv."""
+def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, dv_t):
+  """Adds the gradient contributions of the pair (all query blocks, kv) to dq, dk, dv.
+
+  dk_t and dv_t are transposed, [nk, B, K, H, bk]; so are their updates.
+  """
 
   def over_k(dq, xs):
     kb, vb, kp, ks, dkb, dvb = xs
 
     def over_q(carry, ys):
-      q, do, l, delta, qp, qs, dqb = ys
+      q, q_t, do, do_t, l, delta, qp, qs, dqb = ys
       mask = block_mask(spec, qp, kp, qs, ks)
 
       def compute(dkb, dvb, dqb):
-        g_q, g_k, g_v = block_backward(q, kb, vb, do, l, delta, mask, policy)
+        g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, mask, policy)
         return (dkb + g_k, dvb + g_v), dqb + g_q
 
       def skip(dkb, dvb, dqb):
@@ -186,5 +213,5 @@ def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk, dv
     (dkb, dvb), dq = lax.scan(over_q, (dkb, dvb), (*qb, dq))
     return dq, (dkb, dvb)
 
-  dq, (dk, dv) = lax.scan(over_k, dq, (*kv, dk, dv))
-  return dq, dk, dv
+  dq, (dk_t, dv_t) = lax.scan(over_k, dq, (*kv, dk_t, dv_t))
+  return dq, dk_t, dv_t

@@ -293,11 +293,16 @@ def _ring_backward_state(cfg: RingConfig, x: _Inputs, do, lse, delta):
   output too (d lse_i / d s_ij = p_ij enters the score gradient like -delta does).
   """
   pol = cfg.policy
-  qb = QBlocks(q=x.q, do=do, lse=lse, delta=delta, pos=x.q_pos, seg=x.q_seg)
+  # [nq, B, K, G, bq, H] -> [nq, B, K, H, G, bq]: the layout the dK and dV products take.
+  heads_first = lambda x: jnp.moveaxis(x, -1, -3)
+  qb = QBlocks(
+    q=x.q, q_t=heads_first(x.q), do=do, do_t=heads_first(do), lse=lse, delta=delta, pos=x.q_pos, seg=x.q_seg
+  )
   dq = _zeros_like_both(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
+  shape_t = x.kv.k.shape[:-2] + x.kv.k.shape[:-3:-1]  # dK and dV travel transposed
   zeros_kv = lambda: (
-    _zeros_like_both(x.kv.k.shape, pol.accum_dtype, x.q, x.kv.k),
-    _zeros_like_both(x.kv.v.shape, pol.accum_dtype, x.q, x.kv.v),
+    _zeros_like_both(shape_t, pol.accum_dtype, x.q, x.kv.k),
+    _zeros_like_both(shape_t, pol.accum_dtype, x.q, x.kv.v),
   )
 
   def compute(kv, dkv, dq):
@@ -311,7 +316,8 @@ def _ring_backward_state(cfg: RingConfig, x: _Inputs, do, lse, delta):
     fwd = cfg.steps_fwd
     (dk2, dv2), dq = _pass_backward(cfg, compute, _send(x.kv, cfg, -1), zeros_kv(), dq, fwd - 1, -1, fwd)
     dk, dv = dk + dk2, dv + dv2
-  return dq * jnp.asarray(cfg.scale, pol.accum_dtype), dk, dv
+  untranspose = lambda x: jnp.swapaxes(x, -1, -2)
+  return dq * jnp.asarray(cfg.scale, pol.accum_dtype), untranspose(dk), untranspose(dv)
 
 
 def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
