@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -32,18 +33,34 @@ from jax_ring._blocks import (
 )
 from jax_ring._policy import Policy, get_policy
 
+# Tile sizes when BlockSizes leaves them None: (block_q, block_kv) for CPU meshes with
+# more devices than host cores (simulated devices, each program on a fraction of a
+# core), and for everything else. Measured on a 2-core CPU (docs/benchmarks.md): with 8
+# simulated devices 256 x 256 and 1024 x 512 ran level; with 1 or 2 devices 1024 x 512
+# ran 1.3 to 1.8x faster than 256 x 256.
+SHARED_CORE_TILES = (256, 256)
+TILES = (1024, 512)
+MIN_AUTO_TILE = 256
+
+
+def default_tiles(platform: str, devices: int, cores: int | None = None) -> tuple[int, int]:
+  """(block_q, block_kv) for `devices` running at once on `platform`."""
+  cores = (os.cpu_count() or 1) if cores is None else cores
+  return SHARED_CORE_TILES if platform == "cpu" and devices > cores else TILES
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Query and key block lengths inside a device.
 
-  No score tile larger than [block_q x block_kv] exists per head. The defaults were
-  the fastest of those measured on a 2-core CPU (docs/benchmarks.md): tiles of this
-  size stay in cache through the exponential and both matmuls.
+  No score tile larger than [block_q x block_kv] exists per head. None (the default)
+  picks per call (`default_tiles`): 256 x 256 on a CPU mesh with more devices than
+  cores, else 1024 x 512; halved (not below 256) until they divide the local length
+  rounded up to 256.
   """
 
-  block_q: int = 256
-  block_kv: int = 256
+  block_q: int | None = None
+  block_kv: int | None = None
   # KV heads (with their query heads) per pass around the ring. Fewer heads per pass
   # shrink the ring's per-device buffers (blocked copies, K/V and dK/dV in flight,
   # accumulators) by the same factor; more amortize the fixed cost of each ring step,
@@ -55,7 +72,7 @@ class BlockSizes:
   def __post_init__(self):
     for name in ("block_q", "block_kv", "kv_heads", "pass_tokens"):
       value = getattr(self, name)
-      if name == "kv_heads" and value is None:
+      if name != "pass_tokens" and value is None:
         continue
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"BlockSizes.{name}={value!r} must be a positive int")
@@ -349,11 +366,32 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _local_blocks(length: int, bs: BlockSizes) -> tuple[int, int, int]:
-  """(padded local length, block_q, block_kv) so both blocks divide the length."""
-  padded = length
+def _local_blocks(length: int, bs: BlockSizes, devices: int | None = None) -> tuple[int, int, int]:
+  """(padded local length, block_q, block_kv) so both blocks divide the length.
+
+  `devices` is how many devices run at once (default: those of the current mesh).
+  """
+  if devices is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = 1 if mesh.empty else mesh.size
+  auto_q, auto_kv = default_tiles(jax.default_backend(), devices)
+
+  rounded = length if length <= MIN_AUTO_TILE else -(-length // MIN_AUTO_TILE) * MIN_AUTO_TILE
+
+  def fit(block, auto):
+    """A given block as is; else the whole length if short, or the largest of auto,
+    auto / 2, ..., 256 that divides the length rounded up to 256."""
+    if block is not None:
+      return block
+    auto = min(auto, rounded)
+    while rounded % auto:
+      auto //= 2
+    return auto
+
+  want_q, want_kv = fit(bs.block_q, auto_q), fit(bs.block_kv, auto_kv)
+  padded = length if bs.block_q and bs.block_kv else rounded
   while True:
-    bq, bk = min(bs.block_q, padded), min(bs.block_kv, padded)
+    bq, bk = min(want_q, padded), min(want_kv, padded)
     if padded % bq == 0 and padded % bk == 0:
       return padded, bq, bk
     padded = -(-padded // math.lcm(bq, bk)) * math.lcm(bq, bk)

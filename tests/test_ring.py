@@ -185,6 +185,24 @@ def test_heads_per_pass_chosen_by_shard_length():
   assert jax_ring.BlockSizes(kv_heads=8).head_groups(8, 65536) == 1
 
 
+def test_tiles_chosen_by_devices_per_core():
+  from jax_ring._ring import _local_blocks, default_tiles
+
+  assert default_tiles("cpu", 8, cores=2) == (256, 256)  # simulated devices share cores
+  assert default_tiles("cpu", 2, cores=2) == default_tiles("gpu", 8, cores=2) == (1024, 512)
+  bs = jax_ring.BlockSizes()
+  fits = lambda length: _local_blocks(length, bs, devices=1)  # a device has its own cores
+  assert [fits(t) for t in (4096, 1536, 1000, 100)] == [
+    (4096, 1024, 512),
+    (1536, 512, 512),
+    (1024, 1024, 512),
+    (100, 100, 100),
+  ]
+  assert _local_blocks(1000, jax_ring.BlockSizes(block_q=8), devices=1) == (1024, 8, 512)
+  assert _local_blocks(700, bs, devices=1) == (768, 768, 256)
+  assert _local_blocks(4096, bs, devices=10**6) == (4096, 256, 256)
+
+
 def test_max_length_budget_at_8_devices():
   """B=1, N=8, H=64, float32: 512K tokens over 8 devices compile to at most 1 GiB per
   device (temp + arguments) for forward+backward (issue 7's max-length target)."""
