@@ -366,10 +366,14 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _local_blocks(length: int, bs: BlockSizes, devices: int | None = None) -> tuple[int, int, int]:
+def _local_blocks(
+  length: int, bs: BlockSizes, devices: int | None = None, layout: str | None = None
+) -> tuple[int, int, int]:
   """(padded local length, block_q, block_kv) so both blocks divide the length.
 
   `devices` is how many devices run at once (default: those of the current mesh).
+  Under the zigzag layout, blocks chosen here stay within one of the shard's two
+  halves where they can, so the causal mask can skip whole tiles.
   """
   if devices is None:
     mesh = jax.sharding.get_abstract_mesh()
@@ -384,6 +388,8 @@ def _local_blocks(length: int, bs: BlockSizes, devices: int | None = None) -> tu
     if block is not None:
       return block
     auto = min(auto, rounded)
+    if layout == "zigzag" and length % 2 == 0 and rounded % (length // 2) == 0:
+      auto = min(auto, length // 2)
     while rounded % auto:
       auto //= 2
     return auto
@@ -490,7 +496,7 @@ def ring_attention_shard(
     has_padding = _valid_length is not None or positions is not None
     if _valid_length is not None:
       pos = jnp.where(pos < _valid_length, pos, -1)
-    padded, bq, bk = _local_blocks(t, block_sizes)
+    padded, bq, bk = _local_blocks(t, block_sizes, layout=layout if positions is None else None)
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
     if padded != t:
       has_padding = True

@@ -34,7 +34,7 @@ def work_report(
   shard = padded // p
   pos = layouts.positions(layout, p, shard)
   pos = np.where(pos < seq_len, pos, -1)
-  local, bq, bk = _local_blocks(shard, block_sizes, devices=p)
+  local, bq, bk = _local_blocks(shard, block_sizes, devices=p, layout=layout)
   pos = np.pad(pos, ((0, 0), (0, local - shard)), constant_values=-1)
   back, fwd = _schedule(layout, window, is_causal, shard, p, False)
   sources = [(s, lambda d, s=s: (d - s) % p) for s in range(back + 1)]

@@ -201,6 +201,10 @@ def test_tiles_chosen_by_devices_per_core():
   assert _local_blocks(1000, jax_ring.BlockSizes(block_q=8), devices=1) == (1024, 8, 512)
   assert _local_blocks(700, bs, devices=1) == (768, 768, 256)
   assert _local_blocks(4096, bs, devices=10**6) == (4096, 256, 256)
+  # zigzag: blocks within a half, so causal tiles can be skipped
+  assert _local_blocks(256, bs, devices=10**6, layout="zigzag") == (256, 128, 128)
+  assert _local_blocks(1024, bs, devices=1, layout="zigzag") == (1024, 512, 512)
+  assert _local_blocks(600, bs, devices=1, layout="zigzag") == (768, 768, 256)  # halves unaligned
 
 
 def test_max_length_budget_at_8_devices():
