@@ -1,5 +1,7 @@
 """Core ring attention against the float64 dense reference."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -205,6 +207,24 @@ def test_tiles_chosen_by_devices_per_core():
   assert _local_blocks(256, bs, devices=10**6, layout="zigzag") == (256, 128, 128)
   assert _local_blocks(1024, bs, devices=1, layout="zigzag") == (1024, 512, 512)
   assert _local_blocks(600, bs, devices=1, layout="zigzag") == (768, 768, 256)  # halves unaligned
+
+
+@pytest.mark.parametrize(
+  "devices, length, options",
+  [(2, 4096, {}), (1, 2500, {"is_causal": True})],
+  ids=["2dev_1024x512_tiles", "1dev_causal_512_tiles"],
+)
+def test_default_tiles_when_devices_have_cores(devices, length, options):
+  """Default BlockSizes on a mesh with no more devices than cores: the large tiles
+  (1024 x 512, or 512 x 512 where 1024 does not divide) against the reference."""
+  from jax_ring._ring import _local_blocks
+
+  local = _local_blocks(length // devices, jax_ring.BlockSizes(), devices=devices)
+  assert local[1:] in ((1024, 512), (512, 512)) or devices > (os.cpu_count() or 1), local
+  mesh = make_mesh((devices,), ("seq",))
+  args = qkv(1, length, 4, 2, 8)
+  fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, **options)
+  compare_with_reference(fn, lambda q, k, v: reference_attention(q, k, v, **options), args, TOL)
 
 
 def test_max_length_budget_at_8_devices():
