@@ -31,3 +31,19 @@ def test_quick_benchmark_writes_its_tables(tmp_path):
   assert "| devices | jax_ring | ringattention |" in text
   for mask in ("full", "causal"):
     assert (tmp_path / f"bench_{mask}.png").stat().st_size > 0
+
+
+def test_tile_benchmark_writes_a_row_per_product(tmp_path):
+  import bench_tile
+
+  out = tmp_path / "bench.md"
+  argv = ["--devices=2", "--heads=1", "--block=16", "--head-dim=8", "--tiles=2", "--repeats=1"]
+  argv.append(f"--out={out}")
+  bench_tile.main(argv)
+  text = out.read_text()
+  assert text.count("<!-- bench.py tile -->") == 1
+  rows = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| ")][1:]  # no header
+  rates = {name.strip(): float(rate) for name, rate in rows}
+  names = [f"{name} (`{spec}`)" for name, (spec, _, _) in bench_tile.PRODUCTS.items()]
+  assert sorted(rates) == sorted([*names, "4096^3 matmul, one device"])
+  assert all(rate > 0 for rate in rates.values()), rates

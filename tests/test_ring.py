@@ -211,8 +211,8 @@ def test_tiles_chosen_by_devices_per_core():
 
 @pytest.mark.parametrize(
   "devices, length, options",
-  [(2, 4096, {}), (1, 2500, {"is_causal": True})],
-  ids=["2dev_1024x512_tiles", "1dev_causal_512_tiles"],
+  [(2, 2048, {}), (1, 1300, {"is_causal": True})],
+  ids=["2dev_1024x512_tiles", "1dev_causal_512_tiles_padded"],
 )
 def test_default_tiles_when_devices_have_cores(devices, length, options):
   """Default BlockSizes on a mesh with no more devices than cores: the large tiles
