@@ -1,13 +1,15 @@
 """Attention of query blocks against key blocks, with masks from global positions.
 
 Shapes (BTNH legend, blocked): B batch, K kv heads, G = N // K query heads per kv head,
-H head dim, bq / bk block lengths, nq / nk numbers of blocks. Heads come before rows,
-so every product below is a plain batched matmul over (B, K) with no transposes:
+H head dim, bq / bk block lengths, nq / nk numbers of blocks. Heads come before rows;
+each tile is reshaped (for free) to 3-d, [B * K, G * bq, ...], so every product is a
+batched matmul with one batch axis whose operands need no copy (scripts/bench_tile.py):
 
     q blocks   [nq, B, K, G, bq, H]      k, v blocks   [nk, B, K, bk, H]
     q pos      [nq, bq] int32            k pos         [nk, bk] int32 (-1: padding)
     q seg      [nq, B, bq] or None       k seg         [nk, B, bk] or None
     out acc    [nq, B, K, G, bq, H]      row stats     [nq, B, K, G, bq]
+    backward:  q, dO also as [nq, B, K, H, G, bq]; dK, dV as [nk, B, K, H, bk]
 
 Queries arrive multiplied by the softmax scale.
 
