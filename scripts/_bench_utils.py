@@ -14,11 +14,10 @@ def simulate_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
-def median_time(fn, *args, repeats: int = 3, warmup: bool = True) -> float:
-  """Median wall time of fn(*args) over `repeats` runs, after one warm-up run unless
-  `warmup` is False (for an already compiled function whose runs take minutes)."""
+def run_times(fn, *args, repeats: int = 3, warmup: bool = True) -> list[float]:
+  """Wall times of `repeats` runs of fn(*args), after one warm-up run unless `warmup`
+  is False (for an already compiled function whose runs take minutes)."""
   import jax
-  import numpy as np
 
   if warmup:
     jax.block_until_ready(fn(*args))
@@ -27,7 +26,26 @@ def median_time(fn, *args, repeats: int = 3, warmup: bool = True) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     samples.append(time.perf_counter() - start)
-  return float(np.median(samples))
+  return samples
+
+
+def median_time(fn, *args, repeats: int = 3, warmup: bool = True) -> float:
+  """Median wall time of fn(*args) over `repeats` runs (see `run_times`)."""
+  import numpy as np
+
+  return float(np.median(run_times(fn, *args, repeats=repeats, warmup=warmup)))
+
+
+def matmul_rate(repeats: int, stat=None) -> float:
+  """FLOP/s of a 4096^3 float32 matmul on one device; `stat` of the run times
+  (default the median)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  a = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (4096, 4096), jnp.float32), jax.devices()[0])
+  samples = run_times(jax.jit(lambda x: x @ x), a, repeats=max(repeats, 3))
+  return 2 * 4096**3 / float((stat or np.median)(samples))
 
 
 def fwd_bwd(attend):

@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-from _bench_utils import fwd_bwd, header, median_time, memory_mib, simulate_devices
+from _bench_utils import fwd_bwd, header, matmul_rate, median_time, memory_mib, simulate_devices
 
 QUICK = dict(lengths="1024,2048", devices="1,8", causal="both", dtypes="float32", repeats=2, budget_mib=32)
 
@@ -86,16 +86,6 @@ def import_ringattention():
   except Exception as e:  # ImportError, or the package failing on this JAX
     return None, f"{type(e).__name__}: {e}"
   return ringattention_jax, None
-
-
-def matmul_rate(repeats: int) -> float:
-  """FLOP/s of a 4096^3 float32 matmul on one device."""
-  import jax
-  import jax.numpy as jnp
-
-  a = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (4096, 4096), jnp.float32), jax.devices()[0])
-  fn = jax.jit(lambda x: x @ x)
-  return 2 * 4096**3 / median_time(fn, a, repeats=max(repeats, 3))
 
 
 class Suite:

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
-from _bench_utils import header, simulate_devices
+from _bench_utils import header, matmul_rate, run_times, simulate_devices
 
 # name -> (einsum over [heads, ...] operands, lhs dims, rhs dims); s: score rows or
 # columns (block), h: head dim.
@@ -40,19 +39,6 @@ def parse_args(argv=None):
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--out", default=None, help="Markdown file for the table (its 'tile' section)")
   return p.parse_args(argv)
-
-
-def best_time(fn, *args, repeats: int) -> float:
-  """Fastest of `repeats` runs after a warm-up: the least disturbed by other load."""
-  import jax
-
-  jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append(time.perf_counter() - start)
-  return min(samples)
 
 
 def product_rate(args, spec, lhs_dims, rhs_dims) -> float:
@@ -79,15 +65,8 @@ def product_rate(args, spec, lhs_dims, rhs_dims) -> float:
 
   fn = jax.jit(jax.shard_map(tiles, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
   flops = 2.0 * n * args.heads * args.block * args.block * args.head_dim
-  return flops / best_time(fn, a, b, repeats=args.repeats) / 1e9
-
-
-def matmul_rate(repeats: int) -> float:
-  import jax
-  import jax.numpy as jnp
-
-  a = jnp.ones((4096, 4096), jnp.float32)
-  return 2 * 4096**3 / best_time(jax.jit(lambda x: x @ x), a, repeats=repeats) / 1e9
+  # the fastest run: the one least disturbed by other load on the host
+  return flops / min(run_times(fn, a, b, repeats=args.repeats)) / 1e9
 
 
 def main(argv=None):
@@ -104,7 +83,7 @@ def main(argv=None):
   for name, (spec, lhs, rhs) in PRODUCTS.items():
     lines.append(f"| {name} (`{spec}`) | {product_rate(args, spec, lhs, rhs):.3g} |")
     print(lines[-1], flush=True)
-  lines.append(f"| 4096^3 matmul, one device | {matmul_rate(args.repeats):.3g} |")
+  lines.append(f"| 4096^3 matmul, one device | {matmul_rate(args.repeats, stat=min) / 1e9:.3g} |")
   print(lines[-1], flush=True)
   text = "\n".join(lines) + "\n"
   if args.out:
