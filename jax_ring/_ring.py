@@ -37,7 +37,7 @@ from jax_ring._policy import Policy, get_policy
 # more devices than host cores (simulated devices, each program on a fraction of a
 # core), and for everything else. Measured on a 2-core CPU (docs/benchmarks.md): with 8
 # simulated devices 256 x 256 and 1024 x 512 ran level; with 1 or 2 devices 1024 x 512
-# ran 1.3 to 1.8x faster than 256 x 256.
+# ran 1.2 to 1.8x faster than 256 x 256.
 SHARED_CORE_TILES = (256, 256)
 TILES = (1024, 512)
 MIN_AUTO_TILE = 256
