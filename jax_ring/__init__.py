@@ -5,10 +5,11 @@ K key/value heads, G = N // K query heads per kv head, H head dim.
 """
 
 from jax_ring import layouts
+from jax_ring._attention import ring_attention, ring_attention_shard
 from jax_ring._dilated import dilated_attention
 from jax_ring._policy import PRESETS, Policy, policy_for
 from jax_ring._reference import reference_attention, reference_dilated_attention
-from jax_ring._ring import BlockSizes, ring_attention, ring_attention_shard
+from jax_ring._tiles import BlockSizes
 from jax_ring._work import work_report
 
 __all__ = [

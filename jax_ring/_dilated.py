@@ -38,26 +38,19 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_ring import _validation
-from jax_ring._blocks import MaskSpec
+from jax_ring._kernel import MaskSpec
+from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_on_mesh
 from jax_ring._policy import Policy, get_policy
-from jax_ring._ring import (
+from jax_ring._ring import RingConfig, prepare, ring_backward_state, ring_forward_state
+from jax_ring._tiles import (
   BlockSizes,
-  RingConfig,
-  _block_q,
-  _block_rows,
-  _local_blocks,
-  _prepare,
-  _ring_backward_state,
-  _ring_forward_state,
-  _unblock_kv,
-  _unblock_q,
-  _unblock_rows,
-  call_on_mesh,
+  block_q,
+  block_rows,
   check_block_sizes,
-  constrain,
-  output_spec,
-  pad_seq,
-  place_on_mesh,
+  local_blocks,
+  unblock_kv,
+  unblock_q,
+  unblock_rows,
 )
 
 
@@ -204,7 +197,7 @@ class _Selected:
     self.lay = lay = _Layout(cfg, pat, t)
     c = lay.c
     self.c = c
-    self.n_pad, bq, bk = _local_blocks(pat.slots, cfg.block_sizes)
+    self.n_pad, bq, bk = local_blocks(pat.slots, cfg.block_sizes)
     self.pad = self.n_pad - pat.slots
     qs = _gather(_pieces(_heads_to_virtual(q, kh, c), pat), lay)
     kv_pieces = lambda x: _pieces(jnp.broadcast_to(x[:, :, :, None], (b, t, kh, c, h)), pat)
@@ -216,7 +209,7 @@ class _Selected:
     self.v = self.pad_slots(_fold(vs)[:, :, None])
     self.seg = self.pad_slots(_fold(segs), -1)  # [B', n]
     pos = jnp.pad(lay.positions, (0, self.pad), constant_values=-1)
-    self.inputs = lambda ring_cfg: _prepare(ring_cfg, self.q, self.k, self.v, pos, pos, self.seg, self.seg)
+    self.inputs = lambda ring_cfg: prepare(ring_cfg, self.q, self.k, self.v, pos, pos, self.seg, self.seg)
     self.ring = RingConfig(
       axis_name=cfg.axis_name,
       ring_size=pat.ring,
@@ -257,9 +250,9 @@ def _forward(cfg: DilatedConfig, q, k, v, seg):
   for pat in cfg.patterns:
     with jax.named_scope(f"pattern_w{pat.segment}_r{pat.rate}"):
       sel = _Selected(cfg, pat, q, k, v, seg)
-      o, l = _ring_forward_state(sel.ring, sel.inputs(sel.ring))
-      o = sel.scatter_rows(_unblock_q(o)[:, :, 0])
-      l = sel.scatter_rows(_unblock_rows(l)[:, :, 0], -jnp.inf)
+      o, l = ring_forward_state(sel.ring, sel.inputs(sel.ring))
+      o = sel.scatter_rows(unblock_q(o)[:, :, 0])
+      l = sel.scatter_rows(unblock_rows(l)[:, :, 0], -jnp.inf)
       new = jnp.logaddexp(lse, l)
       safe = jnp.where(jnp.isneginf(new), 0.0, new)
       out = out * jnp.exp(lse - safe)[..., None] + o * jnp.exp(l - safe)[..., None]
@@ -292,12 +285,12 @@ def _dilated_bwd(cfg: DilatedConfig, res, g):
       sel = _Selected(cfg, pat, q, k, v, seg)
       x = sel.inputs(sel.ring)
       bq = sel.ring.block_q
-      do = _block_q(sel.gather_rows(g.astype(pol.compute_dtype))[:, :, None], bq)
-      rows = lambda r, fill, sel=sel, bq=bq: _block_rows(sel.gather_rows(r, fill)[:, :, None], bq)
-      gq, gk, gv = _ring_backward_state(sel.ring, x, do, rows(lse, -jnp.inf), rows(delta, 0.0))
-      dq = dq + sel.scatter_rows(_unblock_q(gq)[:, :, 0])
-      dk = dk + sel.scatter_kv(_unblock_kv(gk))
-      dv = dv + sel.scatter_kv(_unblock_kv(gv))
+      do = block_q(sel.gather_rows(g.astype(pol.compute_dtype))[:, :, None], bq)
+      rows = lambda r, fill, sel=sel, bq=bq: block_rows(sel.gather_rows(r, fill)[:, :, None], bq)
+      gq, gk, gv = ring_backward_state(sel.ring, x, do, rows(lse, -jnp.inf), rows(delta, 0.0))
+      dq = dq + sel.scatter_rows(unblock_q(gq)[:, :, 0])
+      dk = dk + sel.scatter_kv(unblock_kv(gk))
+      dv = dv + sel.scatter_kv(unblock_kv(gv))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from jax_ring import _validation, layouts
-from jax_ring._ring import BlockSizes, _local_blocks, _schedule
+from jax_ring._ring import schedule
+from jax_ring._tiles import BlockSizes, local_blocks
 
 
 def work_report(
@@ -34,9 +35,9 @@ def work_report(
   shard = padded // p
   pos = layouts.positions(layout, p, shard)
   pos = np.where(pos < seq_len, pos, -1)
-  local, bq, bk = _local_blocks(shard, block_sizes, devices=p, layout=layout)
+  local, bq, bk = local_blocks(shard, block_sizes, devices=p, layout=layout)
   pos = np.pad(pos, ((0, 0), (0, local - shard)), constant_values=-1)
-  back, fwd = _schedule(layout, window, is_causal, shard, p, False)
+  back, fwd = schedule(layout, window, is_causal, shard, p, False)
   sources = [(s, lambda d, s=s: (d - s) % p) for s in range(back + 1)]
   sources += [(back + s, lambda d, s=s: (d + s) % p) for s in range(1, fwd + 1)]
   report = np.zeros((p, p), np.int64)

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ring import _validation
+from jax_ring._attention import ring_attention
 from jax_ring._dilated import check_patterns, dilated_attention
 from jax_ring._policy import Policy
 from jax_ring._reference import reference_attention, reference_dilated_attention
-from jax_ring._ring import BlockSizes, ring_attention
+from jax_ring._tiles import BlockSizes
 
 RING_KINDS = ("ring", "dense", "local")
 DILATED_KINDS = ("dilated", "dense")

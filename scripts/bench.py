@@ -25,7 +25,16 @@ import os
 import sys
 import time
 
-from _bench_utils import fwd_bwd, header, matmul_rate, median_time, memory_mib, simulate_devices
+from _harness import (
+  fwd_bwd,
+  header,
+  inputs,
+  matmul_rate,
+  measure,
+  memory_mib,
+  simulate_devices,
+  write_section,
+)
 
 QUICK = dict(lengths="1024,2048", devices="1,8", causal="both", dtypes="float32", repeats=2, budget_mib=32)
 
@@ -158,22 +167,10 @@ class Suite:
 
   def measure(self, impl, length, d, causal, dtype):
     """(fwd s, fwd+bwd s, MiB/device, output) for one configuration."""
-    import jax
-    import jax.numpy as jnp
-
     attend, sharding = self.attention(impl, length, d, causal, dtype)
     a = self.args
-    keys = jax.random.split(jax.random.PRNGKey(0), 4)
     shape = (a.batch, length, a.heads, a.head_dim)
-    q, k, v, g = [
-      jax.device_put(jax.random.normal(x, shape, jnp.float32).astype(dtype), sharding) for x in keys
-    ]
-    fwd = jax.jit(attend).lower(q, k, v).compile()
-    both = jax.jit(fwd_bwd(attend)).lower(q, k, v, g).compile()
-    mib = memory_mib(both)
-    t_fwd = median_time(fwd, q, k, v, repeats=a.repeats)
-    t_both = median_time(both, q, k, v, g, repeats=a.repeats)
-    return t_fwd, t_both, mib, fwd(q, k, v)
+    return measure(attend, *inputs([shape] * 4, sharding, dtype), repeats=a.repeats)
 
   def fits(self, impl, length, d, budget_mib) -> bool:
     import jax
@@ -232,23 +229,6 @@ def plot(rows, path_prefix: str) -> list[str]:
     plt.close(fig)
     written.append(path)
   return written
-
-
-def write_section(path: str, tag: str, text: str) -> None:
-  """Replaces the section between this tag's markers in `path` (appends it if absent)."""
-  start, end = f"<!-- bench.py {tag} -->", f"<!-- /bench.py {tag} -->"
-  block = f"{start}\n{text.strip()}\n{end}\n"
-  old = ""
-  if os.path.exists(path):
-    with open(path) as f:
-      old = f.read()
-  if start in old and end in old:
-    new = old[: old.index(start)] + block + old[old.index(end) + len(end) + 1 :]
-  else:
-    new = old + ("\n" if old and not old.endswith("\n") else "") + block
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
-    f.write(new)
 
 
 def main(argv=None):

@@ -15,7 +15,7 @@ import argparse
 import sys
 import time
 
-from _bench_utils import header, median_time, simulate_devices
+from _harness import header, inputs, median_time, simulate_devices
 
 
 def parse_args(argv=None):
@@ -58,9 +58,7 @@ def main(argv=None):
   ]
   print("\n".join(lines), flush=True)
   for length in args.lengths:
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    shape = (1, length, args.heads, args.head_dim)
-    q, k, v = (jax.device_put(jax.random.normal(key, shape, jnp.float32), sharding) for key in keys)
+    q, k, v = inputs([(1, length, args.heads, args.head_dim)] * 3, sharding)
     start = time.perf_counter()
     compiled = step.lower(q, k, v).compile()
     compile_s = time.perf_counter() - start

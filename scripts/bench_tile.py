@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _bench_utils import header, matmul_rate, run_times, simulate_devices
+from _harness import header, matmul_rate, run_times, simulate_devices, write_section
 
 # name -> (einsum over [heads, ...] operands, lhs dims, rhs dims); s: score rows or
 # columns (block), h: head dim.
@@ -87,8 +87,6 @@ def main(argv=None):
   print(lines[-1], flush=True)
   text = "\n".join(lines) + "\n"
   if args.out:
-    from bench import write_section
-
     write_section(args.out, "tile", text)
     print(f"wrote {args.out}")
   return text

@@ -1,9 +1,9 @@
 """The demo: ring attention lets a model use context that lives on another device.
 
-Trains the same small decoder LM twice on long-context key-value retrieval (see
-scripts/train.py), with the sequence split over the devices of a mesh: once with
-exact ring attention, once with shard-local attention. The (key, value) pairs sit in
-the first shard and the question in the last, so only the ring model can answer.
+Trains the same small decoder LM twice on long-context key-value retrieval
+(models.tasks.KeyValueTask), with the sequence split over the devices of a mesh: once
+with exact ring attention, once with shard-local attention. The (key, value) pairs sit
+in the first shard and the question in the last, so only the ring model can answer.
 Prints a summary table and writes results/demo/report.json and results/demo/report.png.
 
 On a CPU-only machine it simulates 8 devices; with GPUs or TPUs it uses them.
@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-import train
+from models.runtime import simulate_devices
 
 
 def parse_args(argv=None):
@@ -39,28 +39,28 @@ def run(args, log=print):
   """Trains both models; returns the report dict."""
   import jax
 
-  task = train.Task(seq_len=args.seq_len)
+  from models.tasks import KeyValueTask
+  from models.training import TrainConfig, train
+
+  task = KeyValueTask(seq_len=args.seq_len)
   report = {"task": vars(task) | {"vocab_size": task.vocab_size, "chance": task.chance}, "runs": {}}
   devices = jax.devices()
   log(f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform}); sequence of {args.seq_len} tokens")
   ring_steps = None
   for attention in ("ring", "local"):
-    targs = train.parse_args(
-      [
-        f"--attention={attention}",
-        f"--steps={ring_steps or args.steps}",
-        f"--batch={args.batch}",
-        f"--seq-len={args.seq_len}",
-        f"--seed={args.seed}",
-        f"--out={os.path.join(args.out, attention)}",
-        f"--time-budget={args.time_budget}",
-        "--eval-every=25",
-        *([f"--target-accuracy={args.target_accuracy}"] if attention == "ring" else []),
-        *(["--no-progress"] if args.no_progress else []),
-      ]
+    config = TrainConfig(
+      attention=attention,
+      steps=ring_steps or args.steps,
+      batch=args.batch,
+      seed=args.seed,
+      out=os.path.join(args.out, attention),
+      time_budget=args.time_budget,
+      eval_every=25,
+      target_accuracy=args.target_accuracy if attention == "ring" else None,
+      progress=not args.no_progress,
     )
     start = time.perf_counter()
-    history = train.train(targs, task, log=log)
+    history = train(config, task, log=log)
     seconds = time.perf_counter() - start
     final = history["eval"][-1]
     report["runs"][attention] = {
@@ -79,7 +79,9 @@ def run(args, log=print):
 
 def main(argv=None):
   args = parse_args(argv)
-  train.setup_devices(args.devices)
+  simulate_devices(args.devices)
+  from models.report import plot_history
+
   report = run(args)
   runs = report["runs"]
   chance = report["task"]["chance"]
@@ -94,7 +96,7 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "report.json"), "w") as f:
     json.dump(report, f, indent=1)
-  train.plot([r["history"] for r in runs.values()], os.path.join(args.out, "report.png"))
+  plot_history([r["history"] for r in runs.values()], os.path.join(args.out, "report.png"))
   gap = runs["ring"]["eval_accuracy"] - runs["local"]["eval_accuracy"]
   print(f"\nring - local accuracy: {gap:+.3f}. Report: {args.out}/report.json, {args.out}/report.png")
 

@@ -1,11 +1,7 @@
 """scripts/bench.py --quick runs end to end on tiny sizes and writes its tables and plots."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-
-import bench  # noqa: E402
+import bench
+from _harness import write_section
 
 
 def test_quick_benchmark_writes_its_tables(tmp_path):
@@ -16,11 +12,11 @@ def test_quick_benchmark_writes_its_tables(tmp_path):
   argv += [f"--out={out}", f"--plot-dir={tmp_path}"]
   bench.main(argv)
   lines = out.read_text().splitlines()[4:-1]  # the section's body
-  bench.write_section(str(out), "quick", "second run")  # replaces the section, keeps the rest
+  write_section(str(out), "quick", "second run")  # replaces the section, keeps the rest
   assert out.read_text().endswith(
     "kept text\n<!-- bench.py quick -->\nsecond run\n<!-- /bench.py quick -->\n"
   )
-  bench.write_section(str(out), "quick", "\n".join(lines))
+  write_section(str(out), "quick", "\n".join(lines))
   text = out.read_text()
   assert text.startswith("# Benchmarks\n\nkept text\n")
   assert text.count("<!-- bench.py quick -->") == 1 and text.count("<!-- /bench.py quick -->") == 1
@@ -47,3 +43,19 @@ def test_tile_benchmark_writes_a_row_per_product(tmp_path):
   names = [f"{name} (`{spec}`)" for name, (spec, _, _) in bench_tile.PRODUCTS.items()]
   assert sorted(rates) == sorted([*names, "4096^3 matmul, one device"])
   assert all(rate > 0 for rate in rates.values()), rates
+
+
+def test_masks_benchmark_times_each_mask_against_full(tmp_path):
+  import bench_masks
+
+  out = tmp_path / "bench.md"
+  argv = ["--devices=2", "--lengths=64", "--layouts", "zigzag", "--window=8", "--heads=1", "--head-dim=8"]
+  bench_masks.main([*argv, "--repeats=1", f"--out={out}"])
+  rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 64 |")]
+  assert [(r[1].strip(), r[2].strip()) for r in rows] == [
+    ("full", "contiguous"),
+    ("causal", "zigzag"),
+    ("window 8", "contiguous"),
+  ]
+  assert float(rows[0][-1]) == 1.0 and all(float(r[-1]) > 0 for r in rows)
+  assert "Causal work, layout=zigzag, T=64, p=2" in out.read_text()

@@ -188,25 +188,25 @@ def test_heads_per_pass_chosen_by_shard_length():
 
 
 def test_tiles_chosen_by_devices_per_core():
-  from jax_ring._ring import _local_blocks, default_tiles
+  from jax_ring._tiles import default_tiles, local_blocks
 
   assert default_tiles("cpu", 8, cores=2) == (256, 256)  # simulated devices share cores
   assert default_tiles("cpu", 2, cores=2) == default_tiles("gpu", 8, cores=2) == (1024, 512)
   bs = jax_ring.BlockSizes()
-  fits = lambda length: _local_blocks(length, bs, devices=1)  # a device has its own cores
+  fits = lambda length: local_blocks(length, bs, devices=1)  # a device has its own cores
   assert [fits(t) for t in (4096, 1536, 1000, 100)] == [
     (4096, 1024, 512),
     (1536, 512, 512),
     (1024, 1024, 512),
     (100, 100, 100),
   ]
-  assert _local_blocks(1000, jax_ring.BlockSizes(block_q=8), devices=1) == (1024, 8, 512)
-  assert _local_blocks(700, bs, devices=1) == (768, 768, 256)
-  assert _local_blocks(4096, bs, devices=10**6) == (4096, 256, 256)
+  assert local_blocks(1000, jax_ring.BlockSizes(block_q=8), devices=1) == (1024, 8, 512)
+  assert local_blocks(700, bs, devices=1) == (768, 768, 256)
+  assert local_blocks(4096, bs, devices=10**6) == (4096, 256, 256)
   # zigzag: blocks within a half, so causal tiles can be skipped
-  assert _local_blocks(256, bs, devices=10**6, layout="zigzag") == (256, 128, 128)
-  assert _local_blocks(1024, bs, devices=1, layout="zigzag") == (1024, 512, 512)
-  assert _local_blocks(600, bs, devices=1, layout="zigzag") == (768, 768, 256)  # halves unaligned
+  assert local_blocks(256, bs, devices=10**6, layout="zigzag") == (256, 128, 128)
+  assert local_blocks(1024, bs, devices=1, layout="zigzag") == (1024, 512, 512)
+  assert local_blocks(600, bs, devices=1, layout="zigzag") == (768, 768, 256)  # halves unaligned
 
 
 @pytest.mark.parametrize(
@@ -217,9 +217,9 @@ def test_tiles_chosen_by_devices_per_core():
 def test_default_tiles_when_devices_have_cores(devices, length, options):
   """Default BlockSizes on a mesh with no more devices than cores: the large tiles
   (1024 x 512, or 512 x 512 where 1024 does not divide) against the reference."""
-  from jax_ring._ring import _local_blocks
+  from jax_ring._tiles import local_blocks
 
-  local = _local_blocks(length // devices, jax_ring.BlockSizes(), devices=devices)
+  local = local_blocks(length // devices, jax_ring.BlockSizes(), devices=devices)
   assert local[1:] in ((1024, 512), (512, 512)) or devices > (os.cpu_count() or 1), local
   mesh = make_mesh((devices,), ("seq",))
   args = qkv(1, length, 4, 2, 8)

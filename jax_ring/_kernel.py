@@ -1,4 +1,4 @@
-"""Attention of query blocks against key blocks, with masks from global positions.
+"""The XLA block kernel: attention of query blocks against key blocks, with masks from global positions.
 
 Shapes (BTNH legend, blocked): B batch, K kv heads, G = N // K query heads per kv head,
 H head dim, bq / bk block lengths, nq / nk numbers of blocks. Heads come before rows;

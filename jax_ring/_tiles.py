@@ -1,0 +1,166 @@
+"""Tiles inside a device: their sizes, and the reshapes between sequences and blocks.
+
+Legend: B batch, T local (per-device) length, K kv heads, G = N // K query heads per
+kv head, H head dim; bq / bk block lengths, nq / nk numbers of blocks.
+
+    queries   [B, T, K, G, H]  <->  [nq, B, K, G, bq, H]    (block_q / unblock_q)
+    keys      [B, T, K, H]     <->  [nk, B, K, bk, H]       (block_kv / unblock_kv)
+    row stats [B, T, K, G]     <->  [nq, B, K, G, bq]       (block_rows / unblock_rows)
+    ids       [B, T]           ->   [n, B, b]               (block_seg)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+
+# Tile sizes when BlockSizes leaves them None: (block_q, block_kv) for CPU meshes with
+# more devices than host cores (simulated devices, each program on a fraction of a
+# core), and for everything else. Measured on a 2-core CPU (docs/benchmarks.md): with 8
+# simulated devices 256 x 256 and 1024 x 512 ran level; with 1 or 2 devices 1024 x 512
+# ran 1.2 to 1.8x faster than 256 x 256.
+SHARED_CORE_TILES = (256, 256)
+TILES = (1024, 512)
+MIN_AUTO_TILE = 256
+
+
+def default_tiles(platform: str, devices: int, cores: int | None = None) -> tuple[int, int]:
+  """(block_q, block_kv) for `devices` running at once on `platform`."""
+  cores = (os.cpu_count() or 1) if cores is None else cores
+  return SHARED_CORE_TILES if platform == "cpu" and devices > cores else TILES
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Query and key block lengths inside a device.
+
+  No score tile larger than [block_q x block_kv] exists per head. None (the default)
+  picks per call (`default_tiles`): 256 x 256 on a CPU mesh with more devices than
+  cores, else 1024 x 512; halved (not below 256) until they divide the local length
+  rounded up to 256.
+  """
+
+  block_q: int | None = None
+  block_kv: int | None = None
+  # KV heads (with their query heads) per pass around the ring. Fewer heads per pass
+  # shrink the ring's per-device buffers (blocked copies, K/V and dK/dV in flight,
+  # accumulators) by the same factor; more amortize the fixed cost of each ring step,
+  # which dominates short shards. None picks per call: the most heads (a divisor of the
+  # local kv heads, at least 1) whose local length x heads is at most `pass_tokens`.
+  kv_heads: int | None = None
+  pass_tokens: int = 4096
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv", "kv_heads", "pass_tokens"):
+      value = getattr(self, name)
+      if name != "pass_tokens" and value is None:
+        continue
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"BlockSizes.{name}={value!r} must be a positive int")
+
+  def head_groups(self, num_kv_heads: int, local_length: int) -> int:
+    """How many passes `num_kv_heads` local kv heads take for a shard of `local_length`."""
+    if self.kv_heads is None:
+      fits = [
+        h
+        for h in range(1, num_kv_heads + 1)
+        if num_kv_heads % h == 0 and h * local_length <= self.pass_tokens
+      ]
+      return num_kv_heads // max(fits, default=1)
+    if self.kv_heads >= num_kv_heads:
+      return 1
+    if num_kv_heads % self.kv_heads:  # e.g. kv_heads=2 with 3 heads on a device
+      raise ValueError(
+        f"BlockSizes.kv_heads={self.kv_heads} must divide the number of kv heads on a device, {num_kv_heads}"
+      )
+    return num_kv_heads // self.kv_heads
+
+
+def check_block_sizes(block_sizes) -> BlockSizes:
+  """None -> the defaults; anything but a BlockSizes is a TypeError."""
+  block_sizes = BlockSizes() if block_sizes is None else block_sizes
+  if not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes={block_sizes!r} must be a jax_ring.BlockSizes or None")
+  return block_sizes
+
+
+def local_blocks(
+  length: int, bs: BlockSizes, devices: int | None = None, layout: str | None = None
+) -> tuple[int, int, int]:
+  """(padded local length, block_q, block_kv) so both blocks divide the length.
+
+  `devices` is how many devices run at once (default: those of the current mesh).
+  Under the zigzag layout, blocks chosen here stay within one of the shard's two
+  halves where they can, so the causal mask can skip whole tiles.
+  """
+  if devices is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = 1 if mesh.empty else mesh.size
+  auto_q, auto_kv = default_tiles(jax.default_backend(), devices)
+
+  rounded = length if length <= MIN_AUTO_TILE else -(-length // MIN_AUTO_TILE) * MIN_AUTO_TILE
+
+  def fit(block, auto):
+    """A given block as is; else the whole length if short, or the largest of auto,
+    auto / 2, ..., 256 that divides the length rounded up to 256."""
+    if block is not None:
+      return block
+    auto = min(auto, rounded)
+    if layout == "zigzag" and length % 2 == 0 and rounded % (length // 2) == 0:
+      auto = min(auto, length // 2)
+    while rounded % auto:
+      auto //= 2
+    return auto
+
+  want_q, want_kv = fit(bs.block_q, auto_q), fit(bs.block_kv, auto_kv)
+  padded = length if bs.block_q and bs.block_kv else rounded
+  while True:
+    bq, bk = min(want_q, padded), min(want_kv, padded)
+    if padded % bq == 0 and padded % bk == 0:
+      return padded, bq, bk
+    padded = -(-padded // math.lcm(bq, bk)) * math.lcm(bq, bk)
+
+
+def block_q(x, n):
+  """Queries or their like [B, T, K, G, H] -> blocks [T // n, B, K, G, n, H]."""
+  b, t, kh, g, h = x.shape
+  return x.reshape(b, t // n, n, kh, g, h).transpose(1, 0, 3, 4, 2, 5)
+
+
+def unblock_q(x):
+  """[nq, B, K, G, n, H] -> [B, nq * n, K, G, H]."""
+  nq, b, kh, g, n, h = x.shape
+  return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * n, kh, g, h)
+
+
+def block_kv(x, n):
+  """Keys or values [B, T, K, H] -> blocks [T // n, B, K, n, H]."""
+  b, t, kh, h = x.shape
+  return x.reshape(b, t // n, n, kh, h).transpose(1, 0, 3, 2, 4)
+
+
+def unblock_kv(x):
+  """[nk, B, K, n, H] -> [B, nk * n, K, H]."""
+  nk, b, kh, n, h = x.shape
+  return x.transpose(1, 0, 3, 2, 4).reshape(b, nk * n, kh, h)
+
+
+def block_seg(x, n):
+  """Segment ids [B, T] -> [T // n, B, n]; None stays None."""
+  return None if x is None else jnp.moveaxis(x.reshape(x.shape[0], -1, n), 1, 0)
+
+
+def block_rows(x, block: int):
+  """Per-row statistics [B, T, K, G] -> blocked [nq, B, K, G, bq] (the lse layout)."""
+  b, t, kh, g = x.shape
+  return x.reshape(b, t // block, block, kh, g).transpose(1, 0, 3, 4, 2)
+
+
+def unblock_rows(x):
+  """Blocked statistics [nq, B, K, G, bq] -> [B, T, K, G]."""
+  nq, b, kh, g, n = x.shape
+  return x.transpose(1, 0, 4, 2, 3).reshape(b, nq * n, kh, g)

@@ -1,0 +1,109 @@
+"""Process set-up before the first JAX computation: simulated CPU devices when there is
+no accelerator, and the multi-controller runtime (`jax.distributed`) when the job
+spans several processes.
+
+    python scripts/train.py --coordinator 10.0.0.1:1234 --num-processes 4 --process-id 0
+
+Where the processes come from, in order: the flags (`add_flags`); the environment that
+`scripts/launch.py` sets (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID);
+a cluster that `jax.distributed.initialize()` detects by itself (Slurm, Open MPI,
+Cloud TPU, ...); otherwise one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+# Seconds without a heartbeat after which the coordinator declares a process dead and
+# the survivors abort. JAX's default is 100 s; a short one ends a broken job sooner.
+HEARTBEAT_TIMEOUT = 30
+
+
+def simulate_devices(count: int) -> None:
+  """Asks XLA for `count` host-platform (CPU) devices; call before the first JAX
+  computation (importing jax is fine). A flag already in XLA_FLAGS wins; on a machine
+  with accelerators the CPU devices are simply not the default."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def add_flags(parser: argparse.ArgumentParser, devices: int = 8) -> None:
+  """--devices, --coordinator, --num-processes, --process-id, --heartbeat-timeout."""
+  parser.add_argument(
+    "--devices", type=int, default=devices, help="simulated CPU devices per process when no accelerator"
+  )
+  parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordinator")
+  parser.add_argument("--num-processes", type=int, default=None, help="processes in the job")
+  parser.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1")
+  parser.add_argument(
+    "--heartbeat-timeout",
+    type=int,
+    default=HEARTBEAT_TIMEOUT,
+    help="seconds after which a silent process counts as dead and the job aborts (default: %(default)s)",
+  )
+
+
+def _cluster_detected() -> bool:
+  """Whether a cluster that `jax.distributed.initialize()` configures by itself is around."""
+  try:
+    from jax._src.clusters import ClusterEnv
+  except ImportError:  # the detection moved: fall back to explicit settings only
+    return False
+  envs = getattr(ClusterEnv, "_cluster_types", [])
+  return any(not env.opt_in_only_method and env.is_env_present() for env in envs)
+
+
+def initialize_distributed(
+  coordinator: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  heartbeat_timeout: int = HEARTBEAT_TIMEOUT,
+) -> bool:
+  """Starts `jax.distributed` when the job has several processes; returns whether it
+  did. Arguments left None come from the environment (see the module docstring)."""
+  import jax
+
+  env = os.environ
+  coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
+  if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+    num_processes = int(env["JAX_NUM_PROCESSES"])
+  if process_id is None and env.get("JAX_PROCESS_ID"):
+    process_id = int(env["JAX_PROCESS_ID"])
+  if coordinator is not None:
+    if num_processes is None or process_id is None:
+      raise ValueError(
+        f"coordinator={coordinator!r} needs num_processes and process_id too; got "
+        f"{num_processes=}, {process_id=}"
+      )
+    if not 0 <= process_id < num_processes:
+      raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+    if num_processes == 1:
+      return False
+    jax.distributed.initialize(
+      coordinator_address=coordinator,
+      num_processes=num_processes,
+      process_id=process_id,
+      heartbeat_timeout_seconds=heartbeat_timeout,
+    )
+    return True
+  if num_processes is not None or process_id is not None:
+    raise ValueError(f"{num_processes=} and {process_id=} need a coordinator HOST:PORT too")
+  if _cluster_detected():
+    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout)
+    return jax.process_count() > 1
+  return False
+
+
+def setup(args: argparse.Namespace) -> None:
+  """Devices, then the distributed runtime, from the flags of `add_flags`."""
+  simulate_devices(args.devices)
+  initialize_distributed(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
+
+
+def is_main_process() -> bool:
+  """True on process 0: the one that prints, writes reports and plots."""
+  import jax
+
+  return jax.process_index() == 0

@@ -1,0 +1,287 @@
+"""Training a `DecoderLM` on a task over a ("data", "seq") mesh: AdamW with warmup +
+cosine decay and gradient clipping (optax), periodic evaluation, orbax checkpoints with
+resume from the latest, a history of losses.
+
+    from models.tasks import KeyValueTask
+    from models.training import TrainConfig, train
+
+    history = train(TrainConfig(attention="ring", steps=300), KeyValueTask(seq_len=256))
+
+The loss is the cross-entropy of the scored positions of each batch (the task's
+`weights`); accuracy is the fraction of rows whose every scored token is the argmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.report import plot_history
+from models.tasks import Batch
+from models.transformer import DecoderLM, LMConfig
+
+ATTENTIONS = ("ring", "local", "dense", "dilated")
+
+
+def _field(default, help: str, **kw):
+  return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Everything about one training run but the task."""
+
+  attention: str = _field("ring", "attention of the model", choices=ATTENTIONS)
+  data: int = _field(1, "size of the mesh's data axis")
+  seq: int | None = _field(None, "size of the seq axis (default: devices / data)")
+  steps: int = _field(300, "length of the learning-rate schedule, in steps")
+  batch: int = _field(16, "global batch size")
+  dim: int = _field(64, "model width")
+  layers: int = _field(2, "transformer blocks")
+  heads: int = _field(4, "query heads")
+  kv_heads: int = _field(2, "key/value heads")
+  lr: float = _field(3e-3, "peak learning rate")
+  warmup: int = _field(30, "warmup steps")
+  weight_decay: float = _field(0.01, "AdamW weight decay")
+  clip: float = _field(1.0, "global gradient-norm clip")
+  eval_every: int = _field(50, "evaluate every this many steps")
+  eval_batches: int = _field(8, "batches per evaluation (0: none)")
+  seed: int = _field(0, "seed of the parameters and the data")
+  ckpt_dir: str | None = _field(None, "orbax checkpoints here (default: none)")
+  ckpt_every: int = _field(100, "checkpoint every this many steps")
+  resume: bool = _field(False, "continue from the latest checkpoint in --ckpt-dir")
+  stop_after: int | None = _field(None, "stop at this step of the schedule (an interruption)")
+  target_accuracy: float | None = _field(None, "stop once eval accuracy reaches this")
+  time_budget: float | None = _field(None, "stop after this many seconds of training")
+  out: str | None = _field("results/train", "folder for history.json and loss.png (empty: none)")
+  progress: bool = _field(True, "a progress bar")
+
+  def __post_init__(self):
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"TrainConfig.attention={self.attention!r} is not one of {ATTENTIONS}")
+    for name in ("data", "steps", "batch", "eval_every", "ckpt_every"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"TrainConfig.{name}={value!r} must be a positive int")
+    if self.resume and not self.ckpt_dir:
+      raise ValueError("TrainConfig.resume=True needs ckpt_dir")
+
+
+def make_mesh(data: int, seq: int):
+  """A ("data", "seq") mesh with Auto axes over the first data * seq devices."""
+  if data * seq > jax.device_count():
+    raise ValueError(f"data={data} x seq={seq} devices, but only {jax.device_count()} are visible")
+  devices = jax.devices()[: data * seq]
+  return jax.make_mesh((data, seq), ("data", "seq"), axis_types=(AxisType.Auto,) * 2, devices=devices)
+
+
+def model_config(config: TrainConfig, task) -> LMConfig:
+  """The `LMConfig` of the model a run trains on `task`."""
+  return LMConfig(
+    vocab_size=task.vocab_size,
+    dim=config.dim,
+    num_layers=config.layers,
+    num_heads=config.heads,
+    num_kv_heads=config.kv_heads,
+    mlp_hidden=2 * config.dim,
+    attention=config.attention,
+    segment_lengths=(task.seq_len,),
+    dilation_rates=(1,),
+    max_seq_len=task.seq_len,
+    policy="float32",
+  )
+
+
+def build(config: TrainConfig, task, mesh):
+  """(model, optimizer), replicated on the mesh."""
+  kind = config.attention
+  model = DecoderLM(
+    model_config(config, task),
+    mesh=None if kind == "dense" else mesh,
+    batch_axis="data" if kind != "dense" and config.data > 1 else None,
+    rngs=nnx.Rngs(config.seed),
+  )
+  tx = make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  # Replicated on the mesh from the start, as the train step returns them: the second
+  # step then reuses the first step's executable.
+  replicated = NamedSharding(mesh, P())
+  for obj in (model, optimizer):
+    nnx.update(obj, jax.device_put(nnx.state(obj), replicated))
+  return model, optimizer
+
+
+@functools.cache
+def make_tx(lr: float, warmup: int, steps: int, weight_decay: float, clip: float):
+  """AdamW with warmup + cosine decay and clipping; cached, so that runs with the same
+  settings share one optimizer graph and hence the compiled train step."""
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1), end_value=lr * 0.05
+  )
+  return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
+
+
+def loss_and_accuracy(model, tokens, targets, weights):
+  """(mean cross-entropy of the scored positions, fraction of rows answered exactly)."""
+  logits = model(tokens)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+  right = (jnp.argmax(logits, -1) == targets) | (weights == 0)
+  return loss, jnp.mean(jnp.all(right, axis=-1))
+
+
+@functools.cache
+def make_steps():
+  """The jitted train and eval steps, shared by every run in a process (a second run
+  with the same model structure and mesh reuses the compiled step)."""
+
+  @nnx.jit
+  def train_step(model, optimizer, tokens, targets, weights):
+    grad_fn = nnx.value_and_grad(loss_and_accuracy, has_aux=True)
+    (loss, acc), grads = grad_fn(model, tokens, targets, weights)
+    optimizer.update(model, grads)
+    return loss, acc
+
+  @nnx.jit
+  def eval_step(model, tokens, targets, weights):
+    return loss_and_accuracy(model, tokens, targets, weights)
+
+  return train_step, eval_step
+
+
+class Checkpoints:
+  """Model and optimizer state with orbax; data order is a function of the step, so a
+  resumed run sees exactly the batches an uninterrupted one would."""
+
+  def __init__(self, directory, every: int):
+    import orbax.checkpoint as ocp
+
+    self.ocp = ocp
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every)
+    self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+  def latest(self):
+    return self.manager.latest_step()
+
+  @staticmethod
+  def _states(model, optimizer):
+    return {"model": nnx.state(model, nnx.Param), "optimizer": nnx.state(optimizer)}
+
+  def save(self, step: int, model, optimizer, force=False):
+    if step in self.manager.all_steps():
+      return
+    pure = {name: nnx.to_pure_dict(s) for name, s in self._states(model, optimizer).items()}
+    self.manager.save(step, args=self.ocp.args.StandardSave(pure), force=force)
+
+  def restore(self, step: int, model, optimizer):
+    states = self._states(model, optimizer)
+    target = {name: nnx.to_pure_dict(s) for name, s in states.items()}
+    restored = self.manager.restore(step, args=self.ocp.args.StandardRestore(target))
+    # Host arrays: jit places them on the mesh like freshly initialized parameters.
+    restored = jax.tree.map(np.asarray, restored)
+    for name, state in states.items():
+      nnx.replace_by_pure_dict(state, restored[name])
+    nnx.update(model, states["model"])
+    nnx.update(optimizer, states["optimizer"])
+
+  def close(self):
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def _batch_spec(config: TrainConfig) -> P:
+  if config.attention == "dense":
+    return P()
+  return P("data" if config.data > 1 else None, "seq")
+
+
+def place_batch(batch: Batch, mesh, spec: P):
+  """The batch's arrays on the mesh, sharded by `spec` over (batch, sequence)."""
+  return tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x in batch)
+
+
+def evaluate(eval_step, model, task, config: TrainConfig, mesh):
+  """(mean loss, mean accuracy) over `eval_batches` held-out batches."""
+  losses, accs = [], []
+  for i in range(config.eval_batches):
+    batch = task.batch(config.seed + 10_000, i, config.batch)
+    loss, acc = eval_step(model, *place_batch(batch, mesh, _batch_spec(config)))
+    losses.append(float(loss))
+    accs.append(float(acc))
+  return float(np.mean(losses)), float(np.mean(accs))
+
+
+def train(config: TrainConfig, task, log=print):
+  """Trains a `DecoderLM` on `task`; returns the history dict (also written to
+  `config.out`): "step", "loss", "accuracy", "seconds" lists, "eval" entries."""
+  from tqdm import tqdm
+
+  if config.attention == "dense":
+    data, seq = 1, 1
+  else:
+    data, seq = config.data, config.seq or jax.device_count() // config.data
+  mesh = make_mesh(data, seq)
+  model, optimizer = build(config, task, mesh)
+  train_step, eval_step = make_steps()
+  spec = _batch_spec(config)
+
+  ckpt = Checkpoints(config.ckpt_dir, config.ckpt_every) if config.ckpt_dir else None
+  start = 0
+  if config.resume:
+    latest = ckpt.latest()
+    if latest is not None:
+      ckpt.restore(latest, model, optimizer)
+      start = latest
+      log(f"resumed from step {latest} in {config.ckpt_dir}")
+  history = {"step": [], "loss": [], "accuracy": [], "eval": [], "seconds": [], "attention": config.attention}
+  bar = tqdm(range(start, config.steps), disable=not config.progress, desc=config.attention, leave=False)
+  t0 = time.perf_counter()
+  for step in bar:
+    batch = task.batch(config.seed, step, config.batch)
+    loss, acc = train_step(model, optimizer, *place_batch(batch, mesh, spec))
+    loss = float(loss)
+    history["step"].append(step + 1)
+    history["loss"].append(loss)
+    history["accuracy"].append(float(acc))
+    history["seconds"].append(time.perf_counter() - t0)
+    bar.set_postfix(loss=f"{loss:.3f}")
+    if ckpt is not None:
+      ckpt.save(step + 1, model, optimizer)
+    done = step + 1 == config.steps
+    if config.eval_batches and ((step + 1) % config.eval_every == 0 or done):
+      ev_loss, ev_acc = evaluate(eval_step, model, task, config, mesh)
+      history["eval"].append({"step": step + 1, "loss": ev_loss, "accuracy": ev_acc})
+      if not config.progress:
+        log(f"step {step + 1}: loss {loss:.4f}, eval loss {ev_loss:.4f}, eval accuracy {ev_acc:.3f}")
+      if config.target_accuracy is not None and ev_acc >= config.target_accuracy:
+        break
+    if config.time_budget is not None and time.perf_counter() - t0 > config.time_budget:
+      break
+    if config.stop_after is not None and step + 1 >= config.stop_after:
+      break
+  if ckpt is not None:
+    ckpt.save(history["step"][-1] if history["step"] else start, model, optimizer, force=True)
+    ckpt.close()
+  final_eval = not history["eval"] or history["eval"][-1]["step"] != history["step"][-1]
+  if config.eval_batches and history["step"] and final_eval:
+    ev_loss, ev_acc = evaluate(eval_step, model, task, config, mesh)
+    history["eval"].append({"step": history["step"][-1], "loss": ev_loss, "accuracy": ev_acc})
+  history["chance"] = task.chance
+  history["devices"] = int(np.prod(list(mesh.shape.values())))
+  if config.out:
+    os.makedirs(config.out, exist_ok=True)
+    with open(os.path.join(config.out, "history.json"), "w") as f:
+      json.dump(history, f, indent=1)
+    plot_history([history], os.path.join(config.out, "loss.png"))
+  return history

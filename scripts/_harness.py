@@ -1,0 +1,142 @@
+"""The benchmark harness the bench_*.py scripts share: random inputs on a sharding,
+compiled forward and forward+backward programs, medians of timed runs, per-device
+memory from the compiler, the matmul rate that FLOP/s are compared with, Markdown
+headers and sections of docs/benchmarks.md.
+
+Times are medians of `repeats` runs after one warm-up, with `block_until_ready`;
+memory per device is temp + arguments from `memory_analysis()` of the same program.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import NamedTuple
+
+from models.runtime import simulate_devices
+
+__all__ = [
+  "Measured",
+  "fwd_bwd",
+  "header",
+  "inputs",
+  "matmul_rate",
+  "measure",
+  "median_time",
+  "memory_mib",
+  "run_times",
+  "simulate_devices",
+  "write_section",
+]
+
+
+def run_times(fn, *args, repeats: int = 3, warmup: bool = True) -> list[float]:
+  """Wall times of `repeats` runs of fn(*args), after one warm-up run unless `warmup`
+  is False (for an already compiled function whose runs take minutes)."""
+  import jax
+
+  if warmup:
+    jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    samples.append(time.perf_counter() - start)
+  return samples
+
+
+def median_time(fn, *args, repeats: int = 3, warmup: bool = True) -> float:
+  """Median wall time of fn(*args) over `repeats` runs (see `run_times`)."""
+  import numpy as np
+
+  return float(np.median(run_times(fn, *args, repeats=repeats, warmup=warmup)))
+
+
+def matmul_rate(repeats: int, stat=None) -> float:
+  """FLOP/s of a 4096^3 float32 matmul on one device; `stat` of the run times
+  (default the median)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  a = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (4096, 4096), jnp.float32), jax.devices()[0])
+  samples = run_times(jax.jit(lambda x: x @ x), a, repeats=max(repeats, 3))
+  return 2 * 4096**3 / float((stat or np.median)(samples))
+
+
+def fwd_bwd(attend):
+  """(q, k, v, dO) -> (output, (dq, dk, dv)) of attention function `attend`."""
+  import jax
+
+  def both(q, k, v, g):
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, vjp(g)
+
+  return both
+
+
+def memory_mib(compiled) -> float:
+  """Per-device temp + argument memory of a compiled program, in MiB."""
+  stats = compiled.memory_analysis()
+  return (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / 2**20
+
+
+def inputs(shapes, sharding, dtype="float32", seed: int = 0):
+  """Standard-normal arrays of `shapes` in `dtype`, placed with `sharding`."""
+  import jax
+  import jax.numpy as jnp
+
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
+  return [
+    jax.device_put(jax.random.normal(k, s, jnp.float32).astype(dtype), sharding) for k, s in zip(keys, shapes)
+  ]
+
+
+class Measured(NamedTuple):
+  fwd: float  # median seconds of the forward
+  fwd_bwd: float  # median seconds of forward + backward
+  mib: float  # per-device MiB (temp + arguments) of forward + backward
+  out: object  # the forward's output
+
+
+def measure(attend, q, k, v, g, repeats: int = 3) -> Measured:
+  """Compiles attend(q, k, v) and its forward+backward with cotangent g, then times both."""
+  import jax
+
+  fwd = jax.jit(attend).lower(q, k, v).compile()
+  both = jax.jit(fwd_bwd(attend)).lower(q, k, v, g).compile()
+  t_fwd = median_time(fwd, q, k, v, repeats=repeats)
+  t_both = median_time(both, q, k, v, g, repeats=repeats)
+  return Measured(t_fwd, t_both, memory_mib(both), fwd(q, k, v))
+
+
+def header(script: str, argv, num_devices: int) -> list[str]:
+  """Markdown heading with the command, then the date, machine, devices and jax version."""
+  import datetime
+  import platform
+
+  import jax
+
+  device = jax.devices()[0]
+  return [
+    f"\n### `{' '.join([f'python scripts/{script}', *argv])}`\n",
+    f"{datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
+    f"{num_devices} x {device.device_kind} ({device.platform}), jax {jax.__version__}\n",
+  ]
+
+
+def write_section(path: str, tag: str, text: str) -> None:
+  """Replaces the section between this tag's markers in `path` (appends it if absent)."""
+  start, end = f"<!-- bench.py {tag} -->", f"<!-- /bench.py {tag} -->"
+  block = f"{start}\n{text.strip()}\n{end}\n"
+  old = ""
+  if os.path.exists(path):
+    with open(path) as f:
+      old = f.read()
+  if start in old and end in old:
+    new = old[: old.index(start)] + block + old[old.index(end) + len(end) + 1 :]
+  else:
+    new = old + ("\n" if old and not old.endswith("\n") else "") + block
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    f.write(new)
