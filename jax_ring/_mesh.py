@@ -6,14 +6,21 @@ The public functions take global arrays in natural token order. They pad the seq
 body under `shard_map` inside jit (`call_on_mesh`), which on a mesh with Explicit axes
 makes those axes Auto for the call, so uneven shards may be padded by XLA. Inside,
 `constrain` pins the layout of the padded arrays; `output_spec` gives the result's.
+
+In a multi-process run (`jax.distributed`), global jax.Arrays pass through untouched;
+host (NumPy) arrays stand for the whole global array, must be the same on every
+process (checked by checksum), and are assembled without a gather: each process
+copies only the slices its own devices hold.
 """
 
 from __future__ import annotations
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -48,15 +55,93 @@ def call_on_mesh(impl, mesh, out_spec, *args):
     )(*args)
 
 
+def _is_host_value(x) -> bool:
+  """A concrete array every process holds whole (NumPy, or a jax.Array on this
+  process's devices only), as opposed to a global jax.Array or a tracer."""
+  if isinstance(x, jax.core.Tracer):
+    return False
+  if isinstance(x, jax.Array):
+    return x.is_fully_addressable
+  return True
+
+
+def _fingerprint(x) -> int:
+  """A checksum of an array's shape, dtype and bytes."""
+  x = np.ascontiguousarray(x)
+  return zlib.crc32(x.view(np.uint8).reshape(-1), zlib.crc32(f"{x.shape}{x.dtype}".encode()))
+
+
+def _gather_small(local: np.ndarray) -> np.ndarray:
+  """Every device's copy of its process's small `local` array: [devices, ...]. One
+  jitted identity over all devices; works under grad and vjp, unlike
+  `multihost_utils.process_allgather`, which needs a clean trace state."""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
+  rows = np.broadcast_to(local, (jax.local_device_count(), *local.shape))
+  shape = (jax.device_count(), *local.shape)
+  spread = jax.make_array_from_process_local_data(NamedSharding(mesh, P("all")), rows, shape)
+  return np.asarray(jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))(spread))
+
+
+def _staging() -> bool:
+  """Whether JAX is tracing a program (jit, scan, ...) here, where concrete arrays
+  become constants of the program."""
+  return isinstance(jnp.zeros(()), jax.core.Tracer)
+
+
+def check_same_on_every_process(named: dict) -> None:
+  """Raises ValueError if a host array differs between processes. Compares checksums
+  (a few bytes per process), never the arrays themselves."""
+  names = list(named)
+  if _staging():
+    raise ValueError(
+      f"{', '.join(names)}: host (NumPy) arrays inside jax.jit in a multi-process run would become "
+      "per-process constants that nothing checks. Pass global jax.Arrays, built outside jit with "
+      "jax.make_array_from_process_local_data(sharding, local_data, global_shape) or "
+      "jax.make_array_from_callback."
+    )
+  local = np.asarray([_fingerprint(named[n]) for n in names], np.uint32)
+  every = _gather_small(local)  # [devices, inputs]
+  differ = [n for i, n in enumerate(names) if np.any(every[:, i] != every[0, i])]
+  if differ:
+    raise ValueError(
+      f"{', '.join(differ)}: host (NumPy) arrays differ between the {jax.process_count()} processes. In "
+      "a multi-process run a host array stands for the whole global array, so every process must pass "
+      "the same values. To give each process only its own part, build a global jax.Array with "
+      "jax.make_array_from_process_local_data(sharding, local_data, global_shape) and pass that."
+    )
+
+
+def to_global(x, sharding):
+  """A host array (the same on every process) as a global jax.Array with `sharding`:
+  each process copies only the slices its own devices hold (no gather)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def place_on_mesh(mesh, seq_axis, batch_axis, head_axis, length, query, key, value, segment_ids):
-  """With Explicit axes, arrays are typed by their sharding: put the inputs on the mesh
-  first (sharded along the sequence when the axis divides the length)."""
-  if not explicit_axes(mesh):
+  """Puts the inputs on the mesh where jit would not do it right by itself: with
+  Explicit axes (arrays are typed by their sharding) and in a multi-process run,
+  where host arrays become global arrays (`to_global`) after a check that every
+  process holds the same values. Global jax.Arrays and tracers pass through. The
+  sequence is sharded when the axis divides the length."""
+  multi = jax.process_count() > 1
+  if not multi and not explicit_axes(mesh):
     return query, key, value, segment_ids
   seq = seq_axis if length % mesh.shape[seq_axis] == 0 else None
-  put = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
-  query, key, value = (put(x, P(batch_axis, seq, head_axis, None)) for x in (query, key, value))
-  return query, key, value, put(segment_ids, P(batch_axis, seq))
+  arrays = {"query": query, "key": key, "value": value, "segment_ids": segment_ids}
+  specs = {name: P(batch_axis, seq, head_axis, None) for name in ("query", "key", "value")}
+  specs["segment_ids"] = P(batch_axis, seq)
+  if multi:
+    host = {n: x for n, x in arrays.items() if x is not None and _is_host_value(x)}
+    if host:
+      check_same_on_every_process(host)
+    for name, x in host.items():
+      arrays[name] = to_global(x, NamedSharding(mesh, specs[name]))
+  else:
+    for name, x in arrays.items():
+      if x is not None:
+        arrays[name] = jax.device_put(x, NamedSharding(mesh, specs[name]))
+  return arrays["query"], arrays["key"], arrays["value"], arrays["segment_ids"]
 
 
 def output_spec(mesh, seq_axis, batch_axis, head_axis, length):

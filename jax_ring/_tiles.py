@@ -34,6 +34,12 @@ def default_tiles(platform: str, devices: int, cores: int | None = None) -> tupl
   return SHARED_CORE_TILES if platform == "cpu" and devices > cores else TILES
 
 
+def devices_here(mesh_size: int) -> int:
+  """How many devices of a mesh of `mesh_size` run on this process's cores: in a
+  multi-process run the mesh spans every process, but each drives only its own."""
+  return max(1, min(mesh_size, jax.local_device_count()))
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Query and key block lengths inside a device.
@@ -93,13 +99,14 @@ def local_blocks(
 ) -> tuple[int, int, int]:
   """(padded local length, block_q, block_kv) so both blocks divide the length.
 
-  `devices` is how many devices run at once (default: those of the current mesh).
+  `devices` is how many devices run at once on this process's cores (default: those
+  of the current mesh that this process drives, `devices_here`).
   Under the zigzag layout, blocks chosen here stay within one of the shard's two
   halves where they can, so the causal mask can skip whole tiles.
   """
   if devices is None:
     mesh = jax.sharding.get_abstract_mesh()
-    devices = 1 if mesh.empty else mesh.size
+    devices = 1 if mesh.empty else devices_here(mesh.size)
   auto_q, auto_kv = default_tiles(jax.default_backend(), devices)
 
   rounded = length if length <= MIN_AUTO_TILE else -(-length // MIN_AUTO_TILE) * MIN_AUTO_TILE

@@ -28,7 +28,6 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.report import plot_history
-from models.tasks import Batch
 from models.transformer import DecoderLM, LMConfig
 
 ATTENTIONS = ("ring", "local", "dense", "dilated")
@@ -60,12 +59,13 @@ class TrainConfig:
   seed: int = _field(0, "seed of the parameters and the data")
   ckpt_dir: str | None = _field(None, "orbax checkpoints here (default: none)")
   ckpt_every: int = _field(100, "checkpoint every this many steps")
+  ckpt_keep: int = _field(2, "checkpoints kept, the latest ones (0: all)")
   resume: bool = _field(False, "continue from the latest checkpoint in --ckpt-dir")
   stop_after: int | None = _field(None, "stop at this step of the schedule (an interruption)")
   target_accuracy: float | None = _field(None, "stop once eval accuracy reaches this")
   time_budget: float | None = _field(None, "stop after this many seconds of training")
   out: str | None = _field("results/train", "folder for history.json and loss.png (empty: none)")
-  progress: bool = _field(True, "a progress bar")
+  progress: bool = _field(True, "progress bar")
 
   def __post_init__(self):
     if self.attention not in ATTENTIONS:
@@ -116,10 +116,19 @@ def build(config: TrainConfig, task, mesh):
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   # Replicated on the mesh from the start, as the train step returns them: the second
   # step then reuses the first step's executable.
-  replicated = NamedSharding(mesh, P())
   for obj in (model, optimizer):
-    nnx.update(obj, jax.device_put(nnx.state(obj), replicated))
+    nnx.update(obj, replicate(nnx.state(obj), mesh))
   return model, optimizer
+
+
+def replicate(tree, mesh):
+  """Every array of `tree` replicated over `mesh`. With several processes each copies
+  its own (identical: same seed) values to its devices; nothing crosses processes."""
+  replicated = NamedSharding(mesh, P())
+  if jax.process_count() == 1:
+    return jax.device_put(tree, replicated)
+  to_global = lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: np.asarray(x)[index])
+  return jax.tree.map(to_global, tree)
 
 
 @functools.cache
@@ -164,11 +173,11 @@ class Checkpoints:
   """Model and optimizer state with orbax; data order is a function of the step, so a
   resumed run sees exactly the batches an uninterrupted one would."""
 
-  def __init__(self, directory, every: int):
+  def __init__(self, directory, every: int, keep: int = 2):
     import orbax.checkpoint as ocp
 
     self.ocp = ocp
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep or None, save_interval_steps=every)
     self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
   def latest(self):
@@ -187,9 +196,9 @@ class Checkpoints:
   def restore(self, step: int, model, optimizer):
     states = self._states(model, optimizer)
     target = {name: nnx.to_pure_dict(s) for name, s in states.items()}
+    # Restored with the target's shardings (this run's mesh), whatever mesh or process
+    # count wrote the checkpoint.
     restored = self.manager.restore(step, args=self.ocp.args.StandardRestore(target))
-    # Host arrays: jit places them on the mesh like freshly initialized parameters.
-    restored = jax.tree.map(np.asarray, restored)
     for name, state in states.items():
       nnx.replace_by_pure_dict(state, restored[name])
     nnx.update(model, states["model"])
@@ -206,17 +215,38 @@ def _batch_spec(config: TrainConfig) -> P:
   return P("data" if config.data > 1 else None, "seq")
 
 
-def place_batch(batch: Batch, mesh, spec: P):
-  """The batch's arrays on the mesh, sharded by `spec` over (batch, sequence)."""
-  return tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x in batch)
+def process_block(sharding, shape) -> tuple[slice, ...]:
+  """The block of a global array of `shape` that this process's devices hold (one
+  slice per axis): the bounding box of their shards, which for the meshes here is
+  exactly what they hold."""
+  index_map = sharding.addressable_devices_indices_map(tuple(shape))
+  block = []
+  for axis, size in enumerate(shape):
+    starts = [idx[axis].indices(size)[0] for idx in index_map.values()]
+    stops = [idx[axis].indices(size)[1] for idx in index_map.values()]
+    block.append(slice(min(starts), max(stops)))
+  return tuple(block)
+
+
+def place_batch(task, seed: int, step: int, batch_size: int, mesh, spec: P):
+  """Batch `step` of `task` on the mesh, sharded by `spec` over (batch, sequence).
+  Each process builds only the rows its devices hold (`task.batch(..., rows=)`) and
+  hands its block to `jax.make_array_from_process_local_data`."""
+  sharding = NamedSharding(mesh, spec)
+  shape = (batch_size, task.seq_len)
+  if jax.process_count() == 1:
+    return tuple(jax.device_put(x, sharding) for x in task.batch(seed, step, batch_size))
+  rows, cols = process_block(sharding, shape)
+  local = task.batch(seed, step, batch_size, rows=range(rows.start, rows.stop))
+  return tuple(jax.make_array_from_process_local_data(sharding, x[:, cols], shape) for x in local)
 
 
 def evaluate(eval_step, model, task, config: TrainConfig, mesh):
   """(mean loss, mean accuracy) over `eval_batches` held-out batches."""
   losses, accs = [], []
   for i in range(config.eval_batches):
-    batch = task.batch(config.seed + 10_000, i, config.batch)
-    loss, acc = eval_step(model, *place_batch(batch, mesh, _batch_spec(config)))
+    batch = place_batch(task, config.seed + 10_000, i, config.batch, mesh, _batch_spec(config))
+    loss, acc = eval_step(model, *batch)
     losses.append(float(loss))
     accs.append(float(acc))
   return float(np.mean(losses)), float(np.mean(accs))
@@ -224,9 +254,17 @@ def evaluate(eval_step, model, task, config: TrainConfig, mesh):
 
 def train(config: TrainConfig, task, log=print):
   """Trains a `DecoderLM` on `task`; returns the history dict (also written to
-  `config.out`): "step", "loss", "accuracy", "seconds" lists, "eval" entries."""
+  `config.out`): "step", "loss", "accuracy", "seconds" lists, "eval" entries.
+
+  In a multi-process run (`jax.distributed` initialized) every process calls this
+  with the same arguments: each builds only its own rows and columns of every batch,
+  orbax writes one checkpoint to the shared `ckpt_dir` from all of them, and only
+  process 0 logs, shows progress and writes `out`.
+  """
   from tqdm import tqdm
 
+  main = jax.process_index() == 0
+  log = log if main else (lambda *_: None)
   if config.attention == "dense":
     data, seq = 1, 1
   else:
@@ -236,7 +274,7 @@ def train(config: TrainConfig, task, log=print):
   train_step, eval_step = make_steps()
   spec = _batch_spec(config)
 
-  ckpt = Checkpoints(config.ckpt_dir, config.ckpt_every) if config.ckpt_dir else None
+  ckpt = Checkpoints(config.ckpt_dir, config.ckpt_every, config.ckpt_keep) if config.ckpt_dir else None
   start = 0
   if config.resume:
     latest = ckpt.latest()
@@ -245,11 +283,12 @@ def train(config: TrainConfig, task, log=print):
       start = latest
       log(f"resumed from step {latest} in {config.ckpt_dir}")
   history = {"step": [], "loss": [], "accuracy": [], "eval": [], "seconds": [], "attention": config.attention}
-  bar = tqdm(range(start, config.steps), disable=not config.progress, desc=config.attention, leave=False)
+  bar = tqdm(
+    range(start, config.steps), disable=not (config.progress and main), desc=config.attention, leave=False
+  )
   t0 = time.perf_counter()
   for step in bar:
-    batch = task.batch(config.seed, step, config.batch)
-    loss, acc = train_step(model, optimizer, *place_batch(batch, mesh, spec))
+    loss, acc = train_step(model, optimizer, *place_batch(task, config.seed, step, config.batch, mesh, spec))
     loss = float(loss)
     history["step"].append(step + 1)
     history["loss"].append(loss)
@@ -279,7 +318,7 @@ def train(config: TrainConfig, task, log=print):
     history["eval"].append({"step": history["step"][-1], "loss": ev_loss, "accuracy": ev_acc})
   history["chance"] = task.chance
   history["devices"] = int(np.prod(list(mesh.shape.values())))
-  if config.out:
+  if config.out and main:
     os.makedirs(config.out, exist_ok=True)
     with open(os.path.join(config.out, "history.json"), "w") as f:
       json.dump(history, f, indent=1)

@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-from models.runtime import simulate_devices
+from models import runtime
 
 
 def parse_args(argv=None):
@@ -26,12 +26,12 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=600, help="most training steps per model")
   p.add_argument("--seq-len", type=int, default=256)
   p.add_argument("--batch", type=int, default=16)
-  p.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator")
   p.add_argument("--time-budget", type=float, default=270.0, help="seconds of training per model")
   p.add_argument("--target-accuracy", type=float, default=0.95, help="ring training stops here")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="results/demo")
   p.add_argument("--no-progress", action="store_true")
+  runtime.add_flags(p)
   return p.parse_args(argv)
 
 
@@ -79,10 +79,12 @@ def run(args, log=print):
 
 def main(argv=None):
   args = parse_args(argv)
-  simulate_devices(args.devices)
+  runtime.setup(args)
   from models.report import plot_history
 
-  report = run(args)
+  report = run(args, log=print if runtime.is_main_process() else lambda *_: None)
+  if not runtime.is_main_process():
+    return
   runs = report["runs"]
   chance = report["task"]["chance"]
   print()

@@ -8,6 +8,15 @@ end: exact (ring) attention reaches them, shard-local attention cannot.
     python scripts/train.py --attention ring --steps 300 --seq-len 256
     python scripts/train.py --attention local --steps 300      # the shard-local baseline
     python scripts/train.py --resume --ckpt-dir checkpoints/ring --steps 600
+
+Several processes (each with --devices devices): on one box through the launcher,
+
+    python scripts/launch.py --processes 2 --devices-per-process 4 -- scripts/train.py --data 2
+
+on a cluster with one command per node (or none of these flags under Slurm, Open MPI
+or Cloud TPU, which `jax.distributed.initialize()` detects by itself):
+
+    python scripts/train.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
 """
 
 from __future__ import annotations
@@ -15,29 +24,30 @@ from __future__ import annotations
 import argparse
 import json
 
+from models import runtime
 from models.cli import add_config_flags, config_from_flags
-from models.runtime import simulate_devices
 from models.tasks import KeyValueTask
 from models.training import TrainConfig, train
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator")
   p.add_argument("--seq-len", type=int, default=256, help="tokens per example")
   p.add_argument("--pairs", type=int, default=3, help="(key, value) pairs per example")
   add_config_flags(p, TrainConfig)
+  runtime.add_flags(p)
   return p.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
-  simulate_devices(args.devices)
+  runtime.setup(args)
   history = train(
     config_from_flags(TrainConfig, args), KeyValueTask(seq_len=args.seq_len, num_pairs=args.pairs)
   )
   last = history["eval"][-1] if history["eval"] else {}
-  print(json.dumps({"attention": args.attention, "steps": history["step"][-1:], **last}))
+  if runtime.is_main_process():
+    print(json.dumps({"attention": args.attention, "steps": history["step"][-1:], **last}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,163 @@
+"""Multi-process runs on this machine: 2 processes x 4 simulated CPU devices over
+jax.distributed (gloo), started by scripts/launch.py.
+
+Every wait has a hard timeout, and a launcher that overstays it is killed with its
+whole process group (SIGKILL: JAX swallows SIGTERM), so a hang fails a test instead of
+stalling the suite.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.tasks import KeyValueTask
+from models.training import TrainConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = [sys.executable, str(ROOT / "scripts" / "launch.py")]
+TRAIN = ["scripts/train.py", "--seq-len=64", "--batch=4", "--dim=32", "--layers=1", "--eval-batches=0"]
+SMALL = TrainConfig(batch=4, dim=32, layers=1, eval_batches=0, progress=False, out=None)
+TASK = KeyValueTask(seq_len=64)
+STEPS, EVERY = 40, 5  # schedule length and checkpoint interval of the training runs
+
+
+def start(*args):
+  """The launcher, in a process group of its own (it and the processes it starts)."""
+  return subprocess.Popen(
+    [*LAUNCH, *args],
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,
+  )
+
+
+def finish(proc, timeout: float) -> tuple[int, str]:
+  """(exit code, output) of a started launcher; kills its group and fails past `timeout`."""
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate()
+    pytest.fail(f"launcher still running after {timeout} s:\n{out[-3000:]}")
+  return proc.returncode, out
+
+
+def run(*args, timeout: float = 240):
+  return finish(start(*args), timeout)
+
+
+def no_noise(out: str) -> str:
+  return "\n".join(line for line in out.splitlines() if "[Gloo]" not in line)
+
+
+def test_attention_across_two_processes():
+  code, out = run("--timeout=220", "--", "tests/multihost_worker.py")
+  assert code == 0, no_noise(out)[-4000:]
+  for name in (
+    "ring_causal_zigzag_segments_gqa_explicit",
+    "ring_causal_zigzag_segments_gqa_auto",
+    "ring_process_local_inputs",
+    "dilated_subring_across_processes",
+    "differing_host_inputs_rejected",
+  ):
+    assert f"[p0] ok {name}" in out and f"[p1] ok {name}" in out, no_noise(out)[-4000:]
+
+
+def test_launcher_kills_everything_on_failure_and_on_timeout():
+  py = sys.executable
+  started = time.monotonic()
+  one_fails = "import os, sys, time\nif os.environ['JAX_PROCESS_ID'] == '1': sys.exit(3)\ntime.sleep(60)"
+  code, out = run("--processes=3", "--", py, "-c", one_fails, timeout=30)
+  assert code == 3 and "process 1 exited with 3" in out, out
+  code, out = run("--timeout=1", "--", py, "-c", "import time; time.sleep(60)", timeout=30)
+  assert code == 124 and "timeout after 1 s" in out, out
+  assert time.monotonic() - started < 20
+
+
+def _losses(**changes):
+  return np.array(train(dataclasses.replace(SMALL, **changes), TASK, log=lambda *_: None)["loss"])
+
+
+def _keep_up_to(src, dst, step: int) -> str:
+  """A copy of checkpoint folder `src` holding only the steps <= `step`."""
+  shutil.copytree(src, dst)
+  for entry in Path(dst).iterdir():
+    if entry.name.isdigit() and int(entry.name) > step:
+      shutil.rmtree(entry)
+  return str(dst)
+
+
+def _history(folder) -> np.ndarray:
+  return np.array(json.loads((Path(folder) / "history.json").read_text())["loss"])
+
+
+def _checkpoints(folder) -> list[int]:
+  """Finalized orbax checkpoint steps in `folder`."""
+  if not Path(folder).exists():
+    return []
+  return sorted(int(p.name) for p in Path(folder).iterdir() if p.name.isdigit())
+
+
+def test_training_across_processes_layouts_and_a_killed_process(tmp_path):
+  common = [*TRAIN, f"--steps={STEPS}", f"--ckpt-every={EVERY}", "--ckpt-keep=0", "--resume"]
+  # One process x 8 devices: the uninterrupted run, and a checkpoint at step 5.
+  full = _losses(steps=STEPS)
+  one = str(tmp_path / "one")
+  _losses(steps=STEPS, ckpt_every=EVERY, ckpt_dir=one, stop_after=EVERY)
+
+  # 2 processes x 4 devices resume the 1 x 8 checkpoint: each step equals 1 x 8's.
+  two = _keep_up_to(one, tmp_path / "two", EVERY)
+  code, out = run("--timeout=200", "--", *common, f"--ckpt-dir={two}", f"--out={tmp_path / 'h2'}")
+  assert code == 0, no_noise(out)[-3000:]
+  two_losses = _history(tmp_path / "h2")
+  assert len(two_losses) == STEPS - EVERY
+  np.testing.assert_allclose(two_losses[:EVERY], full[EVERY : 2 * EVERY], rtol=1e-6)
+
+  # 1 x 8 resumes a checkpoint written by 2 x 4 (step 10).
+  back = _keep_up_to(two, tmp_path / "back", 2 * EVERY)
+  resumed = _losses(steps=STEPS, ckpt_every=EVERY, ckpt_dir=back, resume=True, stop_after=3 * EVERY)
+  assert len(resumed) == EVERY
+  np.testing.assert_allclose(resumed, two_losses[EVERY : 2 * EVERY], rtol=1e-6)
+
+  # Kill one process of a 2 x 4 run once step 15 is checkpointed: the job fails at once.
+  faulty = _keep_up_to(one, tmp_path / "faulty", EVERY)
+  proc = start("--timeout=200", "--", *common, f"--ckpt-dir={faulty}", "--out=")
+  pid = _pid_of_process_1(proc)
+  deadline = time.monotonic() + 150
+  while max(_checkpoints(faulty), default=0) < 3 * EVERY:
+    if proc.poll() is not None or time.monotonic() > deadline:
+      os.killpg(proc.pid, signal.SIGKILL)
+      out = no_noise(proc.communicate()[0])[-3000:]
+      pytest.fail(f"no checkpoint {3 * EVERY} (launcher exit {proc.poll()}):\n{out}")
+    time.sleep(0.05)
+  killed = time.monotonic()
+  os.kill(pid, signal.SIGKILL)
+  code, out = finish(proc, timeout=30)
+  assert code != 0 and "process 1 exited with -9" in out, no_noise(out)[-3000:]
+  assert time.monotonic() - killed < 10
+
+  # Resume from the last complete checkpoint: the losses of the uninterrupted run, exactly.
+  latest = max(_checkpoints(faulty))
+  assert latest >= 3 * EVERY
+  code, out = run("--timeout=200", "--", *common, f"--ckpt-dir={faulty}", f"--out={tmp_path / 'h3'}")
+  assert code == 0, no_noise(out)[-3000:]
+  np.testing.assert_array_equal(_history(tmp_path / "h3"), two_losses[latest - EVERY :])
+
+
+def _pid_of_process_1(proc) -> int:
+  """Reads the launcher's first lines, up to the one naming process 1's pid."""
+  for line in proc.stdout:
+    if "process 1: pid" in line:
+      return int(line.split()[-1])
+  pytest.fail("the launcher never named process 1's pid")
