@@ -6,6 +6,14 @@ K key/value heads, G = N // K query heads per kv head, H head dim.
 
 from jax_ring import layouts
 from jax_ring._attention import ring_attention, ring_attention_shard
+from jax_ring._decode import (
+  KVCache,
+  decode_attention,
+  decode_attention_shard,
+  init_cache,
+  prefill_attention,
+  update_cache,
+)
 from jax_ring._dilated import dilated_attention
 from jax_ring._policy import PRESETS, Policy, policy_for
 from jax_ring._reference import reference_attention, reference_dilated_attention
@@ -13,6 +21,12 @@ from jax_ring._tiles import BlockSizes
 from jax_ring._work import work_report
 
 __all__ = [
+  "KVCache",
+  "decode_attention",
+  "decode_attention_shard",
+  "init_cache",
+  "prefill_attention",
+  "update_cache",
   "PRESETS",
   "BlockSizes",
   "Policy",

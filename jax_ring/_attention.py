@@ -22,8 +22,8 @@ from jax_ring._ring import RingConfig, ring, schedule
 from jax_ring._tiles import BlockSizes, check_block_sizes, local_blocks
 
 
-def _check_arguments(query, key, value, segment_ids, local_window_size, scale, block_sizes):
-  """The checks both entry points share: ((B, T, N, K), window, scale, block_sizes)."""
+def check_arguments(query, key, value, segment_ids, local_window_size, scale, block_sizes):
+  """The checks every ring entry point shares: ((B, T, N, K), window, scale, block_sizes)."""
   b, t, _, n, k, h = _validation.check_qkv(query, key, value, same_length=True)
   _validation.check_segment_ids(segment_ids, b, t)
   window = _validation.normalize_window(local_window_size)
@@ -66,7 +66,7 @@ def ring_attention_shard(
   Returns:
     [B, T, N, H] output shard in the policy's output dtype.
   """
-  (b, t, _, _), window, scale, block_sizes = _check_arguments(
+  (b, t, _, _), window, scale, block_sizes = check_arguments(
     query, key, value, segment_ids, local_window_size, scale, block_sizes
   )
   layout = layouts.resolve(layout, is_causal)
@@ -110,7 +110,9 @@ def ring_attention_shard(
 
 
 @dataclasses.dataclass(frozen=True)
-class _GlobalConfig:
+class GlobalConfig:
+  """Everything static about one ring attention call on global arrays."""
+
   mesh: Any
   seq_axis: Any
   batch_axis: Any
@@ -123,9 +125,32 @@ class _GlobalConfig:
   block_sizes: BlockSizes
 
 
-def _global_impl(query, key, value, segment_ids, *, gc: _GlobalConfig, in_context: bool):
+def _write_cache(cache, k, v, seg, pos):
+  """This device's K/V shard (in the ring's layout) into the front of its cache shard
+  (k, v [B, S / p, K, H], positions and ids [B, S / p]); every other slot empty.
+  Tokens with a negative segment id (padding) are stored as empty slots."""
+  ck, cv, cpos, cseg = cache
+  b, t = k.shape[:2]
+  row_pos = jnp.broadcast_to(pos[None], (b, t))
+  if seg is not None:
+    row_pos = jnp.where(seg >= 0, row_pos, -1)
+  seg = jnp.zeros((b, t), jnp.int32) if seg is None else seg
+  at_front = lambda x, new: lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), 0, axis=1)
+  return (
+    at_front(ck, k),
+    at_front(cv, v),
+    at_front(jnp.full_like(cpos, -1), row_pos),
+    at_front(cseg, seg),
+  )
+
+
+def global_impl(query, key, value, segment_ids, cache=None, *, gc: GlobalConfig, in_context: bool):
   """Pads, shards, relayouts, runs the ring, and undoes it all. In a mesh context
-  (Explicit axes made Auto by `auto_axes`) specs are bare; otherwise NamedShardings."""
+  (Explicit axes made Auto by `auto_axes`) specs are bare; otherwise NamedShardings.
+
+  With `cache` (k, v, positions, segment ids of a sequence-sharded KV cache), each
+  device also writes its K/V shard, as the layout placed it, into its cache shard;
+  returns (output, cache)."""
   mesh = gc.mesh
   p = mesh.shape[gc.seq_axis]
   t = query.shape[1]
@@ -135,13 +160,17 @@ def _global_impl(query, key, value, segment_ids, *, gc: _GlobalConfig, in_contex
     segment_ids = None if segment_ids is None else pad_seq(segment_ids, padded - t, -1)
   spec = P(gc.batch_axis, gc.seq_axis, gc.head_axis, None)
   seg_spec = P(gc.batch_axis, gc.seq_axis)
-  args = [constrain(x, spec, mesh, in_context) for x in (query, key, value)]
+  cache_specs = (spec, spec, seg_spec, seg_spec)
+  c = lambda x, sp: constrain(x, sp, mesh, in_context)
+  args = [c(x, spec) for x in (query, key, value)]
   specs = [spec, spec, spec]
-  if segment_ids is not None:
-    args.append(constrain(segment_ids, seg_spec, mesh, in_context))
-    specs.append(seg_spec)
+  args.append(None if segment_ids is None else c(segment_ids, seg_spec))
+  specs.append(None if segment_ids is None else seg_spec)
+  if cache is not None:
+    args.append(tuple(c(x, sp) for x, sp in zip(cache, cache_specs)))
+    specs.append(cache_specs)
 
-  def body(q, k, v, seg=None):
+  def body(q, k, v, seg, cache=None):
     to = lambda x: layouts.relayout_shard(x, gc.layout, gc.seq_axis, p)
     q, k, v = to(q), to(k), to(v)
     seg = None if seg is None else to(seg)
@@ -159,16 +188,24 @@ def _global_impl(query, key, value, segment_ids, *, gc: _GlobalConfig, in_contex
       block_sizes=gc.block_sizes,
       _valid_length=t if padded != t else None,
     )
-    return layouts.relayout_shard(out, gc.layout, gc.seq_axis, p, inverse=True)
+    out = layouts.relayout_shard(out, gc.layout, gc.seq_axis, p, inverse=True)
+    if cache is None:
+      return out
+    pos = layouts.shard_positions(gc.layout, lax.axis_index(gc.seq_axis), k.shape[1], p)
+    return out, _write_cache(cache, k, v, seg, jnp.where(pos < t, pos, -1))
 
-  sharded = jax.shard_map(body, mesh=None if in_context else mesh, in_specs=tuple(specs), out_specs=spec)
-  return sharded(*args)[:, :t]
+  out_specs = spec if cache is None else (spec, cache_specs)
+  sharded = jax.shard_map(body, mesh=None if in_context else mesh, in_specs=tuple(specs), out_specs=out_specs)
+  if cache is None:
+    return sharded(*args)[:, :t]
+  out, cache = sharded(*args)
+  return out[:, :t], cache
 
 
 @functools.partial(jax.jit, static_argnames=("gc",))
-def _ring_attention_global(query, key, value, segment_ids, *, gc: _GlobalConfig):
+def _ring_attention_global(query, key, value, segment_ids, *, gc: GlobalConfig):
   out_spec = output_spec(gc.mesh, gc.seq_axis, gc.batch_axis, gc.head_axis, query.shape[1])
-  impl = functools.partial(_global_impl, gc=gc)
+  impl = functools.partial(global_impl, gc=gc)
   return call_on_mesh(impl, gc.mesh, out_spec, query, key, value, segment_ids)
 
 
@@ -216,7 +253,7 @@ def ring_attention(
   Returns:
     [B, T, N, H], in the policy's output dtype (default: the query's dtype).
   """
-  (b, t, n, k), window, scale, block_sizes = _check_arguments(
+  (b, t, n, k), window, scale, block_sizes = check_arguments(
     query, key, value, segment_ids, local_window_size, scale, block_sizes
   )
   if not isinstance(mesh, jax.sharding.Mesh):
@@ -231,7 +268,7 @@ def ring_attention(
   _validation.check_divides(k, nh, "num_kv_heads", "head_axis", head_axis)
   layout = layouts.resolve(layout, is_causal)
   policy = get_policy(policy, mesh.devices.flat[0])
-  gc = _GlobalConfig(
+  gc = GlobalConfig(
     mesh, seq_axis, batch_axis, head_axis, is_causal, window, scale, layout, policy, block_sizes
   )
   with jax.named_scope("jax_ring.ring_attention"):

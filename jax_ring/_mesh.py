@@ -118,30 +118,44 @@ def to_global(x, sharding):
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def place_on_mesh(mesh, seq_axis, batch_axis, head_axis, length, query, key, value, segment_ids):
-  """Puts the inputs on the mesh where jit would not do it right by itself: with
-  Explicit axes (arrays are typed by their sharding) and in a multi-process run,
-  where host arrays become global arrays (`to_global`) after a check that every
-  process holds the same values. Global jax.Arrays and tracers pass through. The
-  sequence is sharded when the axis divides the length."""
+def place(mesh, arrays: dict) -> dict:
+  """name -> (array or None, PartitionSpec): the arrays put on the mesh where jit would
+  not do it right by itself. With Explicit axes they are typed by their sharding, so
+  they go through `device_put`; in a multi-process run host arrays become global
+  arrays (`to_global`) after a check that every process holds the same values. Global
+  jax.Arrays and tracers pass through. Returns name -> array."""
   multi = jax.process_count() > 1
+  out = {name: x for name, (x, _) in arrays.items()}
   if not multi and not explicit_axes(mesh):
-    return query, key, value, segment_ids
-  seq = seq_axis if length % mesh.shape[seq_axis] == 0 else None
-  arrays = {"query": query, "key": key, "value": value, "segment_ids": segment_ids}
-  specs = {name: P(batch_axis, seq, head_axis, None) for name in ("query", "key", "value")}
-  specs["segment_ids"] = P(batch_axis, seq)
+    return out
   if multi:
-    host = {n: x for n, x in arrays.items() if x is not None and _is_host_value(x)}
+    host = {n: x for n, (x, _) in arrays.items() if x is not None and _is_host_value(x)}
     if host:
       check_same_on_every_process(host)
     for name, x in host.items():
-      arrays[name] = to_global(x, NamedSharding(mesh, specs[name]))
+      out[name] = to_global(x, NamedSharding(mesh, arrays[name][1]))
   else:
-    for name, x in arrays.items():
+    for name, (x, spec) in arrays.items():
       if x is not None:
-        arrays[name] = jax.device_put(x, NamedSharding(mesh, specs[name]))
-  return arrays["query"], arrays["key"], arrays["value"], arrays["segment_ids"]
+        out[name] = jax.device_put(x, NamedSharding(mesh, spec))
+  return out
+
+
+def place_on_mesh(mesh, seq_axis, batch_axis, head_axis, length, query, key, value, segment_ids):
+  """`place` for the inputs of an attention call; the sequence is sharded when the
+  axis divides the length."""
+  seq = seq_axis if length % mesh.shape[seq_axis] == 0 else None
+  spec = P(batch_axis, seq, head_axis, None)
+  placed = place(
+    mesh,
+    {
+      "query": (query, spec),
+      "key": (key, spec),
+      "value": (value, spec),
+      "segment_ids": (segment_ids, P(batch_axis, seq)),
+    },
+  )
+  return placed["query"], placed["key"], placed["value"], placed["segment_ids"]
 
 
 def output_spec(mesh, seq_axis, batch_axis, head_axis, length):

@@ -57,7 +57,15 @@ def attention_with_lse(query, key, value, mask, scale):
 
 
 def reference_attention(
-  query, key, value, *, is_causal=False, segment_ids=None, local_window_size=None, scale=None
+  query,
+  key,
+  value,
+  *,
+  is_causal=False,
+  segment_ids=None,
+  local_window_size=None,
+  scale=None,
+  return_residual=False,
 ):
   """Dense softmax attention on one device; works in float64.
 
@@ -72,9 +80,12 @@ def reference_attention(
       negative ids are padding (see nothing, seen by no one).
     local_window_size: int w or (left, right): query i sees i - left <= j <= i + right.
     scale: logit scale, default 1/sqrt(H).
+    return_residual: also return the log-sum-exp of each query's logits, [B, T, N]
+      (-inf where it sees no key), in the computation's dtype.
 
   Returns:
-    [B, T, N, H] in the query's dtype; queries that see no key get 0.
+    [B, T, N, H] in the query's dtype; queries that see no key get 0. With
+    `return_residual`, (output, lse).
   """
   b, t, s, _, _, h = _validation.check_qkv(query, key, value, same_length=segment_ids is not None)
   _validation.check_segment_ids(segment_ids, b, t)
@@ -89,8 +100,9 @@ def reference_attention(
     k_segment_ids=segment_ids,
   )
   dtype = jnp.promote_types(query.dtype, jnp.float32)
-  out, _ = attention_with_lse(query.astype(dtype), key.astype(dtype), value.astype(dtype), mask, scale)
-  return out.astype(query.dtype)
+  out, lse = attention_with_lse(query.astype(dtype), key.astype(dtype), value.astype(dtype), mask, scale)
+  out = out.astype(query.dtype)
+  return (out, jnp.moveaxis(lse, 1, 2)) if return_residual else out
 
 
 def dilated_pattern_mask(length: int, num_heads: int, segment_length: int, rate: int):

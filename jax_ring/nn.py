@@ -14,6 +14,7 @@ H head dim.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from flax import nnx
 
 from jax_ring import _validation
 from jax_ring._attention import ring_attention
+from jax_ring._decode import KVCache, decode_attention, init_cache, prefill_attention, update_cache
 from jax_ring._dilated import check_patterns, dilated_attention
 from jax_ring._policy import Policy
 from jax_ring._reference import reference_attention, reference_dilated_attention
@@ -62,6 +64,12 @@ def _check_kind(kind: str, allowed: Sequence[str], mesh, seq_axis) -> None:
     _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
   elif mesh is not None:
     raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh or None")
+
+
+def _frozen(**options) -> tuple:
+  """Static options as a hashable tuple of (name, value) pairs (`dict()` reads them
+  back), so the module's graph definition can key a jit cache."""
+  return tuple(options.items())
 
 
 def _kernel_init(init, sharding):
@@ -197,7 +205,7 @@ class RingAttention(_Projected):
     )
     self.kind = kind
     self.options = nnx.static(
-      dict(
+      _frozen(
         mesh=mesh,
         seq_axis=seq_axis,
         batch_axis=batch_axis,
@@ -225,6 +233,102 @@ class RingAttention(_Projected):
     q, k, v = self.project(x, positions)
     out = self.attend(q, k, v, segment_ids)
     return self.out(out.reshape(*out.shape[:2], -1))
+
+  # Decoding: a sequence-sharded KV cache (jax_ring.KVCache) in nnx.Cache variables
+  # named as in flax.nnx.MultiHeadAttention (cached_key, cached_value, cache_index).
+
+  def _cache_axes(self) -> dict:
+    o = dict(self.options)
+    if self.kind == "local":
+      raise ValueError("kind='local' has no decode mode: shard-local attention is a training baseline")
+    if self.kind == "dense":  # the reference on one device: a one-device "ring"
+      return dict(mesh=_one_device_mesh(), seq_axis="seq", batch_axis=None, head_axis=None)
+    return {name: o[name] for name in ("mesh", "seq_axis", "batch_axis", "head_axis")}
+
+  def init_cache(self, batch_size: int, max_length: int, *, dtype=None):
+    """An empty cache for `max_length` tokens per row (prompt and generated), sharded
+    along the sequence like the attention. `dtype` defaults to the module's `dtype`
+    (else float32), which the projected keys must have."""
+    dtype = jnp.dtype(dtype or self.query.dtype or jnp.float32)
+    cache = init_cache(
+      batch_size, max_length, self.num_kv_heads, self.head_dim, dtype=dtype, **self._cache_axes()
+    )
+    self.cached_key = nnx.Cache(cache.k)
+    self.cached_value = nnx.Cache(cache.v)
+    self.cache_index = nnx.Cache(cache.lengths)  # [B]: each row's next position
+    self.cached_positions = nnx.Cache(cache.positions)
+    self.cached_segment_ids = nnx.Cache(cache.segment_ids)
+    self.cache_fill = nnx.Cache(jnp.stack([cache.prefilled, cache.appended]))
+
+  @property
+  def cache(self) -> KVCache:
+    """The module's cache as a `jax_ring.KVCache`."""
+    if getattr(self, "cached_key", None) is None:
+      raise ValueError("no KV cache: call init_cache(batch_size, max_length) before prefill or decode")
+    fill = self.cache_fill[...]
+    return KVCache(
+      self.cached_key[...],
+      self.cached_value[...],
+      self.cached_positions[...],
+      self.cached_segment_ids[...],
+      self.cache_index[...],
+      fill[0],
+      fill[1],
+    )
+
+  def _store(self, cache: KVCache) -> None:
+    self.cached_key[...] = cache.k
+    self.cached_value[...] = cache.v
+    self.cached_positions[...] = cache.positions
+    self.cached_segment_ids[...] = cache.segment_ids
+    self.cache_index[...] = cache.lengths
+    self.cache_fill[...] = jnp.stack([cache.prefilled, cache.appended])
+
+  def _decode_options(self) -> dict:
+    o = dict(self.options)
+    return dict(local_window_size=o["local_window_size"], policy=o["policy"], **self._cache_axes())
+
+  def prefill(self, x, *, lengths=None, segment_ids=None):
+    """Causal attention over a prompt x [B, T, D] that fills the cache from scratch:
+    [B, T, out_features]. Row b's prompt is its first `lengths[b]` tokens (default T);
+    rotary embeddings at positions 0..T-1."""
+    cache = self.cache
+    q, k, v = self.project(x, None)
+    o = dict(self.options)
+    out, cache = prefill_attention(
+      q,
+      k.astype(cache.k.dtype),
+      v.astype(cache.v.dtype),
+      cache,
+      lengths=lengths,
+      segment_ids=segment_ids,
+      layout="auto" if self.kind == "ring" else "contiguous",
+      block_sizes=o["block_sizes"],
+      **self._decode_options(),
+    )
+    self._store(cache)
+    return self.out(out.reshape(*out.shape[:2], -1))
+
+  def decode(self, x, *, segment_ids=None):
+    """Appends x [B, Tq, D] (each row's next Tq tokens) to the cache and attends them
+    to every cached token of their row: [B, Tq, out_features]."""
+    cache = self.cache
+    b, tq = x.shape[:2]
+    positions = cache.lengths[:, None] + jnp.arange(tq)[None]
+    q, k, v = self.project(x, positions)
+    axes = self._cache_axes()
+    cache = update_cache(
+      cache, k.astype(cache.k.dtype), v.astype(cache.v.dtype), segment_ids=segment_ids, **axes
+    )
+    out = decode_attention(q, cache, segment_ids=segment_ids, **self._decode_options())
+    self._store(cache)
+    return self.out(out.reshape(b, tq, -1))
+
+
+@functools.cache
+def _one_device_mesh():
+  """A mesh of the first device, for the dense kind's cache."""
+  return jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
 
 
 def shard_segments(batch: int, length: int, shards: int, segment_ids=None):
@@ -300,7 +404,7 @@ class DilatedAttention(_Projected):
       else None
     )
     self.options = nnx.static(
-      dict(
+      _frozen(
         segment_lengths=lengths,
         dilation_rates=rates,
         mesh=mesh,
@@ -348,6 +452,11 @@ def make_attention_fn(
   [T, T] matrix ring attention never builds: they raise ValueError. Express masks
   with `is_causal`, `local_window_size` here, or call `jax_ring.ring_attention` with
   segment ids.
+
+  Under `nnx.MultiHeadAttention(decode=True)` Flax passes one query against its whole
+  cache (key, value [B, S, K, H]) with the mask of the filled prefix ([B, 1, 1, S]):
+  that call runs as `jax_ring.decode_attention` (each device attends to its part of
+  the keys, then one all-reduce merges), with the prefix mask as the keys' validity.
   """
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
@@ -373,6 +482,17 @@ def make_attention_fn(
       raise ValueError(
         f"bias of shape {tuple(bias.shape)} was passed: ring attention takes no dense bias "
         "(it never builds the [T, T] logits)"
+      )
+    if mask is not None and query.shape[1] == 1 and key.shape[1] > 1 and mask.ndim == 4:
+      if mask.shape[1] != 1 or mask.shape[2] != 1:
+        raise ValueError(
+          f"mask of shape {tuple(mask.shape)} in decode mode: only a mask of the keys ([B, 1, 1, S], as "
+          "flax.nnx.MultiHeadAttention(decode=True) passes) can be honoured"
+        )
+      if dtype is not None:
+        query, key, value = (x.astype(dtype) for x in (query, key, value))
+      return _attend_cached_prefix(
+        query, key, value, mask[:, 0, 0], mesh, seq_axis, batch_axis, policy, window
       )
     if mask is not None:
       raise ValueError(
@@ -401,6 +521,29 @@ def make_attention_fn(
     )
 
   return attention_fn
+
+
+def _attend_cached_prefix(query, key, value, visible, mesh, seq_axis, batch_axis, policy, window):
+  """query [B, 1, N, H] against key, value [B, S, K, H] where `visible` [B, S] (Flax's
+  decode cache and prefix mask): decode_attention over a cache of those slots."""
+  b, s = key.shape[:2]
+  p = mesh.shape[seq_axis]
+  extra = -(-s // p) * p - s
+  pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+  visible = jnp.broadcast_to(visible, (b, s))
+  positions = pad(jnp.where(visible, jnp.arange(s, dtype=jnp.int32)[None], -1), -1)
+  cache = KVCache(
+    pad(key),
+    pad(value),
+    positions,
+    jnp.zeros_like(positions),
+    jnp.max(positions, axis=1) + 1,  # the query sits at the last visible key's position
+    jnp.asarray((s + extra) // p, jnp.int32),  # every slot counts as filled
+    jnp.zeros((), jnp.int32),
+  )
+  return decode_attention(
+    query, cache, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, local_window_size=window, policy=policy
+  )
 
 
 __all__ = [

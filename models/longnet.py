@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jax_ring import nn as ring_nn
-from models.transformer import decode
+from models.transformer import forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +77,8 @@ class LongNetBlock(nnx.Module):
     self.ffn_norm = nnx.LayerNorm(config.dim, rngs=rngs)
     self.ffn = SubLNFeedForward(config.dim, config.ffn_hidden, rngs=rngs)
 
-  def __call__(self, x, segment_ids, positions):
-    x = x + self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions)
+  def __call__(self, x, attend):
+    x = x + attend(self.attn, self.attn_norm(x))
     return x + self.ffn(self.ffn_norm(x))
 
 
@@ -95,4 +96,6 @@ class LongNet(nnx.Module):
     self.head = nnx.Linear(config.dim, config.vocab_size, use_bias=False, rngs=rngs)
 
   def __call__(self, tokens, *, segment_ids=None, positions=None):
-    return decode(self, tokens, segment_ids, positions)
+    if positions is None and tokens.ndim == 2:
+      positions = jnp.arange(tokens.shape[1])
+    return forward(self, tokens, lambda attn, h: attn(h, segment_ids=segment_ids, positions=positions))

@@ -121,8 +121,9 @@ class Block(nnx.Module):
     self.mlp_norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.mlp = SwiGLU(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, x, segment_ids, positions):
-    x = x + self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions)
+  def __call__(self, x, attend):
+    """attend(attention module, normalized x) -> the attention sub-layer's output."""
+    x = x + attend(self.attn, self.attn_norm(x))
     return x + self.mlp(self.mlp_norm(x))
 
 
@@ -131,6 +132,11 @@ class DecoderLM(nnx.Module):
 
   Rotary embeddings use global token positions (natural order), so the numbers do
   not depend on how the ring lays tokens out on devices.
+
+  Generation (`models.generate`): `init_cache(batch_size, max_length)`, then
+  `prefill(prompts, lengths=...)` once and `decode(tokens)` per step; the cache of each
+  attention layer is sharded along the sequence like the attention ("ring" and
+  "dense" kinds).
   """
 
   def __init__(self, config: LMConfig, *, mesh=None, seq_axis="seq", batch_axis=None, rngs: nnx.Rngs):
@@ -150,16 +156,37 @@ class DecoderLM(nnx.Module):
     )
 
   def __call__(self, tokens, *, segment_ids=None, positions=None):
-    return decode(self, tokens, segment_ids, positions)
+    if positions is None and tokens.ndim == 2:
+      positions = jnp.arange(tokens.shape[1])
+    attend = lambda attn, h: attn(h, segment_ids=segment_ids, positions=positions)
+    return forward(self, tokens, attend)
+
+  def init_cache(self, batch_size: int, max_length: int, *, dtype=None) -> None:
+    """Empty KV caches in every attention layer for `max_length` tokens per row."""
+    if self.config.attention not in ("ring", "dense"):
+      raise ValueError(
+        f"LMConfig.attention={self.config.attention!r} has no decode mode; use 'ring' or 'dense'"
+      )
+    for block in self.blocks:
+      block.attn.init_cache(batch_size, max_length, dtype=dtype)
+
+  def prefill(self, tokens, *, lengths=None, segment_ids=None):
+    """Logits [B, T, V] of a prompt (row b: its first lengths[b] tokens), filling the
+    caches from scratch."""
+    attend = lambda attn, h: attn.prefill(h, lengths=lengths, segment_ids=segment_ids)
+    return forward(self, tokens, attend)
+
+  def decode(self, tokens, *, segment_ids=None):
+    """Logits [B, Tq, V] of each row's next Tq tokens, appended to the caches."""
+    return forward(self, tokens, lambda attn, h: attn.decode(h, segment_ids=segment_ids))
 
 
-def decode(model, tokens, segment_ids, positions):
-  """embed -> blocks -> norm -> head, the forward pass both models share."""
+def forward(model, tokens, attend):
+  """embed -> blocks (attention by `attend`) -> norm -> head: the forward pass the
+  models share; logits in float32."""
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"tokens shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
-  if positions is None:
-    positions = jnp.arange(tokens.shape[1])
   x = model.embed(tokens)
   for block in model.blocks:
-    x = block(x, segment_ids, positions)
+    x = block(x, attend)
   return model.head(model.norm(x)).astype(jnp.float32)

@@ -98,6 +98,16 @@ def survivor_exit(args, victim: int) -> tuple[float, int]:
       p.wait()
 
 
+EXPLAINED = """\
+On one small box the 2 x 4 layout is slower than 1 x 8: the two processes exchange K/V through
+gloo over loopback TCP instead of shared memory, and their two XLA thread pools compete for the
+same cores. On real hosts each process has its own cores and network, so this ratio says nothing
+about scaling across machines; the test suite checks that the results are equal, this table only
+that the cost of the split is bounded. The survivor exits within the heartbeat timeout when
+process 1 dies, and at once when the coordinator (process 0) dies; `scripts/launch.py` kills the
+others with SIGKILL as soon as one fails, so a launched job never waits that long."""
+
+
 def main(argv=None):
   args = parse_args(argv)
   lines = header("bench_multihost.py", sys.argv[1:] if argv is None else argv, 8)
@@ -126,6 +136,7 @@ def main(argv=None):
     seconds, code = survivor_exit(args, victim)
     lines.append(f"| process {victim} | {seconds:.1f} | {code} |")
     print(lines[-1], flush=True)
+  lines += ["", EXPLAINED]
   text = "\n".join(lines) + "\n"
   if args.out:
     write_section(args.out, "multihost", text)

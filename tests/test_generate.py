@@ -1,0 +1,144 @@
+"""Generation from models.DecoderLM with sequence-sharded KV caches: cached decoding
+equals the full forward pass, greedy `generate` equals rerunning the model, ring on 8
+devices equals dense on 1, sampling respects top-k, and Flax's own decode mode runs
+on make_attention_fn."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+from flax import nnx
+from jax.sharding import AxisType
+
+from jax_ring import nn as ring_nn
+from models import DecoderLM, LMConfig, generate
+
+V = 37
+CONFIG = LMConfig(vocab_size=V, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)
+PROMPTS = np.random.default_rng(0).integers(0, V, (3, 9)).astype(np.int32)
+LENGTHS = np.array([9, 4, 6], np.int32)
+
+
+def _mesh(devices):
+  return jax.make_mesh((devices,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices])
+
+
+def _model(attention, devices=None):
+  mesh = None if devices is None else _mesh(devices)
+  return DecoderLM(dataclasses.replace(CONFIG, attention=attention), mesh=mesh, rngs=nnx.Rngs(0))
+
+
+@jax.jit
+def _full_logits(state, tokens):
+  """The dense model's logits over whole sequences (trailing junk is harmless: causal)."""
+  return nnx.merge(_DENSE_DEF, state)(tokens)
+
+
+_DENSE = _model("dense")
+_DENSE_DEF, _DENSE_STATE = nnx.split(_DENSE)
+
+
+def _rows(prompts, lengths, new):
+  """Each row's prompt followed by its new tokens, left-aligned, in a [B, P + n] array."""
+  out = np.zeros((prompts.shape[0], prompts.shape[1] + new.shape[1]), np.int32)
+  for b, n in enumerate(lengths):
+    out[b, :n] = prompts[b, :n]
+    out[b, n : n + new.shape[1]] = new[b]
+  return out
+
+
+def test_cached_decode_logits_equal_the_full_forward():
+  model = _model("ring", 4)
+  model.init_cache(3, 16)
+  prefill = nnx.jit(lambda m, t, n: m.prefill(t, lengths=n))
+  decode = nnx.jit(lambda m, t: m.decode(t))
+  got = [np.asarray(prefill(model, PROMPTS, LENGTHS))]
+  new = np.random.default_rng(1).integers(0, V, (3, 5)).astype(np.int32)
+  for chunk in (new[:, 0:1], new[:, 1:2], new[:, 2:4], new[:, 4:5]):  # one or two tokens per step
+    got.append(np.asarray(decode(model, chunk)))
+  full = np.asarray(_full_logits(_DENSE_STATE, _rows(PROMPTS, LENGTHS, new)))
+  for b, n in enumerate(LENGTHS):
+    np.testing.assert_allclose(got[0][b, :n], full[b, :n], atol=2e-5)
+    decoded = np.concatenate([g[b] for g in got[1:]])
+    np.testing.assert_allclose(decoded, full[b, n : n + 5], atol=2e-5)
+
+
+def _greedy_by_rerunning(prompts, lengths, steps):
+  """Greedy continuation by running the whole dense model again at every step."""
+  new = np.zeros((prompts.shape[0], steps), np.int32)
+  for i in range(steps):
+    logits = np.asarray(_full_logits(_DENSE_STATE, _rows(prompts, lengths, new)))
+    new[:, i] = [logits[b, n + i - 1].argmax() for b, n in enumerate(lengths)]
+  return new
+
+
+def test_greedy_generate_equals_rerunning_and_ring_equals_dense():
+  steps = 5
+  expected = _greedy_by_rerunning(PROMPTS, LENGTHS, steps)
+  ring = generate(_model("ring", 8), PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=steps)
+  dense = generate(_DENSE, PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=steps)
+  np.testing.assert_array_equal(np.asarray(ring.tokens), expected)
+  np.testing.assert_array_equal(np.asarray(dense.tokens), expected)
+  np.testing.assert_array_equal(np.asarray(ring.lengths), [steps] * 3)
+  # A stop token ends its row (kept in the output); later slots hold pad_token.
+  stop = int(expected[0, 1])
+  stopped = generate(_DENSE, PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=steps, stop_tokens=(stop,))
+  for b in range(3):
+    hits = np.flatnonzero(expected[b] == stop)
+    n = int(hits[0]) + 1 if hits.size else steps
+    assert int(stopped.lengths[b]) == n
+    np.testing.assert_array_equal(np.asarray(stopped.tokens[b, :n]), expected[b, :n])
+    assert (np.asarray(stopped.tokens[b, n:]) == 0).all()
+
+
+def test_sampling_top_k():
+  model = _model("ring", 2)
+  greedy = generate(model, PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=4)
+  top1 = generate(
+    model, PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=4, temperature=1.0, top_k=1, rng=jax.random.key(3)
+  )
+  np.testing.assert_array_equal(np.asarray(top1.tokens), np.asarray(greedy.tokens))
+  sampled = generate(
+    model, PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=4, temperature=2.0, top_k=3, rng=jax.random.key(4)
+  )
+  tokens = np.asarray(sampled.tokens)
+  logits = np.asarray(_full_logits(_DENSE_STATE, _rows(PROMPTS, LENGTHS, tokens)))
+  for b, n in enumerate(LENGTHS):
+    for i in range(4):
+      top3 = np.argsort(logits[b, n + i - 1])[-3:]
+      assert tokens[b, i] in top3, (b, i, tokens[b, i], top3)
+  assert not np.array_equal(tokens, np.asarray(greedy.tokens))  # it did sample
+
+
+def test_flax_multi_head_attention_decode_mode_on_ring():
+  mesh = _mesh(4)
+  make = lambda fn: nnx.MultiHeadAttention(
+    num_heads=4,
+    in_features=32,
+    num_kv_heads=2,
+    decode=True,
+    rngs=nnx.Rngs(0),
+    **({} if fn is None else {"attention_fn": fn}),
+  )
+  ring, flax_default = make(ring_nn.make_attention_fn(mesh=mesh, is_causal=True)), make(None)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 6, 32), jnp.float32)
+  for m in (ring, flax_default):
+    m.init_cache((2, 10, 32))
+  step = nnx.jit(lambda m, x: m(x))
+  for t in range(6):
+    ours, theirs = step(ring, x[:, t : t + 1]), step(flax_default, x[:, t : t + 1])
+    assert rel_err(ours, theirs) < 1e-5, t
+
+
+def test_decoding_needs_a_cache_and_a_decodable_kind():
+  with pytest.raises(ValueError, match="call init_cache"):
+    _model("ring", 2).decode(jnp.zeros((1, 1), jnp.int32))
+  with pytest.raises(ValueError, match="attention='local' has no decode mode"):
+    _model("local", 2).init_cache(1, 8)
+  with pytest.raises(ValueError, match=r"prompt_lengths=\[0, 4, 6\]"):
+    generate(_DENSE, PROMPTS, prompt_lengths=np.array([0, 4, 6]), max_new_tokens=2)
+  with pytest.raises(ValueError, match="temperature=1.0 samples: pass rng"):
+    generate(_DENSE, PROMPTS, max_new_tokens=2, temperature=1.0)
