@@ -139,6 +139,11 @@ def generate(
   Returns:
     `Generated(tokens int32 [B, max_new_tokens], lengths int32 [B])`.
   """
+  if not callable(getattr(model, "init_cache", None)) or not callable(getattr(model, "decode", None)):
+    raise TypeError(
+      f"model of type {type(model).__name__} has no KV cache (init_cache/prefill/decode); "
+      "generate needs a models.DecoderLM with attention 'ring' or 'dense'"
+    )
   prompts = np.asarray(prompts) if not isinstance(prompts, jax.Array) else prompts
   if prompts.ndim != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
     raise ValueError(

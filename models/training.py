@@ -8,7 +8,8 @@ resume from the latest, a history of losses.
     history = train(TrainConfig(attention="ring", steps=300), KeyValueTask(seq_len=256))
 
 The loss is the cross-entropy of the scored positions of each batch (the task's
-`weights`); accuracy is the fraction of rows whose every scored token is the argmax.
+`weights`); accuracy is the fraction of rows whose every answer token (weight 1) is the
+argmax; positions of weight in (0, 1) add to the loss only.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class TrainConfig:
   layers: int = _field(2, "transformer blocks")
   heads: int = _field(4, "query heads")
   kv_heads: int = _field(2, "key/value heads")
+  window: int | None = _field(None, "sliding attention window in tokens (ring/dense; default: none)")
+  remat: bool = _field(False, "recompute activations in the backward pass (nnx.remat)")
   lr: float = _field(3e-3, "peak learning rate")
   warmup: int = _field(30, "warmup steps")
   weight_decay: float = _field(0.01, "AdamW weight decay")
@@ -57,6 +60,8 @@ class TrainConfig:
   eval_every: int = _field(50, "evaluate every this many steps")
   eval_batches: int = _field(8, "batches per evaluation (0: none)")
   seed: int = _field(0, "seed of the parameters and the data")
+  init: str | None = _field(None, "start from the parameters in this .npz (save_params of an earlier run)")
+  save_params: str | None = _field(None, "write the final parameters to this .npz")
   ckpt_dir: str | None = _field(None, "orbax checkpoints here (default: none)")
   ckpt_every: int = _field(100, "checkpoint every this many steps")
   ckpt_keep: int = _field(2, "checkpoints kept, the latest ones (0: all)")
@@ -100,6 +105,8 @@ def model_config(config: TrainConfig, task) -> LMConfig:
     dilation_rates=(1,),
     max_seq_len=task.seq_len,
     policy="float32",
+    window=config.window,
+    remat=config.remat,
   )
 
 
@@ -119,6 +126,39 @@ def build(config: TrainConfig, task, mesh):
   for obj in (model, optimizer):
     nnx.update(obj, replicate(nnx.state(obj), mesh))
   return model, optimizer
+
+
+def save_params(model, path: str) -> None:
+  """The model's parameters as one .npz (keys: '/'-joined paths), from process 0."""
+  flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+  arrays = {"/".join(map(str, key)): np.asarray(jax.device_get(var.get_value())) for key, var in flat}
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:  # np.savez would append .npz to a path without it
+      np.savez(f, **arrays)
+
+
+def load_params(model, path: str, mesh) -> None:
+  """Sets the model's parameters from `save_params`'s .npz, replicated on `mesh`;
+  ValueError naming the first path or shape that differs."""
+  state = nnx.state(model, nnx.Param)
+  flat = nnx.to_flat_state(state)
+  with np.load(path) as saved:
+    keys = {"/".join(map(str, key)) for key, _ in flat}
+    if keys != set(saved.files):
+      missing, extra = sorted(keys - set(saved.files)), sorted(set(saved.files) - keys)
+      raise ValueError(
+        f"init={path!r} does not fit this model: missing {missing[:3]}, unexpected {extra[:3]}"
+      )
+    for key, var in flat:
+      name = "/".join(map(str, key))
+      value = saved[name]
+      if value.shape != var.get_value().shape:
+        raise ValueError(
+          f"init={path!r}: {name} has shape {value.shape}, this model's has {var.get_value().shape}"
+        )
+      var.set_value(jnp.asarray(value, var.get_value().dtype))
+  nnx.update(model, replicate(nnx.from_flat_state(flat), mesh))
 
 
 def replicate(tree, mesh):
@@ -142,11 +182,12 @@ def make_tx(lr: float, warmup: int, steps: int, weight_decay: float, clip: float
 
 
 def loss_and_accuracy(model, tokens, targets, weights):
-  """(mean cross-entropy of the scored positions, fraction of rows answered exactly)."""
+  """(weighted mean cross-entropy of the scored positions, fraction of rows whose
+  answer tokens, those of weight 1, are all the argmax)."""
   logits = model(tokens)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-  right = (jnp.argmax(logits, -1) == targets) | (weights == 0)
+  right = (jnp.argmax(logits, -1) == targets) | (weights < 1)
   return loss, jnp.mean(jnp.all(right, axis=-1))
 
 
@@ -252,9 +293,10 @@ def evaluate(eval_step, model, task, config: TrainConfig, mesh):
   return float(np.mean(losses)), float(np.mean(accs))
 
 
-def train(config: TrainConfig, task, log=print):
+def train(config: TrainConfig, task, log=print, return_model: bool = False):
   """Trains a `DecoderLM` on `task`; returns the history dict (also written to
-  `config.out`): "step", "loss", "accuracy", "seconds" lists, "eval" entries.
+  `config.out`): "step", "loss", "accuracy", "seconds" lists, "eval" entries; with
+  `return_model`, (history, the trained model).
 
   In a multi-process run (`jax.distributed` initialized) every process calls this
   with the same arguments: each builds only its own rows and columns of every batch,
@@ -271,6 +313,8 @@ def train(config: TrainConfig, task, log=print):
     data, seq = config.data, config.seq or jax.device_count() // config.data
   mesh = make_mesh(data, seq)
   model, optimizer = build(config, task, mesh)
+  if config.init:
+    load_params(model, config.init, mesh)
   train_step, eval_step = make_steps()
   spec = _batch_spec(config)
 
@@ -316,6 +360,8 @@ def train(config: TrainConfig, task, log=print):
   if config.eval_batches and history["step"] and final_eval:
     ev_loss, ev_acc = evaluate(eval_step, model, task, config, mesh)
     history["eval"].append({"step": history["step"][-1], "loss": ev_loss, "accuracy": ev_acc})
+  if config.save_params:
+    save_params(model, config.save_params)
   history["chance"] = task.chance
   history["devices"] = int(np.prod(list(mesh.shape.values())))
   if config.out and main:
@@ -323,4 +369,4 @@ def train(config: TrainConfig, task, log=print):
     with open(os.path.join(config.out, "history.json"), "w") as f:
       json.dump(history, f, indent=1)
     plot_history([history], os.path.join(config.out, "loss.png"))
-  return history
+  return (history, model) if return_model else history

@@ -24,6 +24,13 @@ class LMConfig:
   attention: "dense" (one device, the reference), "ring" (exact, over the mesh's seq
   axis), "local" (each shard of the sequence attends only within itself), "dilated"
   (LongNet patterns, over the mesh when given) or "dilated_dense" (their reference).
+
+  window: a sliding window for "ring" and "dense": each token attends to itself and the
+  `window` tokens before it (`local_window_size=(window, 0)`); None: all before it.
+  remat: recompute each block's activations in the backward pass (`nnx.remat`), so
+  training stores one [B, T, D] activation per layer instead of all of them.
+  scan_layers: the blocks' parameters stacked along a leading layer axis and run by
+  `nnx.scan` (one compiled block for all layers); no decode mode.
   """
 
   vocab_size: int
@@ -40,6 +47,9 @@ class LMConfig:
   dtype: str | None = None
   param_dtype: str = "float32"
   policy: str | None = None
+  window: int | None = None
+  remat: bool = False
+  scan_layers: bool = False
 
   def validate(self, mesh=None, seq_axis="seq") -> None:
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden"):
@@ -56,6 +66,16 @@ class LMConfig:
       )
     if (self.dim // self.num_heads) % 2:
       raise ValueError(f"head dim {self.dim // self.num_heads} (dim / num_heads) must be even for RoPE")
+    if self.window is not None and (
+      self.attention not in ("ring", "dense")
+      or isinstance(self.window, bool)
+      or not isinstance(self.window, int)
+      or self.window < 0
+    ):
+      raise ValueError(
+        f"LMConfig.window={self.window!r} must be an int >= 0 with attention 'ring' or 'dense', "
+        f"not {self.attention!r}"
+      )
     if self.attention in ("ring", "local") and mesh is None:
       raise ValueError(f"LMConfig.attention={self.attention!r} needs a mesh")
     if mesh is not None and self.max_seq_len is not None:
@@ -110,7 +130,10 @@ def make_attention(config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rn
       kind=kind,
       **common,
     )
-  return ring_nn.RingAttention(config.num_heads, config.dim, kind=config.attention, **common)
+  window = None if config.window is None else (config.window, 0)
+  return ring_nn.RingAttention(
+    config.num_heads, config.dim, kind=config.attention, local_window_size=window, **common
+  )
 
 
 class Block(nnx.Module):
@@ -144,12 +167,11 @@ class DecoderLM(nnx.Module):
     self.config = config
     dt, pdt = _dtype(config.dtype), _dtype(config.param_dtype)
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
-    self.blocks = nnx.List(
-      [
-        Block(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
-        for _ in range(config.num_layers)
-      ]
-    )
+    make = lambda rngs: Block(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
+    if config.scan_layers:
+      self.blocks = nnx.split_rngs(splits=config.num_layers)(nnx.vmap(make, in_axes=0, out_axes=0))(rngs)
+    else:
+      self.blocks = nnx.List([make(rngs) for _ in range(config.num_layers)])
     self.norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.head = nnx.Linear(
       config.dim, config.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs
@@ -163,6 +185,8 @@ class DecoderLM(nnx.Module):
 
   def init_cache(self, batch_size: int, max_length: int, *, dtype=None) -> None:
     """Empty KV caches in every attention layer for `max_length` tokens per row."""
+    if self.config.scan_layers:
+      raise ValueError("LMConfig.scan_layers=True has no decode mode; build the model with scan_layers=False")
     if self.config.attention not in ("ring", "dense"):
       raise ValueError(
         f"LMConfig.attention={self.config.attention!r} has no decode mode; use 'ring' or 'dense'"
@@ -187,6 +211,20 @@ def forward(model, tokens, attend):
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"tokens shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
   x = model.embed(tokens)
-  for block in model.blocks:
-    x = block(x, attend)
+  config = getattr(model, "config", None)  # LongNet shares this forward, without remat or scan
+  remat, scan = getattr(config, "remat", False), getattr(config, "scan_layers", False)
+  x = run_blocks(model.blocks, x, attend, remat=remat, scan=scan)
   return model.head(model.norm(x)).astype(jnp.float32)
+
+
+def run_blocks(blocks, x, attend, *, remat: bool, scan: bool):
+  """x through every block: a Python loop over `nnx.List` blocks, or `nnx.scan` over
+  blocks stacked on a leading axis; each block under `nnx.remat` when `remat`."""
+  step = lambda block, x: block(x, attend)
+  if remat:
+    step = nnx.remat(step)
+  if scan:
+    return nnx.scan(step, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(blocks, x)
+  for block in blocks:
+    x = step(block, x)
+  return x

@@ -269,3 +269,34 @@ def test_longnet_equals_its_reference():
   lb, gb = nnx.value_and_grad(loss)(ref)
   assert abs(float(la - lb)) < 1e-5 * abs(float(lb))
   _assert_close_trees(ga, gb, 1e-4)
+
+
+def test_remat_and_scan_over_layers_keep_loss_and_gradients():
+  mesh = _auto_mesh((4,), ("seq",))
+  cfg = LMConfig(
+    vocab_size=37, dim=32, num_layers=3, num_heads=4, num_kv_heads=2, mlp_hidden=64, attention="ring"
+  )
+  plain = DecoderLM(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 36), 0, 37)
+  loss = nnx.jit(nnx.value_and_grad(lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 0])))
+  l_plain, g_plain = loss(plain)
+  stack = lambda *leaves: jnp.stack(leaves)
+  per_layer = [nnx.state(block, nnx.Param) for block in plain.blocks]
+  for remat, scan in ((True, False), (False, True), (True, True)):
+    model = DecoderLM(dataclasses_replace(cfg, remat=remat, scan_layers=scan), mesh=mesh, rngs=nnx.Rngs(1))
+    if scan:
+      nnx.update(model.blocks, jax.tree.map(stack, *per_layer))
+    else:
+      for block, state in zip(model.blocks, per_layer):
+        nnx.update(block, state)
+    for name in ("embed", "norm", "head"):
+      nnx.update(getattr(model, name), nnx.state(getattr(plain, name), nnx.Param))
+    l_model, g_model = loss(model)
+    assert abs(float(l_model - l_plain)) < 1e-6 * abs(float(l_plain)), (remat, scan)
+    g_blocks = g_model["blocks"]
+    expected = jax.tree.map(stack, *[g_plain["blocks"][i] for i in range(3)]) if scan else g_plain["blocks"]
+    _assert_close_trees(g_blocks, expected, 1e-5)
+    for name in ("embed", "norm", "head"):
+      _assert_close_trees(g_model[name], g_plain[name], 1e-5)
+  with pytest.raises(ValueError, match="scan_layers=True has no decode mode"):
+    DecoderLM(dataclasses_replace(cfg, scan_layers=True), mesh=mesh, rngs=nnx.Rngs(0)).init_cache(1, 8)
