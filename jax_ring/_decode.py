@@ -172,9 +172,9 @@ def init_cache(
 
 
 @functools.cache
-def _empty_cache(b: int, s: int, k: int, h: int, dtype, axes: CacheAxes) -> KVCache:
-  """An empty cache, made by one jitted program per shape (cached: the arrays are
-  immutable, so every caller may share them)."""
+def _empty_cache_program(b: int, s: int, k: int, h: int, dtype, axes: CacheAxes):
+  """The jitted program that makes an empty cache of this shape (cached: compiled once;
+  the arrays are not cached, so a call inside a caller's jit traces it instead)."""
 
   def make():
     zeros = jnp.zeros((b, s, k, h), dtype)
@@ -183,7 +183,11 @@ def _empty_cache(b: int, s: int, k: int, h: int, dtype, axes: CacheAxes) -> KVCa
     return KVCache(zeros, zeros, rows - 1, rows, jnp.zeros((b,), jnp.int32), scalar, scalar)
 
   shardings = KVCache(*(NamedSharding(axes.mesh, spec) for spec in axes.specs()))
-  return jax.jit(make, out_shardings=shardings)()
+  return jax.jit(make, out_shardings=shardings)
+
+
+def _empty_cache(b: int, s: int, k: int, h: int, dtype, axes: CacheAxes) -> KVCache:
+  return _empty_cache_program(b, s, k, h, dtype, axes)()
 
 
 def check_cache(cache, axes: CacheAxes, num_heads: int | None = None, head_dim: int | None = None):

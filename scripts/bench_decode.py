@@ -31,7 +31,7 @@ from _harness import header, median_time, simulate_devices, write_section
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--devices", type=int, default=8)
-  p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 524288])
+  p.add_argument("--lengths", type=int, nargs="*", default=[32768, 131072, 524288])
   p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--kv-heads", type=int, default=2)
@@ -45,6 +45,7 @@ def parse_args(argv):
     help="skip the all-gather baseline when the gathered caches of all devices exceed this",
   )
   p.add_argument("--out", default=None, help="write the tables into this Markdown file")
+  p.add_argument("--section", default="decode", help="the section of --out to (re)write")
   return p.parse_args(argv)
 
 
@@ -169,6 +170,8 @@ def main(argv=None):
     "jax_ring MiB (temp) | ring MiB (temp) | all-gather MiB (temp) | max diff |",
     "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
+  if not args.lengths:
+    lines = lines[:2]
   print("\n".join(lines), flush=True)
   itemsize = 4
   for b in args.batches:
@@ -235,7 +238,7 @@ def main(argv=None):
       print(lines[-1], flush=True)
   text = "\n".join(lines) + "\n"
   if args.out:
-    write_section(args.out, "decode", text)
+    write_section(args.out, args.section, text)
     print(f"wrote {args.out}")
   return text
 

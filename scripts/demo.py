@@ -39,6 +39,7 @@ def run(args, log=print):
   """Trains both models; returns the report dict."""
   import jax
 
+  from models.generate import generate
   from models.tasks import KeyValueTask
   from models.training import TrainConfig, train
 
@@ -60,7 +61,7 @@ def run(args, log=print):
       progress=not args.no_progress,
     )
     start = time.perf_counter()
-    history = train(config, task, log=log)
+    history, model = train(config, task, log=log, return_model=True)
     seconds = time.perf_counter() - start
     final = history["eval"][-1]
     report["runs"][attention] = {
@@ -72,9 +73,32 @@ def run(args, log=print):
       "devices": history["devices"],
       "history": history,
     }
+    if attention == "ring":  # the trained model in use: it answers fresh questions
+      report["runs"][attention]["answers"] = answer_questions(model, task, generate, args.seed, count=8)
     # The shard-local model gets as many steps as the ring model needed.
     ring_steps = ring_steps or history["step"][-1]
   return report
+
+
+def answer_questions(model, task, generate, seed: int, count: int):
+  """`count` fresh examples (seeds training never saw): the question is each prompt's
+  last token; `models.generate` writes one token after it (greedy, with the KV cache)."""
+  import numpy as np
+
+  from models.tasks import row_rng
+
+  rows = [task.row(row_rng(seed + 50_000, 0, r)) for r in range(count)]
+  prompts = np.stack([tokens for tokens, _ in rows])
+  out = generate(model, prompts, max_new_tokens=1)
+  answers = np.asarray(out.tokens)[:, 0]
+  return [
+    {
+      "question_key": int(tokens[-1] - task.query_base),
+      "truth": int(answer - task.answer_base),
+      "answer": int(a - task.answer_base),
+    }
+    for (tokens, answer), a in zip(rows, answers)
+  ]
 
 
 def main(argv=None):
@@ -99,6 +123,12 @@ def main(argv=None):
   with open(os.path.join(args.out, "report.json"), "w") as f:
     json.dump(report, f, indent=1)
   plot_history([r["history"] for r in runs.values()], os.path.join(args.out, "report.png"))
+  answers = runs["ring"].get("answers", [])
+  right = sum(a["answer"] == a["truth"] for a in answers)
+  print(f"\nThe ring model answers {len(answers)} fresh questions by generation (models.generate):")
+  for a in answers:
+    print(f"  key {a['question_key']} -> value {a['answer']} (truth {a['truth']})")
+  print(f"  {right} of {len(answers)} right")
   gap = runs["ring"]["eval_accuracy"] - runs["local"]["eval_accuracy"]
   print(f"\nring - local accuracy: {gap:+.3f}. Report: {args.out}/report.json, {args.out}/report.png")
 

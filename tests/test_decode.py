@@ -159,3 +159,11 @@ def test_bad_input_is_named(call, error, match):
   cache = init_cache(2, 10, 2, 8, mesh=mesh)
   with pytest.raises(error, match=match):
     call(cache, mesh)
+
+
+def test_init_cache_inside_jit_leaves_no_tracer_behind():
+  mesh = make_mesh((2,), ("seq",))
+  inside = jax.jit(lambda: jnp.sum(jax_ring.init_cache(1, 16, 1, 8, mesh=mesh).k))()
+  outside = jax_ring.init_cache(1, 16, 1, 8, mesh=mesh)  # same shape: once a leaked tracer
+  assert float(inside) == 0.0 and float(jnp.sum(outside.k)) == 0.0
+  assert (np.asarray(outside.positions) == -1).all()

@@ -1,12 +1,16 @@
 """Training (models.training): same losses on 8 devices as on 1, exact resume, the demo task."""
 
 import dataclasses
+import json
+import re
 
+import demo
 import numpy as np
 import pytest
 
-from models.tasks import KeyValueTask
-from models.training import TrainConfig, train
+from models.generate import generate
+from models.tasks import NAMES, KeyValueTask, NeedleTask, corpus, decode
+from models.training import TrainConfig, build, load_params, make_mesh, train
 
 SMALL = TrainConfig(batch=4, dim=32, layers=1, eval_batches=0, progress=False, out=None)
 TASK = KeyValueTask(seq_len=64)
@@ -50,14 +54,64 @@ def test_task_is_deterministic_and_puts_pairs_in_the_first_shard():
   assert ((answers >= task.answer_base) & (answers < task.vocab_size)).all()
 
 
+def test_needle_task_plants_the_asked_value_at_its_depth_in_real_text():
+  task = NeedleTask(seq_len=512, needles=3, digits=4, depth=(0.25, 0.375))
+  batch = task.batch(0, 5, 6)
+  np.testing.assert_array_equal(batch.tokens, task.batch(0, 5, 6).tokens)
+  np.testing.assert_array_equal(task.batch(0, 5, 6, rows=range(2, 4)).targets, batch.targets[2:4])
+  text = bytes(corpus()).decode("ascii")
+  for tokens, targets, weights in zip(*batch):
+    row = decode(np.append(tokens, targets[-1]))
+    assert len(row) == 513
+    answer = decode(targets[weights == 1])
+    assert len(answer) == 4 and answer.isdigit()
+    question = row[row.rindex("\n") :]
+    name = question.split()[3]
+    assert name in NAMES and question == f"\nThe code of {name} is {answer}"
+    needle = f" The code of {name} is {answer}. "
+    assert row.count(" The code of ") == 3 and needle in row
+    planted = [m for m in re.finditer(r" The code of \w+ is \d{4}\. ", row) if m.start() < len(row) - 40]
+    assert len(planted) == 3
+    before = sum(m.end() - m.start() for m in planted if m.start() < row.index(needle))
+    hay_len = 513 - len(question) - sum(m.end() - m.start() for m in planted)
+    depth = (row.index(needle) - before) / hay_len
+    assert 0.25 <= depth < 0.375 + 16 / hay_len, depth  # the bin, moved at most 16 bytes to a word start
+    # The loss weights: the value (1), the question's words (question_weight), text.
+    assert np.allclose(weights[-(len(question) - 1) : -4], task.question_weight)
+    assert np.allclose(weights[: -(len(question) - 1)], task.text_weight)
+    haystack = row.split(" The code of ")[0]
+    assert haystack in text  # the haystack is the corpus itself
+  with pytest.raises(ValueError, match="NeedleTask.seq_len=64 leaves no haystack"):
+    NeedleTask(seq_len=64, needles=2)
+  with pytest.raises(ValueError, match="NeedleTask.depth"):
+    NeedleTask(depth=(0.5, 0.5))
+
+
+def test_parameters_save_and_load(tmp_path):
+  path = str(tmp_path / "params.npz")
+  config = dataclasses.replace(SMALL, attention="ring", seq=4, steps=2, save_params=path)
+  _, model = train(config, TASK, log=lambda *_: None, return_model=True)
+  fresh, _ = build(dataclasses.replace(config, seed=1), TASK, make_mesh(1, 4))
+  load_params(fresh, path, make_mesh(1, 4))
+  for a, b in zip(
+    model.embed.embedding.get_value().ravel()[:50], fresh.embed.embedding.get_value().ravel()[:50]
+  ):
+    assert a == b
+  wider, _ = build(dataclasses.replace(config, dim=64), TASK, make_mesh(1, 4))
+  with pytest.raises(ValueError, match="has shape"):
+    load_params(wider, path, make_mesh(1, 4))
+
+
 @pytest.mark.slow
 def test_demo_task_ring_beats_shard_local(tmp_path):
   # The demo at reduced size: 128 tokens over 8 devices; the pairs are in shard 0 and
   # the question in shard 7.
   task = KeyValueTask(seq_len=128, pair_region=16)
   common = TrainConfig(batch=16, eval_batches=8, eval_every=50, steps=500, seq=8, layers=1, progress=False)
-  ring = train(
-    dataclasses.replace(common, attention="ring", target_accuracy=0.9, out=str(tmp_path / "r")), task
+  ring, model = train(
+    dataclasses.replace(common, attention="ring", target_accuracy=0.9, out=str(tmp_path / "r")),
+    task,
+    return_model=True,
   )
   steps = ring["step"][-1]
   local = train(
@@ -67,3 +121,26 @@ def test_demo_task_ring_beats_shard_local(tmp_path):
   assert ring_acc >= 0.85, ring["eval"]
   assert local_acc <= task.chance + 0.15, local["eval"]
   assert ring_acc - local_acc >= 0.6
+  # The demo's last act: the trained model answers fresh questions through generate.
+  answers = demo.answer_questions(model, task, generate, seed=0, count=16)
+  assert sum(a["answer"] == a["truth"] for a in answers) >= 11, answers
+
+
+def test_needle_demo_quick(tmp_path):
+  """The needle demo end to end at its --quick size, from the shipped start: three
+  trainings, the depth x length grid, generated answers, the report files."""
+  import needle_demo
+
+  needle_demo.main(["--quick", "--no-progress", "--out", str(tmp_path)])
+  with open(tmp_path / "report.json") as f:
+    report = json.load(f)
+  assert report["lengths"] == [128, 256, 512] and report["bins"] == 8
+  assert set(report["runs"]) == {"ring", "local", "window"}
+  for run in report["runs"].values():
+    grid = np.asarray(run["grid"])
+    assert grid.shape == (3, 8) and ((grid >= 0) & (grid <= 1)).all()
+    assert run["steps"] == 4 and np.isfinite(run["final_loss"])
+    for a in run.get("answers", []):
+      assert len(a["answer"]) == 4 and len(a["truth"]) == 4 and a["question"].startswith("The code of ")
+  assert "answers" in report["runs"]["ring"] and "answers" not in report["runs"]["local"]
+  assert (tmp_path / "report.png").stat().st_size > 10_000

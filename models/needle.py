@@ -1,0 +1,115 @@
+"""Needle-in-a-haystack evaluation: accuracy by needle depth and context length, the
+answers a model generates, and the heatmap.
+
+Legend: B batch, T sequence length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.tasks import NeedleTask, decode, row_rng
+from models.training import place_batch
+
+
+def depth_bins(n: int) -> list[tuple[float, float]]:
+  """`n` equal bins of needle depth over [0, 1)."""
+  edges = np.linspace(0.0, 1.0, n + 1)
+  return [(float(a), float(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+@functools.cache
+def _rows_right():
+  @nnx.jit
+  def rows_right(model, tokens, targets, weights):
+    """bool [B]: every scored token of the row is the argmax."""
+    right = (jnp.argmax(model(tokens), -1) == targets) | (weights == 0)
+    return jnp.all(right, axis=-1)
+
+  return rows_right
+
+
+def accuracy_grid(model, task: NeedleTask, lengths, bins: int, rows: int, seed: int, mesh, spec):
+  """Exact-answer accuracy [len(lengths), bins]: for each context length and depth bin,
+  the fraction of `rows` fresh examples (seeds disjoint from training's) answered
+  right under teacher forcing."""
+  grid = np.zeros((len(lengths), bins))
+  for i, length in enumerate(lengths):
+    for j, depth in enumerate(depth_bins(bins)):
+      probe = dataclasses.replace(task, seq_len=length, depth=depth)
+      batch = place_batch(probe, seed + 20_000 + i, j, rows, mesh, spec)
+      grid[i, j] = float(np.mean(np.asarray(_rows_right()(model, *batch))))
+  return grid
+
+
+def generated_answers(model, task: NeedleTask, count: int, seed: int):
+  """`count` fresh examples answered by `models.generate` (greedy): a list of dicts
+  with the needle's depth, the question's name, the truth and the model's answer."""
+  from models.generate import generate
+
+  prompts, truths, depths = [], [], []
+  for r in range(count):
+    seq, answer, depth = task.example(row_rng(seed + 30_000, 0, r))
+    prompts.append(seq[:answer])
+    truths.append(decode(seq[answer:]))
+    depths.append(depth)
+  out = generate(model, np.stack(prompts), max_new_tokens=task.digits)
+  tokens = np.asarray(jax.device_get(out.tokens))
+  results = []
+  for r in range(count):
+    question = decode(prompts[r][-len(task.question_text("W" * 8)) - 4 :]).split("\n")[-1]
+    results.append(
+      {
+        "depth": round(float(depths[r]), 3),
+        "question": question,
+        "truth": truths[r],
+        "answer": decode(tokens[r]),
+      }
+    )
+  return results
+
+
+def plot_report(report: dict, path: str) -> None:
+  """One heatmap of accuracy (context length x needle depth) per attention kind, and
+  the training loss curves, in one PNG."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  runs = report["runs"]
+  lengths, bins = report["lengths"], report["bins"]
+  fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4.2 * (len(runs) + 1), 3.6))
+  for ax, run in zip(axes, runs.values()):
+    grid = np.asarray(run["grid"])
+    image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto", origin="lower")
+    ax.set_xticks(range(bins), [f"{(j + 0.5) / bins:.2f}" for j in range(bins)], fontsize=7)
+    ax.set_yticks(range(len(lengths)), [str(t) for t in lengths])
+    ax.set(xlabel="needle depth (bin centre)", ylabel="context length (tokens)", title=run["label"])
+    for i in range(grid.shape[0]):
+      for j in range(grid.shape[1]):
+        ax.text(
+          j,
+          i,
+          f"{grid[i, j]:.2f}",
+          ha="center",
+          va="center",
+          fontsize=6,
+          color="w" if grid[i, j] < 0.6 else "k",
+        )
+  fig.colorbar(image, ax=axes[: len(runs)].tolist(), shrink=0.8, label="exact-answer accuracy")
+  ax = axes[-1]
+  for name, run in runs.items():
+    h = run["history"]
+    ax.plot(h["step"], h["loss"], label=name)
+  ax.set(xlabel="step", ylabel="training loss (answer bytes)", yscale="log", title="training")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.savefig(path, dpi=110, bbox_inches="tight")
+  plt.close(fig)
