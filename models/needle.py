@@ -10,12 +10,11 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from models.tasks import NeedleTask, decode, row_rng
-from models.training import place_batch
+from models.training import place_batch, rows_right
 
 
 def depth_bins(n: int) -> list[tuple[float, float]]:
@@ -27,12 +26,11 @@ def depth_bins(n: int) -> list[tuple[float, float]]:
 @functools.cache
 def _rows_right():
   @nnx.jit
-  def rows_right(model, tokens, targets, weights):
-    """bool [B]: every scored token of the row is the argmax."""
-    right = (jnp.argmax(model(tokens), -1) == targets) | (weights == 0)
-    return jnp.all(right, axis=-1)
+  def answered(model, tokens, targets, weights):
+    """bool [B]: the row's answer is the argmax at every answer token."""
+    return rows_right(model(tokens), targets, weights)
 
-  return rows_right
+  return answered
 
 
 def accuracy_grid(model, task: NeedleTask, lengths, bins: int, rows: int, seed: int, mesh, spec):
@@ -63,7 +61,7 @@ def generated_answers(model, task: NeedleTask, count: int, seed: int):
   tokens = np.asarray(jax.device_get(out.tokens))
   results = []
   for r in range(count):
-    question = decode(prompts[r][-len(task.question_text("W" * 8)) - 4 :]).split("\n")[-1]
+    question = decode(prompts[r]).rsplit("\n", 1)[-1]  # the prompt ends with the question
     results.append(
       {
         "depth": round(float(depths[r]), 3),

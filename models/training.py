@@ -181,14 +181,18 @@ def make_tx(lr: float, warmup: int, steps: int, weight_decay: float, clip: float
   return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
 
 
+def rows_right(logits, targets, weights):
+  """bool [B]: every answer token of the row (weight 1) is the argmax."""
+  return jnp.all((jnp.argmax(logits, -1) == targets) | (weights < 1), axis=-1)
+
+
 def loss_and_accuracy(model, tokens, targets, weights):
   """(weighted mean cross-entropy of the scored positions, fraction of rows whose
   answer tokens, those of weight 1, are all the argmax)."""
   logits = model(tokens)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-  right = (jnp.argmax(logits, -1) == targets) | (weights < 1)
-  return loss, jnp.mean(jnp.all(right, axis=-1))
+  return loss, jnp.mean(rows_right(logits, targets, weights))
 
 
 @functools.cache

@@ -39,7 +39,6 @@ def run(args, log=print):
   """Trains both models; returns the report dict."""
   import jax
 
-  from models.generate import generate
   from models.tasks import KeyValueTask
   from models.training import TrainConfig, train
 
@@ -74,17 +73,18 @@ def run(args, log=print):
       "history": history,
     }
     if attention == "ring":  # the trained model in use: it answers fresh questions
-      report["runs"][attention]["answers"] = answer_questions(model, task, generate, args.seed, count=8)
+      report["runs"][attention]["answers"] = answer_questions(model, task, args.seed, count=8)
     # The shard-local model gets as many steps as the ring model needed.
     ring_steps = ring_steps or history["step"][-1]
   return report
 
 
-def answer_questions(model, task, generate, seed: int, count: int):
+def answer_questions(model, task, seed: int, count: int):
   """`count` fresh examples (seeds training never saw): the question is each prompt's
   last token; `models.generate` writes one token after it (greedy, with the KV cache)."""
   import numpy as np
 
+  from models.generate import generate
   from models.tasks import row_rng
 
   rows = [task.row(row_rng(seed + 50_000, 0, r)) for r in range(count)]

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -155,9 +156,15 @@ def test_training_across_processes_layouts_and_a_killed_process(tmp_path):
   np.testing.assert_array_equal(_history(tmp_path / "h3"), two_losses[latest - EVERY :])
 
 
-def _pid_of_process_1(proc) -> int:
-  """Reads the launcher's first lines, up to the one naming process 1's pid."""
-  for line in proc.stdout:
-    if "process 1: pid" in line:
-      return int(line.split()[-1])
-  pytest.fail("the launcher never named process 1's pid")
+def _pid_of_process_1(proc, timeout: float = 60) -> int:
+  """Reads the launcher's first lines, up to the one naming process 1's pid; a watchdog
+  SIGKILLs the launcher's group past `timeout`, which ends the read."""
+  watchdog = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+  watchdog.start()
+  try:
+    for line in proc.stdout:
+      if "process 1: pid" in line:
+        return int(line.split()[-1])
+  finally:
+    watchdog.cancel()
+  pytest.fail(f"the launcher never named process 1's pid (killed after {timeout} s if it hung)")

@@ -8,7 +8,6 @@ import demo
 import numpy as np
 import pytest
 
-from models.generate import generate
 from models.tasks import NAMES, KeyValueTask, NeedleTask, corpus, decode
 from models.training import TrainConfig, build, load_params, make_mesh, train
 
@@ -122,7 +121,7 @@ def test_demo_task_ring_beats_shard_local(tmp_path):
   assert local_acc <= task.chance + 0.15, local["eval"]
   assert ring_acc - local_acc >= 0.6
   # The demo's last act: the trained model answers fresh questions through generate.
-  answers = demo.answer_questions(model, task, generate, seed=0, count=16)
+  answers = demo.answer_questions(model, task, seed=0, count=16)
   assert sum(a["answer"] == a["truth"] for a in answers) >= 11, answers
 
 
