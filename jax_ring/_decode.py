@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ring import _validation, layouts
 from jax_ring._attention import GlobalConfig, check_arguments, global_impl
+from jax_ring._dilated import check_patterns
 from jax_ring._kernel import block_update, finalize
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, place, place_on_mesh
 from jax_ring._policy import Policy, get_policy
@@ -277,10 +278,25 @@ def _decode_mask(q_pos, q_seg, k_pos, k_seg, window):
   return mask & (q_seg[:, :, None] == k_seg[:, None, :]) & (q_seg[:, :, None] >= 0)
 
 
-def local_partial(q, cache: KVCache, q_pos, q_seg, fill, *, window, scale: float, policy: Policy, tile: int):
+def _pattern_mask(q_pos, k_pos, num_heads: int, kv_heads: int, pattern):
+  """bool [B, K, G, Tq, bk]: LongNet's (segment length w, rate r) pattern on global
+  positions, per query head n = k * G + g: both positions in one segment of w, and both
+  offsets from the segment's start equal to n modulo r (`dilated_pattern_mask`)."""
+  w, r = pattern
+  heads = (jnp.arange(num_heads) % r).reshape(kv_heads, -1)[None, :, :, None]  # [1, K, G, 1]
+  q_keep = ((q_pos % w) % r)[:, None, None, :] == heads  # [B, K, G, Tq]
+  k_keep = ((k_pos % w) % r)[:, None, None, :] == heads  # [B, K, G, bk]
+  same = (q_pos // w)[:, :, None] == (k_pos // w)[:, None, :]  # [B, Tq, bk]
+  return q_keep[..., None] & k_keep[..., None, :] & same[:, None, None]
+
+
+def local_partial(
+  q, cache: KVCache, q_pos, q_seg, fill, *, window, scale: float, policy: Policy, tile: int, pattern=None
+):
   """This device's (output, lse) of queries q [B, Tq, N, H] at positions q_pos [B, Tq]
   against its cache shard, visiting only the tiles below `fill` (skipping those every
-  mask rules out): output [B, Tq, N, H] and lse [B, Tq, N] in the accumulation dtype."""
+  mask rules out): output [B, Tq, N, H] and lse [B, Tq, N] in the accumulation dtype.
+  pattern: a LongNet (segment length, rate) on top of the causal mask (`_pattern_mask`)."""
   b, tq, n, h = q.shape
   kh = cache.k.shape[2]
   acc = policy.accum_dtype
@@ -295,7 +311,10 @@ def local_partial(q, cache: KVCache, q_pos, q_seg, fill, *, window, scale: float
     take = lambda x: lax.dynamic_slice_in_dim(x, start, tile, axis=1)
     k = take(cache.k).astype(policy.compute_dtype).transpose(0, 2, 1, 3)  # [B, K, bk, H]
     v = take(cache.v).astype(policy.compute_dtype).transpose(0, 2, 1, 3)
-    mask = _decode_mask(q_pos, q_seg, take(cache.positions), take(cache.segment_ids), window)
+    k_pos = take(cache.positions)
+    mask = _decode_mask(q_pos, q_seg, k_pos, take(cache.segment_ids), window)
+    if pattern is not None:
+      mask = mask[:, None, None] & _pattern_mask(q_pos, k_pos, n, kh, pattern)
     compute = lambda st: block_update(qs, k, v, mask, policy, *st)
     return lax.cond(jnp.any(mask), compute, lambda st: st, state)
 
@@ -318,15 +337,31 @@ def merge_partials(o, lse, axis_name):
   return out, jnp.where(seen, safe + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
 
 
+def merge_local(outs, lses):
+  """The exact merge of partial results over a list (o [..., H], lse [...]) on one
+  device, as `merge_partials` does over a mesh axis: LongNet's merge of its patterns."""
+  lse = jnp.stack(lses)
+  top = jnp.max(lse, axis=0)
+  safe = jnp.where(jnp.isneginf(top), 0.0, top)
+  w = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - safe))
+  den = jnp.sum(w, axis=0)
+  seen = den > 0
+  num = sum(o * wi[..., None] for o, wi in zip(outs, w))
+  out = jnp.where(seen[..., None], num / jnp.where(seen, den, 1.0)[..., None], 0.0)
+  return out, jnp.where(seen, safe + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-  """The static part of one decode_attention call."""
+  """The static part of one decode_attention call. patterns: LongNet's (segment
+  length, rate) pairs for dilated decoding (None: plain causal attention)."""
 
   axis_name: Any
   window: tuple[int, int] | None
   scale: float
   policy: Policy
   tile: int | None
+  patterns: tuple[tuple[int, int], ...] | None = None
 
 
 def _decode_shard(cfg: DecodeConfig, query, cache: KVCache, segment_ids):
@@ -337,9 +372,13 @@ def _decode_shard(cfg: DecodeConfig, query, cache: KVCache, segment_ids):
   q_pos = cache.lengths[:, None] - tq + jnp.arange(tq)[None]
   fill = device_fill(cache.prefilled, cache.appended, index, devices)
   tile = cache_tile(cache.k.shape[1], cfg.tile)
-  o, lse = local_partial(
-    query, cache, q_pos, segment_ids, fill, window=cfg.window, scale=cfg.scale, policy=cfg.policy, tile=tile
+  partial = functools.partial(
+    local_partial, query, cache, q_pos, segment_ids, fill, scale=cfg.scale, policy=cfg.policy, tile=tile
   )
+  if cfg.patterns is None:
+    o, lse = partial(window=cfg.window)
+  else:  # every pattern on this shard, merged here; one merge over the devices for all
+    o, lse = merge_local(*zip(*(partial(window=None, pattern=p) for p in cfg.patterns)))
   out, lse = merge_partials(o, lse, cfg.axis_name)
   return out.astype(cfg.policy.out_dtype(query.dtype)), lse
 
@@ -357,6 +396,23 @@ def _check_new(query, name: str, b: int, h: int | None = None):
     raise ValueError(f"{name} batch={query.shape[0]} must equal the cache's batch={b}")
   if h is not None and query.shape[3] != h:
     raise ValueError(f"{name} head_dim={query.shape[3]} must equal the cache's head_dim={h}")
+
+
+def _check_decode_patterns(segment_lengths, dilation_rates, window, head_axis):
+  """((w, r), ...) of dilated decoding, or None for plain causal attention."""
+  if segment_lengths is None and dilation_rates is None:
+    return None
+  if segment_lengths is None or dilation_rates is None:
+    raise ValueError(
+      f"segment_lengths={segment_lengths!r} and dilation_rates={dilation_rates!r}: give both "
+      "(dilated decoding) or neither"
+    )
+  lengths, rates = check_patterns(segment_lengths, dilation_rates)
+  if window is not None:
+    raise ValueError(f"local_window_size={window!r} cannot be combined with dilated patterns")
+  if head_axis is not None:
+    raise ValueError(f"head_axis={head_axis!r}: dilated decoding keeps every head on each device")
+  return tuple(zip(lengths, rates))
 
 
 def _new_segment_ids(segment_ids, b: int, tq: int):
@@ -404,6 +460,8 @@ def decode_attention(
   scale: float | None = None,
   policy: Policy | str | None = None,
   block_kv: int | None = None,
+  segment_lengths=None,
+  dilation_rates=None,
   return_residual: bool = False,
 ):
   """Attention of Tq new tokens against a sequence-sharded `KVCache` that already holds
@@ -423,6 +481,9 @@ def decode_attention(
     scale: logit scale, default 1/sqrt(H).
     policy: a `Policy` or preset name; None means `policy_for` the mesh's first device.
     block_kv: cache tile per loop step (default: up to 1024 dividing the shard).
+    segment_lengths, dilation_rates: LongNet patterns: decode causal dilated attention
+      (`jax_ring.dilated_attention(..., is_causal=True)`, patterns on global positions)
+      instead of full causal attention; no window, no head_axis.
     return_residual: also return the log-sum-exp [B, Tq, N] (float32), as
       `jax.nn.dot_product_attention` does.
 
@@ -442,8 +503,9 @@ def decode_attention(
   scale = _validation.check_scale(scale, h)
   if block_kv is not None and (isinstance(block_kv, bool) or not isinstance(block_kv, int) or block_kv < 1):
     raise ValueError(f"block_kv={block_kv!r} must be a positive int or None")
+  patterns = _check_decode_patterns(segment_lengths, dilation_rates, window, head_axis)
   policy = get_policy(policy, mesh.devices.flat[0])
-  cfg = DecodeConfig(seq_axis, window, scale, policy, block_kv)
+  cfg = DecodeConfig(seq_axis, window, scale, policy, block_kv, patterns)
   with jax.named_scope("jax_ring.decode_attention"):
     query, segment_ids = _place(axes, query=query, segment_ids=segment_ids)
     return _decode_global(query, cache, segment_ids, cfg=cfg, axes=axes, return_residual=return_residual)
@@ -459,6 +521,8 @@ def decode_attention_shard(
   scale: float | None = None,
   policy: Policy | str | None = None,
   block_kv: int | None = None,
+  segment_lengths=None,
+  dilation_rates=None,
   return_residual: bool = False,
 ):
   """`decode_attention` for code already inside `jax.shard_map`: query [B, Tq, N, H]
@@ -474,12 +538,14 @@ def decode_attention_shard(
       f"num_heads={query.shape[2]} must be a multiple of the cache's num_kv_heads={cache.k.shape[2]}"
     )
   segment_ids = _new_segment_ids(segment_ids, b, query.shape[1])
+  window = _validation.normalize_window(local_window_size)
   cfg = DecodeConfig(
     axis_name,
-    _validation.normalize_window(local_window_size),
+    window,
     _validation.check_scale(scale, h),
     get_policy(policy),
     block_kv,
+    _check_decode_patterns(segment_lengths, dilation_rates, window, None),
   )
   with jax.named_scope("jax_ring.decode_attention_shard"):
     out, lse = _decode_shard(cfg, query, cache, segment_ids)

@@ -88,7 +88,8 @@ def _flat(x):
 
 def _scores(q, k, mask, policy: Policy):
   """Scores [B * K, G * bq, bk] of pre-scaled queries q [B, K, G, bq, H] against keys
-  k [B, K, bk, H], -inf where masked.
+  k [B, K, bk, H], -inf where masked. mask: [B or 1, bq, bk], the same for every head,
+  or [B, K, G, bq, bk], one per query head.
 
   The tile math runs on 3-d arrays, one batch axis: with the size-1 axes of B and G
   kept, the CPU compiler copied every score tile once more before its row maximum.
@@ -96,7 +97,8 @@ def _scores(q, k, mask, policy: Policy):
   s = _dot("xqh,xsh->xqs", _rows(q), _flat(k), policy)
   if mask is not None:
     b, kh, g, bq = q.shape[:4]
-    s = jnp.where(mask[:, None, None], s.reshape(b, kh, g, bq, -1), -jnp.inf).reshape(s.shape)
+    mask = mask if mask.ndim == 5 else mask[:, None, None]  # [B, K, G, bq, bk]: per query head
+    s = jnp.where(mask, s.reshape(b, kh, g, bq, -1), -jnp.inf).reshape(s.shape)
   return s
 
 

@@ -34,13 +34,26 @@ RING_KINDS = ("ring", "dense", "local")
 DILATED_KINDS = ("dilated", "dense")
 
 
-def apply_rope(x, positions, base: float = 10000.0):
-  """Rotary position embedding (Su et al. 2021, RoFormer) of x [B, T, N, H] at integer
-  global positions [T] or [B, T]; pairs dimension i with i + H/2."""
+def rope_frequencies(head_dim: int, base: float = 10000.0, max_wavelength: float | None = None):
+  """The head_dim / 2 rotary frequencies base^(-2i / head_dim). With `max_wavelength`,
+  every frequency whose wavelength 2 pi / f exceeds it is set to 0: those dimension
+  pairs carry no position at all (p-RoPE, Barbero et al. 2024, arXiv 2410.06205), so a
+  model trained on sequences longer than `max_wavelength` has seen every angle its
+  rotations can make, at any distance."""
+  inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim // 2, dtype=jnp.float32) / (head_dim // 2)))
+  if max_wavelength is not None:
+    inv_freq = jnp.where(2 * jnp.pi / inv_freq > max_wavelength, 0.0, inv_freq)
+  return inv_freq
+
+
+def apply_rope(x, positions, base: float = 10000.0, max_wavelength: float | None = None):
+  """Rotary position embedding (Su et al. 2021, RoFormer) of x [B, T, N, H] at
+  global positions [T] or [B, T]; pairs dimension i with i + H/2. `max_wavelength`:
+  see `rope_frequencies`."""
   h = x.shape[-1]
   if h % 2:
     raise ValueError(f"head_dim={h} must be even for rotary embeddings")
-  inv_freq = 1.0 / (base ** (jnp.arange(0, h // 2, dtype=jnp.float32) / (h // 2)))
+  inv_freq = rope_frequencies(h, base, max_wavelength)
   angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [(B,) T, H/2]
   if angles.ndim == 2:
     angles = angles[None]
@@ -91,6 +104,7 @@ class _Projected(nnx.Module):
     out_features: int | None,
     use_bias: bool,
     rope_base: float | None,
+    rope_max_wavelength: float | None,
     dtype,
     param_dtype,
     kernel_init,
@@ -112,7 +126,14 @@ class _Projected(nnx.Module):
     self.head_dim = _positive_int("head_dim", head_dim)
     if rope_base is not None and head_dim % 2:
       raise ValueError(f"head_dim={head_dim} must be even for rotary embeddings (rope_base={rope_base})")
+    if rope_max_wavelength is not None and (
+      isinstance(rope_max_wavelength, bool)
+      or not isinstance(rope_max_wavelength, (int, float))
+      or not rope_max_wavelength > 0
+    ):
+      raise ValueError(f"rope_max_wavelength={rope_max_wavelength!r} must be a positive number or None")
     self.rope_base = rope_base
+    self.rope_max_wavelength = rope_max_wavelength
     out_features = in_features if out_features is None else _positive_int("out_features", out_features)
     init = nnx.initializers.lecun_normal() if kernel_init is None else kernel_init
     common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -133,117 +154,16 @@ class _Projected(nnx.Module):
     v = self.value(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     if self.rope_base is not None:
       pos = jnp.arange(t) if positions is None else positions
-      q, k = apply_rope(q, pos, self.rope_base), apply_rope(k, pos, self.rope_base)
+      rope = lambda x: apply_rope(x, pos, self.rope_base, self.rope_max_wavelength)
+      q, k = rope(q), rope(k)
     return q, k, v
 
 
-class RingAttention(_Projected):
-  """Multi-head self-attention whose core is ring attention over `seq_axis` of `mesh`.
-
-  Args:
-    num_heads, in_features: N and D.
-    kind: "ring" (needs mesh), "dense" (jax_ring.reference_attention on one device,
-      the numerical definition), or "local" (needs mesh: each shard of the sequence
-      attends only within itself; a baseline, not exact attention).
-    num_kv_heads: K for GQA/MQA (default N). head_dim: H (default D // N).
-    out_features: default D.
-    mesh, seq_axis, batch_axis, head_axis, is_causal, local_window_size, layout,
-      policy, block_sizes: as in `jax_ring.ring_attention`.
-    rope_base: rotary embeddings with this base on q and k at global positions
-      (None: none).
-    use_bias, dtype, param_dtype, kernel_init: as in `flax.nnx.Linear`.
-    qkv_sharding, out_sharding: optional partition names for the [D, N*H] and [N*H, D]
-      kernels (e.g. (None, "model") and ("model", None)), stored as metadata only.
-    rngs: `flax.nnx.Rngs`.
-
-  Call: x [B, T, D], segment_ids int [B, T] or None, positions [T] or [B, T] (for RoPE,
-  default arange(T)) -> [B, T, out_features].
-  """
-
-  def __init__(
-    self,
-    num_heads: int,
-    in_features: int,
-    *,
-    kind: str = "ring",
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    out_features: int | None = None,
-    mesh=None,
-    seq_axis="seq",
-    batch_axis=None,
-    head_axis=None,
-    is_causal: bool = False,
-    local_window_size=None,
-    layout: str = "auto",
-    policy: Policy | str | None = None,
-    block_sizes: BlockSizes | None = None,
-    rope_base: float | None = None,
-    use_bias: bool = False,
-    dtype=None,
-    param_dtype=jnp.float32,
-    kernel_init=None,
-    qkv_sharding=None,
-    out_sharding=None,
-    rngs: nnx.Rngs,
-  ):
-    _check_kind(kind, RING_KINDS, mesh, seq_axis)
-    super().__init__(
-      num_heads,
-      in_features,
-      num_kv_heads=num_kv_heads,
-      head_dim=head_dim,
-      out_features=out_features,
-      use_bias=use_bias,
-      rope_base=rope_base,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      kernel_init=kernel_init,
-      qkv_sharding=qkv_sharding,
-      out_sharding=out_sharding,
-      rngs=rngs,
-    )
-    self.kind = kind
-    self.options = nnx.static(
-      _frozen(
-        mesh=mesh,
-        seq_axis=seq_axis,
-        batch_axis=batch_axis,
-        head_axis=head_axis,
-        is_causal=is_causal,
-        local_window_size=_validation.normalize_window(local_window_size),
-        layout=layout,
-        policy=policy,
-        block_sizes=block_sizes,
-      )
-    )
-
-  def attend(self, q, k, v, segment_ids):
-    o = dict(self.options)
-    if self.kind == "dense":
-      return reference_attention(
-        q, k, v, is_causal=o["is_causal"], segment_ids=segment_ids, local_window_size=o["local_window_size"]
-      )
-    if self.kind == "local":
-      segment_ids = shard_segments(q.shape[0], q.shape[1], o["mesh"].shape[o["seq_axis"]], segment_ids)
-      o["layout"] = "contiguous"
-    return ring_attention(q, k, v, segment_ids=segment_ids, **o)
-
-  def __call__(self, x, *, segment_ids=None, positions=None):
-    q, k, v = self.project(x, positions)
-    out = self.attend(q, k, v, segment_ids)
-    return self.out(out.reshape(*out.shape[:2], -1))
-
-  # Decoding: a sequence-sharded KV cache (jax_ring.KVCache) in nnx.Cache variables
-  # named as in flax.nnx.MultiHeadAttention (cached_key, cached_value, cache_index).
-
-  def _cache_axes(self) -> dict:
-    o = dict(self.options)
-    if self.kind == "local":
-      raise ValueError("kind='local' has no decode mode: shard-local attention is a training baseline")
-    if self.kind == "dense":  # the reference on one device: a one-device "ring"
-      return dict(mesh=_one_device_mesh(), seq_axis="seq", batch_axis=None, head_axis=None)
-    return {name: o[name] for name in ("mesh", "seq_axis", "batch_axis", "head_axis")}
+class _Cached:
+  """Decoding for the attention modules: a sequence-sharded KV cache (`jax_ring.KVCache`)
+  in nnx.Cache variables named as in flax.nnx.MultiHeadAttention (cached_key,
+  cached_value, cache_index). A subclass gives `_cache_axes`, `_decode_options`,
+  `prefill` and `_output` (attention output [B, T, N, H] -> module output)."""
 
   def init_cache(self, batch_size: int, max_length: int, *, dtype=None):
     """An empty cache for `max_length` tokens per row (prompt and generated), sharded
@@ -284,6 +204,132 @@ class RingAttention(_Projected):
     self.cache_index[...] = cache.lengths
     self.cache_fill[...] = jnp.stack([cache.prefilled, cache.appended])
 
+  def decode(self, x, *, segment_ids=None):
+    """Appends x [B, Tq, D] (each row's next Tq tokens) to the cache and attends them
+    to every cached token of their row: [B, Tq, out_features]."""
+    cache = self.cache
+    b, tq = x.shape[:2]
+    positions = cache.lengths[:, None] + jnp.arange(tq)[None]
+    q, k, v = self.project(x, positions)
+    axes = self._cache_axes()
+    cache = update_cache(
+      cache, k.astype(cache.k.dtype), v.astype(cache.v.dtype), segment_ids=segment_ids, **axes
+    )
+    out = decode_attention(q, cache, segment_ids=segment_ids, **self._decode_options())
+    self._store(cache)
+    return self._output(out)
+
+
+class RingAttention(_Cached, _Projected):
+  """Multi-head self-attention whose core is ring attention over `seq_axis` of `mesh`.
+
+  Args:
+    num_heads, in_features: N and D.
+    kind: "ring" (needs mesh), "dense" (jax_ring.reference_attention on one device,
+      the numerical definition), or "local" (needs mesh: each shard of the sequence
+      attends only within itself; a baseline, not exact attention).
+    num_kv_heads: K for GQA/MQA (default N). head_dim: H (default D // N).
+    out_features: default D.
+    mesh, seq_axis, batch_axis, head_axis, is_causal, local_window_size, layout,
+      policy, block_sizes: as in `jax_ring.ring_attention`.
+    rope_base: rotary embeddings with this base on q and k at global positions
+      (None: none). rope_max_wavelength: frequencies of longer wavelength are dropped
+      (`rope_frequencies`), for models run past the length they were trained at.
+    use_bias, dtype, param_dtype, kernel_init: as in `flax.nnx.Linear`.
+    qkv_sharding, out_sharding: optional partition names for the [D, N*H] and [N*H, D]
+      kernels (e.g. (None, "model") and ("model", None)), stored as metadata only.
+    rngs: `flax.nnx.Rngs`.
+
+  Call: x [B, T, D], segment_ids int [B, T] or None, positions [T] or [B, T] (for RoPE,
+  default arange(T)) -> [B, T, out_features].
+  """
+
+  def __init__(
+    self,
+    num_heads: int,
+    in_features: int,
+    *,
+    kind: str = "ring",
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    out_features: int | None = None,
+    mesh=None,
+    seq_axis="seq",
+    batch_axis=None,
+    head_axis=None,
+    is_causal: bool = False,
+    local_window_size=None,
+    layout: str = "auto",
+    policy: Policy | str | None = None,
+    block_sizes: BlockSizes | None = None,
+    rope_base: float | None = None,
+    rope_max_wavelength: float | None = None,
+    use_bias: bool = False,
+    dtype=None,
+    param_dtype=jnp.float32,
+    kernel_init=None,
+    qkv_sharding=None,
+    out_sharding=None,
+    rngs: nnx.Rngs,
+  ):
+    _check_kind(kind, RING_KINDS, mesh, seq_axis)
+    super().__init__(
+      num_heads,
+      in_features,
+      num_kv_heads=num_kv_heads,
+      head_dim=head_dim,
+      out_features=out_features,
+      use_bias=use_bias,
+      rope_base=rope_base,
+      rope_max_wavelength=rope_max_wavelength,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      kernel_init=kernel_init,
+      qkv_sharding=qkv_sharding,
+      out_sharding=out_sharding,
+      rngs=rngs,
+    )
+    self.kind = kind
+    self.options = nnx.static(
+      _frozen(
+        mesh=mesh,
+        seq_axis=seq_axis,
+        batch_axis=batch_axis,
+        head_axis=head_axis,
+        is_causal=is_causal,
+        local_window_size=_validation.normalize_window(local_window_size),
+        layout=layout,
+        policy=policy,
+        block_sizes=block_sizes,
+      )
+    )
+
+  def attend(self, q, k, v, segment_ids):
+    o = dict(self.options)
+    if self.kind == "dense":
+      return reference_attention(
+        q, k, v, is_causal=o["is_causal"], segment_ids=segment_ids, local_window_size=o["local_window_size"]
+      )
+    if self.kind == "local":
+      segment_ids = shard_segments(q.shape[0], q.shape[1], o["mesh"].shape[o["seq_axis"]], segment_ids)
+      o["layout"] = "contiguous"
+    return ring_attention(q, k, v, segment_ids=segment_ids, **o)
+
+  def __call__(self, x, *, segment_ids=None, positions=None):
+    q, k, v = self.project(x, positions)
+    out = self.attend(q, k, v, segment_ids)
+    return self._output(out)
+
+  # Decoding (`_Cached`): init_cache, prefill, decode.
+
+  def _cache_axes(self) -> dict:
+    o = dict(self.options)
+    if self.kind == "local":
+      raise ValueError("kind='local' has no decode mode: shard-local attention is a training baseline")
+    if self.kind == "dense":  # the reference on one device: a one-device "ring"
+      return dict(mesh=_one_device_mesh(), seq_axis="seq", batch_axis=None, head_axis=None)
+    return {name: o[name] for name in ("mesh", "seq_axis", "batch_axis", "head_axis")}
+
   def _decode_options(self) -> dict:
     o = dict(self.options)
     return dict(local_window_size=o["local_window_size"], policy=o["policy"], **self._cache_axes())
@@ -307,22 +353,10 @@ class RingAttention(_Projected):
       **self._decode_options(),
     )
     self._store(cache)
-    return self.out(out.reshape(*out.shape[:2], -1))
+    return self._output(out)
 
-  def decode(self, x, *, segment_ids=None):
-    """Appends x [B, Tq, D] (each row's next Tq tokens) to the cache and attends them
-    to every cached token of their row: [B, Tq, out_features]."""
-    cache = self.cache
-    b, tq = x.shape[:2]
-    positions = cache.lengths[:, None] + jnp.arange(tq)[None]
-    q, k, v = self.project(x, positions)
-    axes = self._cache_axes()
-    cache = update_cache(
-      cache, k.astype(cache.k.dtype), v.astype(cache.v.dtype), segment_ids=segment_ids, **axes
-    )
-    out = decode_attention(q, cache, segment_ids=segment_ids, **self._decode_options())
-    self._store(cache)
-    return self.out(out.reshape(b, tq, -1))
+  def _output(self, out):
+    return self.out(out.reshape(*out.shape[:2], -1))
 
 
 @functools.cache
@@ -342,7 +376,7 @@ def shard_segments(batch: int, length: int, shards: int, segment_ids=None):
   return jnp.where(seg >= 0, seg * shards + block, -1)
 
 
-class DilatedAttention(_Projected):
+class DilatedAttention(_Cached, _Projected):
   """Multi-head self-attention over LongNet dilated attention.
 
   Args (beyond those of `RingAttention`):
@@ -371,6 +405,7 @@ class DilatedAttention(_Projected):
     policy: Policy | str | None = None,
     block_sizes: BlockSizes | None = None,
     rope_base: float | None = None,
+    rope_max_wavelength: float | None = None,
     sub_layer_norm: bool = True,
     use_bias: bool = False,
     dtype=None,
@@ -390,6 +425,7 @@ class DilatedAttention(_Projected):
       out_features=out_features,
       use_bias=use_bias,
       rope_base=rope_base,
+      rope_max_wavelength=rope_max_wavelength,
       dtype=dtype,
       param_dtype=param_dtype,
       kernel_init=kernel_init,
@@ -425,11 +461,59 @@ class DilatedAttention(_Projected):
 
   def __call__(self, x, *, segment_ids=None, positions=None):
     q, k, v = self.project(x, positions)
-    out = self.attend(q, k, v, segment_ids)
+    return self._output(self.attend(q, k, v, segment_ids))
+
+  def _output(self, out):
     out = out.reshape(*out.shape[:2], -1)
     if self.sub_norm is not None:
       out = self.sub_norm(out)
     return self.out(out)
+
+  # Decoding (`_Cached`): the cache as RingAttention's; each new token attends to the
+  # cached keys its patterns select (`decode_attention(segment_lengths=...,
+  # dilation_rates=...)`), merged over patterns and devices by one all-reduce.
+
+  def _cache_axes(self) -> dict:
+    o = dict(self.options)
+    if not o["is_causal"]:
+      raise ValueError("DilatedAttention(is_causal=False) has no decode mode: decoding is causal")
+    if self.kind == "dense" or o["mesh"] is None:
+      return dict(mesh=_one_device_mesh(), seq_axis="seq", batch_axis=None, head_axis=None)
+    return dict(mesh=o["mesh"], seq_axis=o["seq_axis"], batch_axis=o["batch_axis"], head_axis=None)
+
+  def _decode_options(self) -> dict:
+    o = dict(self.options)
+    keep = ("segment_lengths", "dilation_rates", "policy")
+    return dict(**{n: o[n] for n in keep}, **self._cache_axes())
+
+  def prefill(self, x, *, lengths=None, segment_ids=None):
+    """Causal dilated attention over a prompt x [B, T, D] that fills the cache from
+    scratch: [B, T, out_features]. Row b's prompt is its first `lengths[b]` tokens
+    (default T); the prompt's keys and values are appended round-robin, as decoding
+    appends (the rest of a row is cached as padding that no query sees)."""
+    cache = self.cache
+    b, t = x.shape[:2]
+    axes = self._cache_axes()
+    q, k, v = self.project(x, None)
+    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    if lengths is not None:
+      lengths = jnp.asarray(lengths, jnp.int32)
+      if lengths.shape != (b,):
+        raise ValueError(f"lengths.shape={tuple(lengths.shape)} must be (batch,)=({b},)")
+      seg = jnp.where(jnp.arange(t)[None] < lengths[:, None], seg, -1)
+    out = self.attend(q, k, v, seg)
+    zero = jnp.zeros((), jnp.int32)
+    empty = cache._replace(
+      positions=jnp.full_like(cache.positions, -1),
+      lengths=jnp.zeros_like(cache.lengths),
+      prefilled=zero,
+      appended=zero,
+    )
+    cache = update_cache(empty, k.astype(cache.k.dtype), v.astype(cache.v.dtype), segment_ids=seg, **axes)
+    if lengths is not None:
+      cache = cache._replace(lengths=lengths)
+    self._store(cache)
+    return self._output(out)
 
 
 def make_attention_fn(

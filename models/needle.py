@@ -83,13 +83,15 @@ def plot_report(report: dict, path: str) -> None:
 
   runs = report["runs"]
   lengths, bins = report["lengths"], report["bins"]
-  fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4.2 * (len(runs) + 1), 3.6))
-  for ax, run in zip(axes, runs.values()):
+  fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4.6 * (len(runs) + 1), 3.6))
+  for n, (ax, run) in enumerate(zip(axes, runs.values())):
     grid = np.asarray(run["grid"])
     image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto", origin="lower")
     ax.set_xticks(range(bins), [f"{(j + 0.5) / bins:.2f}" for j in range(bins)], fontsize=7)
-    ax.set_yticks(range(len(lengths)), [str(t) for t in lengths])
-    ax.set(xlabel="needle depth (bin centre)", ylabel="context length (tokens)", title=run["label"])
+    ax.set_yticks(range(len(lengths)), [str(t) for t in lengths] if n == 0 else [])
+    ax.set(xlabel="needle depth (bin centre)", title=run["label"])
+    if n == 0:
+      ax.set_ylabel("context length (bytes)")
     for i in range(grid.shape[0]):
       for j in range(grid.shape[1]):
         ax.text(
@@ -106,7 +108,7 @@ def plot_report(report: dict, path: str) -> None:
   for name, run in runs.items():
     h = run["history"]
     ax.plot(h["step"], h["loss"], label=name)
-  ax.set(xlabel="step", ylabel="training loss (answer bytes)", yscale="log", title="training")
+  ax.set(xlabel="step", ylabel="training loss (weighted bytes)", yscale="log", title="training")
   ax.grid(alpha=0.3)
   ax.legend()
   fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -53,6 +53,10 @@ class TrainConfig:
   kv_heads: int = _field(2, "key/value heads")
   window: int | None = _field(None, "sliding attention window in tokens (ring/dense; default: none)")
   remat: bool = _field(False, "recompute activations in the backward pass (nnx.remat)")
+  conv: int = _field(0, "width of a causal depthwise convolution before each attention (0: none)")
+  rope_max_wavelength: float | None = _field(
+    None, "drop rotary frequencies of longer wavelength (p-RoPE; for running past the training length)"
+  )
   lr: float = _field(3e-3, "peak learning rate")
   warmup: int = _field(30, "warmup steps")
   weight_decay: float = _field(0.01, "AdamW weight decay")
@@ -107,6 +111,8 @@ def model_config(config: TrainConfig, task) -> LMConfig:
     policy="float32",
     window=config.window,
     remat=config.remat,
+    conv=config.conv,
+    rope_max_wavelength=config.rope_max_wavelength,
   )
 
 

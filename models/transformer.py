@@ -29,6 +29,10 @@ class LMConfig:
   `window` tokens before it (`local_window_size=(window, 0)`); None: all before it.
   remat: recompute each block's feed-forward activations in the backward pass
   (`nnx.remat`) instead of storing them (see `run_blocks` for why attention's are kept).
+  conv: width of a causal depthwise convolution on each attention input (`ShortConv`;
+  0: none). rope_max_wavelength: rotary frequencies of longer wavelength are dropped
+  (`jax_ring.nn.rope_frequencies`), so the model runs past its training length without
+  meeting rotations it never saw.
   scan_layers: the blocks' parameters stacked along a leading layer axis and run by
   `nnx.scan` (one compiled block for all layers); no decode mode.
   """
@@ -41,6 +45,8 @@ class LMConfig:
   mlp_hidden: int = 128
   attention: str = "ring"
   rope_base: float = 10000.0
+  rope_max_wavelength: float | None = None
+  conv: int = 0
   segment_lengths: tuple[int, ...] = (64,)
   dilation_rates: tuple[int, ...] = (1,)
   max_seq_len: int | None = None
@@ -58,6 +64,8 @@ class LMConfig:
         raise ValueError(f"LMConfig.{name}={value!r} must be a positive int")
     if self.attention not in ATTENTION_KINDS:
       raise ValueError(f"LMConfig.attention={self.attention!r} is not one of {ATTENTION_KINDS}")
+    if isinstance(self.conv, bool) or not isinstance(self.conv, int) or self.conv < 0:
+      raise ValueError(f"LMConfig.conv={self.conv!r} must be an int >= 0 (0: no convolution)")
     if self.dim % self.num_heads:
       raise ValueError(f"LMConfig.dim={self.dim} must be divisible by num_heads={self.num_heads}")
     if self.num_heads % self.num_kv_heads:
@@ -116,6 +124,7 @@ def make_attention(config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rn
     is_causal=True,
     policy=config.policy,
     rope_base=config.rope_base,
+    rope_max_wavelength=config.rope_max_wavelength,
     dtype=_dtype(config.dtype),
     param_dtype=_dtype(config.param_dtype),
     rngs=rngs,
@@ -136,18 +145,79 @@ def make_attention(config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rn
   )
 
 
+class ShortConv(nnx.Module):
+  """h + a causal depthwise convolution of h over the last `width` tokens:
+  out[t] = h[t] + sum_s w[s] * h[t - s], s = 0..width-1 (zeros before the start).
+
+  Placed before attention, it hands every position a summary of the few tokens before
+  it, so one attention layer can match "the tokens before here" with "the tokens before
+  there" (the induction / associative-recall pattern) without first building a
+  previous-token head ("Canon layers", Allen-Zhu 2025, Physics of Language Models 4.1;
+  the same idea as the short convolutions of H3 and Mamba). Over a sequence-sharded
+  array the shift needs only the last width-1 tokens of the neighbouring shard, which
+  XLA exchanges by itself.
+
+  Decoding keeps the last width-1 inputs of each row (`state`, nnx.Cache).
+  """
+
+  def __init__(self, dim: int, width: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self.width = width
+    init = nnx.initializers.normal(1.0 / width)
+    self.kernel = nnx.Param(init(rngs.params(), (width, dim), param_dtype))
+    self.dtype = dtype
+
+  def _mix(self, padded, t):
+    """padded [B, width-1+t, D] -> [B, t, D]: each of the last t rows plus its window."""
+    w = self.kernel[...].astype(self.dtype or padded.dtype)
+    k = self.width
+    out = padded[:, k - 1 :]
+    for s in range(k):
+      out = out + w[s] * padded[:, k - 1 - s : k - 1 - s + t]
+    return out
+
+  def __call__(self, h):
+    t = h.shape[1]
+    return self._mix(jnp.pad(h, ((0, 0), (self.width - 1, 0), (0, 0))), t)
+
+  def init_cache(self, batch_size: int, dtype) -> None:
+    self.state = nnx.Cache(jnp.zeros((batch_size, self.width - 1, self.kernel.shape[1]), dtype))
+
+  def prefill(self, h, lengths):
+    """As __call__; the state becomes each row's last width-1 inputs before lengths[b]."""
+    b, t, _ = h.shape
+    padded = jnp.pad(h, ((0, 0), (self.width - 1, 0), (0, 0)))
+    ends = jnp.full((b,), t) if lengths is None else jnp.asarray(lengths)
+    index = ends[:, None] + jnp.arange(self.width - 1)[None]  # rows lengths-width+1.. of h, padded
+    self.state[...] = jnp.take_along_axis(padded, index[:, :, None], axis=1).astype(self.state.dtype)
+    return self._mix(padded, t)
+
+  def decode(self, h):
+    """h [B, Tq, D]: the next Tq inputs of each row, after the state."""
+    t = h.shape[1]
+    padded = jnp.concatenate([self.state[...].astype(h.dtype), h], axis=1)
+    self.state[...] = padded[:, t:].astype(self.state.dtype)
+    return self._mix(padded, t)
+
+
 class Block(nnx.Module):
   def __init__(self, config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs):
     dt, pdt = _dtype(config.dtype), _dtype(config.param_dtype)
     self.attn_norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.conv = (
+      ShortConv(config.dim, config.conv, dtype=dt, param_dtype=pdt, rngs=rngs) if config.conv else None
+    )
     self.attn = make_attention(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
     self.mlp_norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.mlp = SwiGLU(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, x, attend, remat: bool = False):
-    """attend(attention module, normalized x) -> the attention sub-layer's output.
+  def __call__(self, x, attend, remat: bool = False, mix=None):
+    """attend(attention module, normalized x) -> the attention sub-layer's output;
+    mix(ShortConv, normalized x) -> its input when the block has a conv (default: call it).
     remat: the feed-forward sub-layer (norm, SwiGLU) is recomputed in the backward pass."""
-    x = x + attend(self.attn, self.attn_norm(x))
+    h = self.attn_norm(x)
+    if self.conv is not None:
+      h = mix(self.conv, h) if mix is not None else self.conv(h)
+    x = x + attend(self.attn, h)
     feed_forward = lambda norm, mlp, x: mlp(norm(x))
     if remat:
       feed_forward = nnx.remat(feed_forward)
@@ -162,8 +232,8 @@ class DecoderLM(nnx.Module):
 
   Generation (`models.generate`): `init_cache(batch_size, max_length)`, then
   `prefill(prompts, lengths=...)` once and `decode(tokens)` per step; the cache of each
-  attention layer is sharded along the sequence like the attention ("ring" and
-  "dense" kinds).
+  attention layer is sharded along the sequence like the attention (every kind but
+  "local"; the dilated kinds decode their LongNet patterns).
   """
 
   def __init__(self, config: LMConfig, *, mesh=None, seq_axis="seq", batch_axis=None, rngs: nnx.Rngs):
@@ -191,37 +261,41 @@ class DecoderLM(nnx.Module):
     """Empty KV caches in every attention layer for `max_length` tokens per row."""
     if self.config.scan_layers:
       raise ValueError("LMConfig.scan_layers=True has no decode mode; build the model with scan_layers=False")
-    if self.config.attention not in ("ring", "dense"):
+    if self.config.attention == "local":
       raise ValueError(
-        f"LMConfig.attention={self.config.attention!r} has no decode mode; use 'ring' or 'dense'"
+        "LMConfig.attention='local' has no decode mode (a training baseline); use 'ring', 'dense' or "
+        "'dilated'"
       )
     for block in self.blocks:
       block.attn.init_cache(batch_size, max_length, dtype=dtype)
+      if block.conv is not None:
+        block.conv.init_cache(batch_size, jnp.dtype(dtype or _dtype(self.config.dtype) or jnp.float32))
 
   def prefill(self, tokens, *, lengths=None, segment_ids=None):
     """Logits [B, T, V] of a prompt (row b: its first lengths[b] tokens), filling the
     caches from scratch."""
     attend = lambda attn, h: attn.prefill(h, lengths=lengths, segment_ids=segment_ids)
-    return forward(self, tokens, attend)
+    return forward(self, tokens, attend, mix=lambda conv, h: conv.prefill(h, lengths))
 
   def decode(self, tokens, *, segment_ids=None):
     """Logits [B, Tq, V] of each row's next Tq tokens, appended to the caches."""
-    return forward(self, tokens, lambda attn, h: attn.decode(h, segment_ids=segment_ids))
+    attend = lambda attn, h: attn.decode(h, segment_ids=segment_ids)
+    return forward(self, tokens, attend, mix=lambda conv, h: conv.decode(h))
 
 
-def forward(model, tokens, attend):
-  """embed -> blocks (attention by `attend`) -> norm -> head: the forward pass the
-  models share; logits in float32."""
+def forward(model, tokens, attend, mix=None):
+  """embed -> blocks (attention by `attend`, short convolutions by `mix`) -> norm ->
+  head: the forward pass the models share; logits in float32."""
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"tokens shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
   x = model.embed(tokens)
   config = getattr(model, "config", None)  # LongNet shares this forward, without remat or scan
   remat, scan = getattr(config, "remat", False), getattr(config, "scan_layers", False)
-  x = run_blocks(model.blocks, x, attend, remat=remat, scan=scan)
+  x = run_blocks(model.blocks, x, attend, remat=remat, scan=scan, mix=mix)
   return model.head(model.norm(x)).astype(jnp.float32)
 
 
-def run_blocks(blocks, x, attend, *, remat: bool, scan: bool):
+def run_blocks(blocks, x, attend, *, remat: bool, scan: bool, mix=None):
   """x through every block: a Python loop over `nnx.List` blocks, or `nnx.scan` over
   blocks stacked on a leading axis.
 
@@ -229,7 +303,10 @@ def run_blocks(blocks, x, attend, *, remat: bool, scan: bool):
   call is not rematerialized: the ring's custom VJP keeps only O(T / devices) residuals
   (q, k, v, output, lse), while `jax.checkpoint` around it makes JAX 0.10 save the
   forward scan's per-step score tiles (measured: 10x the temp memory at T=8192)."""
-  step = (lambda block, x: block(x, attend, remat=True)) if remat else (lambda block, x: block(x, attend))
+  kw = {"remat": True} if remat else {}
+  if mix is not None:
+    kw["mix"] = mix
+  step = lambda block, x: block(x, attend, **kw)
   if scan:
     return nnx.scan(step, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(blocks, x)
   for block in blocks:

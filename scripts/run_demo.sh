@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
-# The main job (the demo): set-up, then scripts/demo.py with any arguments given.
+# The main job (the demo): set-up, then scripts/needle_demo.py with any arguments given
+# (needle in a haystack over real text; the synthetic key-value demo is scripts/demo.py).
 source "$(dirname "$0")/_env.sh"
-python scripts/demo.py "$@"
+python scripts/needle_demo.py "$@"

@@ -30,10 +30,22 @@ def _at(x, positions):
 
 
 def _decode_run(
-  devices, *, heads=4, kv_heads=2, prompt=21, lengths=(21, 13, 0), tq=3, steps=2, layout="auto", window=None
+  devices,
+  *,
+  heads=4,
+  kv_heads=2,
+  prompt=21,
+  lengths=(21, 13, 0),
+  tq=3,
+  steps=2,
+  layout="auto",
+  window=None,
+  patterns=None,
 ):
   """Prefill, then `steps` rounds of appending tq tokens per row and decoding them;
-  every output and lse checked against the reference over the whole sequence."""
+  every output and lse checked against the reference over the whole sequence.
+  patterns: ((segment lengths), (rates)) of dilated decoding, checked against
+  `reference_dilated_attention` (outputs; the prefill only fills the cache)."""
   lengths = np.asarray(lengths, np.int32)
   b, total = len(lengths), prompt + tq * steps
   q, k, v = _data(b, total, heads, kv_heads)
@@ -50,15 +62,26 @@ def _decode_run(
     as64(q), as64(k), as64(v)
   )
   ref, ref_lse = np.asarray(ref), np.asarray(ref_lse)
-  if window is None:  # the prefill is causal attention over each row's prompt
+  dilated = {}
+  if patterns is not None:
+    dilated = dict(segment_lengths=patterns[0], dilation_rates=patterns[1])
+    ref_fn = lambda q, k, v: jax_ring.reference_dilated_attention(
+      q, k, v, is_causal=True, segment_ids=seg, **dilated
+    )
+    ref = np.asarray(jax.jit(ref_fn)(as64(q), as64(k), as64(v)))
+  if window is None and patterns is None:  # the prefill is causal attention over each row's prompt
     prompt_valid = np.arange(prompt)[None] < lengths[:, None]
     expected = np.where(prompt_valid[:, :, None, None], ref[:, :prompt], 0.0)
     np.testing.assert_allclose(np.asarray(out), expected, atol=TOL, rtol=0)
   for step in range(steps):
     pos = lengths[:, None] + step * tq + np.arange(tq)[None]
     cache = update_cache(cache, _at(k, pos), _at(v, pos), mesh=mesh)
-    o, lse = decode_attention(_at(q, pos), cache, mesh=mesh, local_window_size=window, return_residual=True)
+    o, lse = decode_attention(
+      _at(q, pos), cache, mesh=mesh, local_window_size=window, return_residual=True, **dilated
+    )
     np.testing.assert_allclose(np.asarray(o), _at(ref, pos), atol=TOL, rtol=0)
+    if patterns is not None:
+      continue
     np.testing.assert_allclose(
       np.asarray(lse), np.take_along_axis(ref_lse, pos[:, :, None], axis=1), atol=TOL
     )
@@ -84,6 +107,13 @@ def test_decode_cache_shorter_than_the_devices():
 @pytest.mark.parametrize("devices", [3, 8])
 def test_decode_with_a_window(devices):
   _decode_run(devices, window=(5, 0), lengths=(21, 9, 2))
+
+
+@pytest.mark.parametrize("devices", [1, 3, 8])
+def test_dilated_decode_matches_the_dilated_reference(devices):
+  # Two patterns: segments of 8 at rate 1 and of 16 at rate 2 (heads 0, 2 keep the even
+  # offsets, heads 1, 3 the odd ones); rows of 21, 13 and 0 prompt tokens.
+  _decode_run(devices, patterns=((8, 16), (1, 2)))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "striped"])

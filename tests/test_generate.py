@@ -4,6 +4,7 @@ devices equals dense on 1, sampling respects top-k, and Flax's own decode mode r
 on make_attention_fn."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,8 @@ from models import DecoderLM, LMConfig, generate
 
 V = 37
 CONFIG = LMConfig(vocab_size=V, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)
+# A short convolution before attention and p-RoPE (2 of the 4 frequencies dropped).
+CONV = dataclasses.replace(CONFIG, conv=3, rope_max_wavelength=60.0)
 PROMPTS = np.random.default_rng(0).integers(0, V, (3, 9)).astype(np.int32)
 LENGTHS = np.array([9, 4, 6], np.int32)
 
@@ -26,15 +29,15 @@ def _mesh(devices):
   return jax.make_mesh((devices,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices])
 
 
-def _model(attention, devices=None):
+def _model(attention, devices=None, config=CONFIG):
   mesh = None if devices is None else _mesh(devices)
-  return DecoderLM(dataclasses.replace(CONFIG, attention=attention), mesh=mesh, rngs=nnx.Rngs(0))
+  return DecoderLM(dataclasses.replace(config, attention=attention), mesh=mesh, rngs=nnx.Rngs(0))
 
 
-@jax.jit
-def _full_logits(state, tokens):
+@functools.partial(jax.jit, static_argnums=0)
+def _full_logits(graphdef, state, tokens):
   """The dense model's logits over whole sequences (trailing junk is harmless: causal)."""
-  return nnx.merge(_DENSE_DEF, state)(tokens)
+  return nnx.merge(graphdef, state)(tokens)
 
 
 _DENSE = _model("dense")
@@ -50,8 +53,26 @@ def _rows(prompts, lengths, new):
   return out
 
 
-def test_cached_decode_logits_equal_the_full_forward():
-  model = _model("ring", 4)
+# LongNet patterns: segments of 4 at rate 1 and of 8 at rate 2.
+DILATED = dataclasses.replace(CONFIG, segment_lengths=(4, 8), dilation_rates=(1, 2))
+
+
+@pytest.mark.parametrize(
+  ("config", "kind", "dense_kind"),
+  [(CONFIG, "ring", "dense"), (CONV, "ring", "dense"), (DILATED, "dilated", "dilated_dense")],
+  ids=["plain", "conv", "dilated"],
+)
+def test_cached_decode_logits_equal_the_full_forward(config, kind, dense_kind):
+  dense_def, dense_state = nnx.split(_model(dense_kind, config=config))
+  model = _model(kind, 4, config)
+  if config.conv:  # the training forward over a sharded sequence: XLA exchanges the conv's halo
+    tokens = np.random.default_rng(2).integers(0, V, (2, 16)).astype(np.int32)
+    sharded = jax.device_put(tokens, jax.NamedSharding(_mesh(4), jax.P(None, "seq")))
+    np.testing.assert_allclose(
+      np.asarray(nnx.jit(lambda m, t: m(t))(model, sharded)),
+      np.asarray(_full_logits(dense_def, dense_state, tokens)),
+      atol=2e-5,
+    )
   model.init_cache(3, 16)
   prefill = nnx.jit(lambda m, t, n: m.prefill(t, lengths=n))
   decode = nnx.jit(lambda m, t: m.decode(t))
@@ -59,18 +80,18 @@ def test_cached_decode_logits_equal_the_full_forward():
   new = np.random.default_rng(1).integers(0, V, (3, 5)).astype(np.int32)
   for chunk in (new[:, 0:1], new[:, 1:2], new[:, 2:4], new[:, 4:5]):  # one or two tokens per step
     got.append(np.asarray(decode(model, chunk)))
-  full = np.asarray(_full_logits(_DENSE_STATE, _rows(PROMPTS, LENGTHS, new)))
+  full = np.asarray(_full_logits(dense_def, dense_state, _rows(PROMPTS, LENGTHS, new)))
   for b, n in enumerate(LENGTHS):
     np.testing.assert_allclose(got[0][b, :n], full[b, :n], atol=2e-5)
     decoded = np.concatenate([g[b] for g in got[1:]])
     np.testing.assert_allclose(decoded, full[b, n : n + 5], atol=2e-5)
 
 
-def _greedy_by_rerunning(prompts, lengths, steps):
+def _greedy_by_rerunning(prompts, lengths, steps, dense=(_DENSE_DEF, _DENSE_STATE)):
   """Greedy continuation by running the whole dense model again at every step."""
   new = np.zeros((prompts.shape[0], steps), np.int32)
   for i in range(steps):
-    logits = np.asarray(_full_logits(_DENSE_STATE, _rows(prompts, lengths, new)))
+    logits = np.asarray(_full_logits(*dense, _rows(prompts, lengths, new)))
     new[:, i] = [logits[b, n + i - 1].argmax() for b, n in enumerate(lengths)]
   return new
 
@@ -94,6 +115,13 @@ def test_greedy_generate_equals_rerunning_and_ring_equals_dense():
     assert (np.asarray(stopped.tokens[b, n:]) == 0).all()
 
 
+def test_greedy_generate_on_a_dilated_model():
+  dense = nnx.split(_model("dilated_dense", config=DILATED))
+  expected = _greedy_by_rerunning(PROMPTS, LENGTHS, 4, dense)
+  got = generate(_model("dilated", 8, DILATED), PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=4)
+  np.testing.assert_array_equal(np.asarray(got.tokens), expected)
+
+
 def test_sampling_top_k():
   model = _model("ring", 2)
   greedy = generate(model, PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=4)
@@ -105,7 +133,7 @@ def test_sampling_top_k():
     model, PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=4, temperature=2.0, top_k=3, rng=jax.random.key(4)
   )
   tokens = np.asarray(sampled.tokens)
-  logits = np.asarray(_full_logits(_DENSE_STATE, _rows(PROMPTS, LENGTHS, tokens)))
+  logits = np.asarray(_full_logits(_DENSE_DEF, _DENSE_STATE, _rows(PROMPTS, LENGTHS, tokens)))
   for b, n in enumerate(LENGTHS):
     for i in range(4):
       top3 = np.argsort(logits[b, n + i - 1])[-3:]
@@ -138,6 +166,11 @@ def test_decoding_needs_a_cache_and_a_decodable_kind():
     _model("ring", 2).decode(jnp.zeros((1, 1), jnp.int32))
   with pytest.raises(ValueError, match="attention='local' has no decode mode"):
     _model("local", 2).init_cache(1, 8)
+  bidirectional = ring_nn.DilatedAttention(
+    4, 32, segment_lengths=(4,), dilation_rates=(1,), kind="dense", rngs=nnx.Rngs(0)
+  )
+  with pytest.raises(ValueError, match="is_causal=False"):
+    bidirectional.init_cache(1, 8)
   with pytest.raises(ValueError, match=r"prompt_lengths=\[0, 4, 6\]"):
     generate(_DENSE, PROMPTS, prompt_lengths=np.array([0, 4, 6]), max_new_tokens=2)
   with pytest.raises(ValueError, match="temperature=1.0 samples: pass rng"):

@@ -210,6 +210,13 @@ P = jax.sharding.PartitionSpec
     ),
     (lambda: DecoderLM(LMConfig(vocab_size=10, attention="sparse"), rngs=nnx.Rngs(0)), "attention='sparse'"),
     (lambda: DecoderLM(LMConfig(vocab_size=10, num_heads=3), rngs=nnx.Rngs(0)), "num_heads=3"),
+    (lambda: DecoderLM(LMConfig(vocab_size=10, conv=-1), rngs=nnx.Rngs(0)), "conv=-1"),
+    (
+      lambda: ring_nn.RingAttention(
+        4, 32, kind="dense", rope_base=1e4, rope_max_wavelength=0, rngs=nnx.Rngs(0)
+      ),
+      "rope_max_wavelength=0",
+    ),
     (lambda: DecoderLM(LMConfig(vocab_size=10, attention="ring"), rngs=nnx.Rngs(0)), "needs a mesh"),
     (
       lambda: DecoderLM(
@@ -238,10 +245,14 @@ def dataclasses_replace(cfg, **kw):
   return dataclasses.replace(cfg, **kw)
 
 
-@pytest.mark.parametrize("attention", ["ring", "dilated"])
-def test_decoder_lm_equals_dense(attention):
+@pytest.mark.parametrize(
+  ("attention", "extra"),
+  [("ring", {}), ("dilated", {}), ("ring", {"conv": 3, "rope_max_wavelength": 20.0})],
+  ids=["ring", "dilated", "ring-conv-prope"],
+)
+def test_decoder_lm_equals_dense(attention, extra):
   mesh = _auto_mesh((4,), ("seq",))
-  ring, dense = _lm_pair(attention, mesh, segment_lengths=(8, 32), dilation_rates=(1, 2))
+  ring, dense = _lm_pair(attention, mesh, segment_lengths=(8, 32), dilation_rates=(1, 2), **extra)
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 36), 0, 37)
   loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 0])
   la, ga = nnx.value_and_grad(loss)(ring)
@@ -300,3 +311,45 @@ def test_remat_and_scan_over_layers_keep_loss_and_gradients():
       _assert_close_trees(g_model[name], g_plain[name], 1e-5)
   with pytest.raises(ValueError, match="scan_layers=True has no decode mode"):
     DecoderLM(dataclasses_replace(cfg, scan_layers=True), mesh=mesh, rngs=nnx.Rngs(0)).init_cache(1, 8)
+
+
+def test_p_rope_drops_long_wavelengths_and_stays_relative():
+  full = np.asarray(ring_nn.rope_frequencies(16, 10000.0))
+  kept = np.asarray(ring_nn.rope_frequencies(16, 10000.0, max_wavelength=100.0))
+  long = 2 * np.pi / full > 100.0
+  assert 0 < long.sum() < long.size
+  np.testing.assert_array_equal(kept[long], 0.0)
+  np.testing.assert_array_equal(kept[~long], full[~long])
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 1, 5, 1, 16))
+  positions = jnp.array([0, 3, 250, 251, 900])
+  q, k = (ring_nn.apply_rope(x[i], positions, 10000.0, 100.0) for i in (0, 1))
+  q2, k2 = (ring_nn.apply_rope(x[i], positions + 777, 10000.0, 100.0) for i in (0, 1))
+  scores = jnp.einsum("bqnh,bknh->qk", q, k)
+  np.testing.assert_allclose(scores, jnp.einsum("bqnh,bknh->qk", q2, k2), atol=1e-4)
+  # The dropped pairs (dimension i with i + 8) are not rotated at all.
+  pairs = np.concatenate([long, long])
+  np.testing.assert_allclose(np.asarray(q)[..., pairs], np.asarray(x[0])[..., pairs], rtol=1e-6)
+  assert not np.allclose(np.asarray(q)[..., ~pairs], np.asarray(x[0])[..., ~pairs], rtol=1e-3)
+
+
+def test_short_conv_is_a_causal_depthwise_convolution():
+  from models.transformer import ShortConv
+
+  conv = ShortConv(4, 3, dtype=None, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+  h = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (2, 7, 4)))
+  w = np.asarray(conv.kernel[...])
+  expected = h.copy()
+  for t in range(7):
+    for s in range(3):
+      if t - s >= 0:
+        expected[:, t] += w[s] * h[:, t - s]
+  np.testing.assert_allclose(np.asarray(conv(jnp.asarray(h))), expected, rtol=1e-6, atol=1e-6)
+  # Prefill of rows of 7 and 2 tokens, then one decoded token: the state carries on.
+  conv.init_cache(2, jnp.float32)
+  conv.prefill(jnp.asarray(h), jnp.array([7, 2]))
+  nxt = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (2, 1, 4)))
+  got = np.asarray(conv.decode(jnp.asarray(nxt)))
+  for b, n in enumerate((7, 2)):
+    row = np.concatenate([h[b, :n], nxt[b]])
+    want = row[-1] + sum(w[s] * row[-1 - s] for s in range(3) if n - s >= 0)
+    np.testing.assert_allclose(got[b, 0], want, rtol=1e-6, atol=1e-6)

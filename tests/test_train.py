@@ -143,3 +143,11 @@ def test_needle_demo_quick(tmp_path):
       assert len(a["answer"]) == 4 and len(a["truth"]) == 4 and a["question"].startswith("The code of ")
   assert "answers" in report["runs"]["ring"] and "answers" not in report["runs"]["local"]
   assert (tmp_path / "report.png").stat().st_size > 10_000
+  # The shipped start retrieves at twice its training length through the ring, while
+  # shard-local attention cannot see needles outside the question's shard (bins 0-5 lie
+  # at least one 64-byte shard before it at T=512).
+  ring, local = (np.asarray(report["runs"][k]["grid"]) for k in ("ring", "local"))
+  assert ring[-1].mean() >= 0.8, ring
+  assert local[-1, :6].max() <= 0.5 and local[-1, :6].mean() <= 0.1, local
+  answers = report["runs"]["ring"]["answers"]
+  assert sum(a["answer"] == a["truth"] for a in answers) >= 1, answers
