@@ -13,8 +13,10 @@ batched matmul with one batch axis whose operands need no copy (scripts/bench_ti
 
 Queries arrive multiplied by the softmax scale.
 
-Every (query block, key block) pair that the masks rule out entirely is skipped with
-`lax.cond`: no matmul, no exponential.
+Every (query block, key block) pair is classified from its mask (`tile_class`): one the
+masks rule out entirely is skipped (no matmul, no exponential), one they do not touch
+runs without any mask arithmetic, and only the rest (a causal diagonal, a window's
+edge, a segment boundary, padding) pay for the `where` over the scores.
 """
 
 from __future__ import annotations
@@ -156,6 +158,12 @@ def block_backward(q, q_t, k, v, do, do_t, lse, delta, mask, policy: Policy):
   return dq, dk_t.reshape(shape_t), dv_t.reshape(shape_t)
 
 
+def tile_class(mask):
+  """0 when the mask hides the whole tile (skipped), 2 when it hides nothing (no mask
+  arithmetic at all), 1 otherwise (masked)."""
+  return jnp.any(mask).astype(jnp.int32) + jnp.all(mask).astype(jnp.int32)
+
+
 def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, kv: KVBlocks, acc):
   """Adds the keys of `kv` to the running state (o, m, l) of every query block."""
 
@@ -168,7 +176,8 @@ def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, kv: KVBlocks, acc):
       compute = lambda st: block_update(qb, kb, vb, mask, policy, *st)
       if mask is None:
         return compute(state), None
-      return lax.cond(jnp.any(mask), compute, lambda st: st, state), None
+      unmasked = lambda st: block_update(qb, kb, vb, None, policy, *st)
+      return lax.switch(tile_class(mask), (lambda st: st, compute, unmasked), state), None
 
     state, _ = lax.scan(over_k, state, tuple(kv))
     return None, state
@@ -207,12 +216,16 @@ def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, 
         g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, mask, policy)
         return (dkb + g_k, dvb + g_v), dqb + g_q
 
+      def unmasked(dkb, dvb, dqb):
+        g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, None, policy)
+        return (dkb + g_k, dvb + g_v), dqb + g_q
+
       def skip(dkb, dvb, dqb):
         return (dkb, dvb), dqb
 
       if mask is None:
         return compute(*carry, dqb)
-      return lax.cond(jnp.any(mask), compute, skip, *carry, dqb)
+      return lax.switch(tile_class(mask), (skip, compute, unmasked), *carry, dqb)
 
     (dkb, dvb), dq = lax.scan(over_q, (dkb, dvb), (*qb, dq))
     return dq, (dkb, dvb)

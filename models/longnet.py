@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ring import nn as ring_nn
-from models.transformer import forward
+from models.transformer import decode_model, forward, prefill_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,7 @@ class LongNetBlock(nnx.Module):
     self.ffn_norm = nnx.LayerNorm(config.dim, rngs=rngs)
     self.ffn = SubLNFeedForward(config.dim, config.ffn_hidden, rngs=rngs)
 
-  def __call__(self, x, attend):
+  def __call__(self, x, attend, mix=None):  # mix: DecoderLM's convolutions; none here
     x = x + attend(self.attn, self.attn_norm(x))
     return x + self.ffn(self.ffn_norm(x))
 
@@ -99,3 +99,19 @@ class LongNet(nnx.Module):
     if positions is None and tokens.ndim == 2:
       positions = jnp.arange(tokens.shape[1])
     return forward(self, tokens, lambda attn, h: attn(h, segment_ids=segment_ids, positions=positions))
+
+  def init_cache(self, batch_size: int, max_length: int, *, dtype=None) -> None:
+    """Empty KV caches in every layer for `max_length` tokens per row (then `prefill`
+    and `decode`, or `models.generate`); each new token attends to the cached keys
+    its dilated patterns select."""
+    for block in self.blocks:
+      block.attn.init_cache(batch_size, max_length, dtype=dtype)
+
+  def prefill(self, tokens, *, lengths=None, segment_ids=None):
+    """Logits [B, T, V] of a prompt (row b: its first lengths[b] tokens), filling the
+    caches from scratch."""
+    return prefill_model(self, tokens, lengths=lengths, segment_ids=segment_ids)
+
+  def decode(self, tokens, *, segment_ids=None):
+    """Logits [B, Tq, V] of each row's next Tq tokens, appended to the caches."""
+    return decode_model(self, tokens, segment_ids=segment_ids)

@@ -274,13 +274,24 @@ class DecoderLM(nnx.Module):
   def prefill(self, tokens, *, lengths=None, segment_ids=None):
     """Logits [B, T, V] of a prompt (row b: its first lengths[b] tokens), filling the
     caches from scratch."""
-    attend = lambda attn, h: attn.prefill(h, lengths=lengths, segment_ids=segment_ids)
-    return forward(self, tokens, attend, mix=lambda conv, h: conv.prefill(h, lengths))
+    return prefill_model(self, tokens, lengths=lengths, segment_ids=segment_ids)
 
   def decode(self, tokens, *, segment_ids=None):
     """Logits [B, Tq, V] of each row's next Tq tokens, appended to the caches."""
-    attend = lambda attn, h: attn.decode(h, segment_ids=segment_ids)
-    return forward(self, tokens, attend, mix=lambda conv, h: conv.decode(h))
+    return decode_model(self, tokens, segment_ids=segment_ids)
+
+
+def prefill_model(model, tokens, *, lengths=None, segment_ids=None):
+  """Logits [B, T, V] of a prompt (row b: its first lengths[b] tokens), filling the
+  model's caches (`init_cache` first) from scratch."""
+  attend = lambda attn, h: attn.prefill(h, lengths=lengths, segment_ids=segment_ids)
+  return forward(model, tokens, attend, mix=lambda conv, h: conv.prefill(h, lengths))
+
+
+def decode_model(model, tokens, *, segment_ids=None):
+  """Logits [B, Tq, V] of each row's next Tq tokens, appended to the model's caches."""
+  attend = lambda attn, h: attn.decode(h, segment_ids=segment_ids)
+  return forward(model, tokens, attend, mix=lambda conv, h: conv.decode(h))
 
 
 def forward(model, tokens, attend, mix=None):

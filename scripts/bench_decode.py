@@ -13,7 +13,9 @@ no prefill. One attention layer, N query heads over K kv heads, float32. The dec
 step is the append (`update_cache`, shared by all three) plus the attention; memory per
 device is the compiled attention's arguments + temp from `memory_analysis()`.
 Prefill (ring attention writing the cache) is timed at the lengths given by
---prefill-lengths, batch 1.
+--prefill-lengths, for each of --batches while batch x length stays within
+--prefill-token-cap (causal attention's forward grows as T^2: a 512K prefill takes
+about 16x a 128K one).
 
   python scripts/bench_decode.py --out docs/benchmarks.md
 """
@@ -38,6 +40,9 @@ def parse_args(argv):
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--prefill-lengths", type=int, nargs="*", default=[32768])
+  p.add_argument(
+    "--prefill-token-cap", type=int, default=1 << 18, help="time prefills of at most this many tokens (B x T)"
+  )
   p.add_argument(
     "--gather-limit-gib",
     type=float,
@@ -223,19 +228,22 @@ def main(argv=None):
     lines += [
       "",
       "Prefill: causal ring attention over a prompt of T tokens (zigzag layout) that also writes its keys "
-      "and values into the cache; batch 1, one layer, forward only.\n",
-      "| T | prefill s | tokens/s |",
-      "|---|---|---|",
+      "and values into the cache; one layer, forward only.\n",
+      "| B | T | prefill s | tokens/s |",
+      "|---|---|---|---|",
     ]
     for t in args.prefill_lengths:
-      keys = jax.random.split(jax.random.PRNGKey(t), 3)
-      q = jax.random.normal(keys[0], (1, t, args.heads, args.head_dim), jnp.float32)
-      k, v = (jax.random.normal(x, (1, t, args.kv_heads, args.head_dim), jnp.float32) for x in keys[1:])
-      cache = jax_ring.init_cache(1, t + 256, args.kv_heads, args.head_dim, mesh=mesh)
-      run = lambda q, k, v, cache: jax_ring.prefill_attention(q, k, v, cache, mesh=mesh, policy="float32")
-      secs = median_time(run, q, k, v, cache, repeats=max(1, args.repeats // 2))
-      lines.append(f"| {t // 1024}K | {secs:.2f} | {t / secs:.0f} |")
-      print(lines[-1], flush=True)
+      for b in args.batches:
+        if b * t > args.prefill_token_cap:
+          continue
+        keys = jax.random.split(jax.random.PRNGKey(t), 3)
+        q = jax.random.normal(keys[0], (b, t, args.heads, args.head_dim), jnp.float32)
+        k, v = (jax.random.normal(x, (b, t, args.kv_heads, args.head_dim), jnp.float32) for x in keys[1:])
+        cache = jax_ring.init_cache(b, t + 256, args.kv_heads, args.head_dim, mesh=mesh)
+        run = lambda q, k, v, cache: jax_ring.prefill_attention(q, k, v, cache, mesh=mesh, policy="float32")
+        secs = median_time(run, q, k, v, cache, repeats=max(1, args.repeats // 2))
+        lines.append(f"| {b} | {t // 1024}K | {secs:.2f} | {b * t / secs:.0f} |")
+        print(lines[-1], flush=True)
   text = "\n".join(lines) + "\n"
   if args.out:
     write_section(args.out, args.section, text)

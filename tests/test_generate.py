@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from jax_ring import nn as ring_nn
-from models import DecoderLM, LMConfig, generate
+from models import DecoderLM, LMConfig, LongNet, LongNetConfig, generate
 
 V = 37
 CONFIG = LMConfig(vocab_size=V, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)
@@ -115,10 +115,21 @@ def test_greedy_generate_equals_rerunning_and_ring_equals_dense():
     assert (np.asarray(stopped.tokens[b, n:]) == 0).all()
 
 
-def test_greedy_generate_on_a_dilated_model():
-  dense = nnx.split(_model("dilated_dense", config=DILATED))
-  expected = _greedy_by_rerunning(PROMPTS, LENGTHS, 4, dense)
-  got = generate(_model("dilated", 8, DILATED), PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=4)
+def test_greedy_generate_on_longnet():
+  # LongNet over 8 devices (dilated decoding) against rerunning its dense reference.
+  config = LongNetConfig(
+    vocab_size=V,
+    dim=32,
+    num_layers=2,
+    num_heads=4,
+    ffn_hidden=64,
+    segment_lengths=(4, 8),
+    dilation_rates=(1, 2),
+  )
+  reference = nnx.split(LongNet(dataclasses.replace(config, reference=True), rngs=nnx.Rngs(0)))
+  expected = _greedy_by_rerunning(PROMPTS, LENGTHS, 4, reference)
+  model = LongNet(config, mesh=_mesh(8), rngs=nnx.Rngs(0))
+  got = generate(model, PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=4)
   np.testing.assert_array_equal(np.asarray(got.tokens), expected)
 
 
