@@ -36,6 +36,13 @@ def _assert_close_trees(ga, gb, tol=TOL):
 
 
 def _grads_and_out(module, x, **kw):
+  return _grads_and_out_jit(module, x, kw)
+
+
+@nnx.jit
+def _grads_and_out_jit(module, x, kw):
+  """One compiled forward + backward (eager dispatch over sharded arrays was slower)."""
+
   def loss(m, x):
     out = m(x, **kw)
     return jnp.sum(out * jnp.cos(out)), out
@@ -254,9 +261,9 @@ def test_decoder_lm_equals_dense(attention, extra):
   mesh = _auto_mesh((4,), ("seq",))
   ring, dense = _lm_pair(attention, mesh, segment_lengths=(8, 32), dilation_rates=(1, 2), **extra)
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 36), 0, 37)
-  loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 0])
-  la, ga = nnx.value_and_grad(loss)(ring)
-  lb, gb = nnx.value_and_grad(loss)(dense)
+  loss = nnx.jit(nnx.value_and_grad(lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 0])))
+  la, ga = loss(ring)
+  lb, gb = loss(dense)
   assert abs(float(la - lb)) < 1e-5 * abs(float(lb))
   _assert_close_trees(ga, gb, 1e-4)
 
@@ -275,9 +282,9 @@ def test_longnet_equals_its_reference():
   fast = LongNet(cfg, mesh=mesh, rngs=nnx.Rngs(0))
   ref = LongNet(dataclasses_replace(cfg, reference=True), rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 48), 0, 23)
-  loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 3])
-  la, ga = nnx.value_and_grad(loss)(fast)
-  lb, gb = nnx.value_and_grad(loss)(ref)
+  loss = nnx.jit(nnx.value_and_grad(lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 3])))
+  la, ga = loss(fast)
+  lb, gb = loss(ref)
   assert abs(float(la - lb)) < 1e-5 * abs(float(lb))
   _assert_close_trees(ga, gb, 1e-4)
 
