@@ -208,7 +208,7 @@ class _Cached:
     """Appends x [B, Tq, D] (each row's next Tq tokens) to the cache and attends them
     to every cached token of their row: [B, Tq, out_features]."""
     cache = self.cache
-    b, tq = x.shape[:2]
+    tq = x.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(tq)[None]
     q, k, v = self.project(x, positions)
     axes = self._cache_axes()
@@ -385,6 +385,9 @@ class DilatedAttention(_Cached, _Projected):
       "dense" (jax_ring.reference_dilated_attention, the definition).
     sub_layer_norm: LongNet's (and Magneto's) LayerNorm on the attention output before
       the output projection (default True).
+
+  Decoding (is_causal=True): `init_cache`, `prefill`, `decode` as on `RingAttention`;
+  each new token attends to the cached keys its patterns select.
   """
 
   def __init__(
