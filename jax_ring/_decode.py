@@ -324,31 +324,31 @@ def local_partial(
   return o.transpose(0, 3, 1, 2, 4).reshape(b, tq, n, h), lse.transpose(0, 3, 1, 2).reshape(b, tq, n)
 
 
-def merge_partials(o, lse, axis_name):
-  """Exact merge over `axis_name` of per-device (o [..., H], lse [...]): one pmax of
-  lse and one psum of [w * o, w] with w = exp(lse - max). Rows no device saw: 0, -inf."""
-  top = lax.pmax(lse, axis_name)
+def _merge(o, lse, top_of, total_of):
+  """The exact merge of partial results (o [..., H], lse [...]) given how to take the
+  max (`top_of`) and the sum (`total_of`) over the partials: w = exp(lse - max), then
+  sum(w * o) / sum(w). Rows no partial saw: 0, -inf."""
+  top = top_of(lse)
   safe = jnp.where(jnp.isneginf(top), 0.0, top)
   w = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - safe))
-  total = lax.psum(jnp.concatenate([o * w[..., None], w[..., None]], axis=-1), axis_name)
+  total = total_of(jnp.concatenate([o * w[..., None], w[..., None]], axis=-1))
   num, den = total[..., :-1], total[..., -1]
   seen = den > 0
   out = jnp.where(seen[..., None], num / jnp.where(seen, den, 1.0)[..., None], 0.0)
   return out, jnp.where(seen, safe + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
 
 
+def merge_partials(o, lse, axis_name):
+  """Exact merge over `axis_name` of per-device (o [..., H], lse [...]): one pmax of
+  lse and one psum of [w * o, w] with w = exp(lse - max). Rows no device saw: 0, -inf."""
+  return _merge(o, lse, lambda x: lax.pmax(x, axis_name), lambda x: lax.psum(x, axis_name))
+
+
 def merge_local(outs, lses):
-  """The exact merge of partial results over a list (o [..., H], lse [...]) on one
-  device, as `merge_partials` does over a mesh axis: LongNet's merge of its patterns."""
-  lse = jnp.stack(lses)
-  top = jnp.max(lse, axis=0)
-  safe = jnp.where(jnp.isneginf(top), 0.0, top)
-  w = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - safe))
-  den = jnp.sum(w, axis=0)
-  seen = den > 0
-  num = sum(o * wi[..., None] for o, wi in zip(outs, w))
-  out = jnp.where(seen[..., None], num / jnp.where(seen, den, 1.0)[..., None], 0.0)
-  return out, jnp.where(seen, safe + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
+  """The same merge over a list of partials on one device: LongNet's merge of its
+  patterns."""
+  first = lambda reduce: lambda x: reduce(x, axis=0)
+  return _merge(jnp.stack(outs), jnp.stack(lses), first(jnp.max), first(jnp.sum))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -620,6 +620,28 @@ def _prefill_global(query, key, value, segment_ids, cache, *, gc: GlobalConfig):
   return call_on_mesh(impl, gc.mesh, out_specs, query, key, value, segment_ids, cache)
 
 
+def prompt_rows(lengths, segment_ids, b: int, t: int):
+  """(lengths int32 [B], segment ids or None) of a prompt of T tokens per row whose row
+  b is its first lengths[b] tokens (None: all T): the rest gets segment id -1 (padding,
+  which sees nothing and is seen by no one). ValueError for lengths of the wrong shape
+  or dtype, or (when concrete) outside [0, T]."""
+  if lengths is None:
+    return jnp.full((b,), t, jnp.int32), segment_ids
+  if (
+    not hasattr(lengths, "shape")
+    or tuple(lengths.shape) != (b,)
+    or not jnp.issubdtype(lengths.dtype, jnp.integer)
+  ):
+    raise ValueError(f"lengths must be an int array of shape (batch,)=({b},), got {lengths!r}")
+  concrete = None if isinstance(lengths, jax.core.Tracer) else np.asarray(lengths)
+  if concrete is not None and ((concrete < 0) | (concrete > t)).any():
+    raise ValueError(f"lengths={concrete.tolist()} must lie in [0, prompt length {t}]")
+  lengths = jnp.asarray(lengths, jnp.int32)
+  valid = jnp.arange(t)[None] < lengths[:, None]
+  base = jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+  return lengths, jnp.where(valid, base, -1)
+
+
 def prefill_attention(
   query,
   key,
@@ -675,22 +697,7 @@ def prefill_attention(
       f"a prompt of {t} tokens takes {local} slots per device in the {layout} layout, but the cache holds "
       f"{cs // axes.devices} per device (capacity {cs}); make it with a larger max_length"
     )
-  if lengths is None:
-    lengths = jnp.full((b,), t, jnp.int32)
-  else:
-    if (
-      not hasattr(lengths, "shape")
-      or tuple(lengths.shape) != (b,)
-      or not jnp.issubdtype(lengths.dtype, jnp.integer)
-    ):
-      raise ValueError(f"lengths must be an int array of shape (batch,)=({b},), got {lengths!r}")
-    concrete = None if isinstance(lengths, jax.core.Tracer) else np.asarray(lengths)
-    if concrete is not None and ((concrete < 0) | (concrete > t)).any():
-      raise ValueError(f"lengths={concrete.tolist()} must lie in [0, prompt length {t}]")
-    lengths = jnp.asarray(lengths, jnp.int32)
-    valid = jnp.arange(t)[None] < lengths[:, None]
-    base = jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    segment_ids = jnp.where(valid, base, -1)
+  lengths, segment_ids = prompt_rows(lengths, segment_ids, b, t)
   policy = get_policy(policy, mesh.devices.flat[0])
   gc = GlobalConfig(mesh, seq_axis, batch_axis, head_axis, True, window, scale, layout, policy, block_sizes)
   with jax.named_scope("jax_ring.prefill_attention"):

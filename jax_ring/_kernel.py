@@ -173,11 +173,10 @@ def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, kv: KVBlocks, acc):
     def over_k(state, ys):
       kb, vb, kp, ks = ys
       mask = block_mask(spec, qp, kp, qs, ks)
-      compute = lambda st: block_update(qb, kb, vb, mask, policy, *st)
+      update = lambda mask: lambda st: block_update(qb, kb, vb, mask, policy, *st)
       if mask is None:
-        return compute(state), None
-      unmasked = lambda st: block_update(qb, kb, vb, None, policy, *st)
-      return lax.switch(tile_class(mask), (lambda st: st, compute, unmasked), state), None
+        return update(None)(state), None
+      return lax.switch(tile_class(mask), (lambda st: st, update(mask), update(None)), state), None
 
     state, _ = lax.scan(over_k, state, tuple(kv))
     return None, state
@@ -212,20 +211,19 @@ def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, 
       q, q_t, do, do_t, l, delta, qp, qs, dqb = ys
       mask = block_mask(spec, qp, kp, qs, ks)
 
-      def compute(dkb, dvb, dqb):
-        g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, mask, policy)
-        return (dkb + g_k, dvb + g_v), dqb + g_q
+      def add(mask):
+        def compute(dkb, dvb, dqb):
+          g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, mask, policy)
+          return (dkb + g_k, dvb + g_v), dqb + g_q
 
-      def unmasked(dkb, dvb, dqb):
-        g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, None, policy)
-        return (dkb + g_k, dvb + g_v), dqb + g_q
+        return compute
 
       def skip(dkb, dvb, dqb):
         return (dkb, dvb), dqb
 
       if mask is None:
-        return compute(*carry, dqb)
-      return lax.switch(tile_class(mask), (skip, compute, unmasked), *carry, dqb)
+        return add(None)(*carry, dqb)
+      return lax.switch(tile_class(mask), (skip, add(mask), add(None)), *carry, dqb)
 
     (dkb, dvb), dq = lax.scan(over_q, (dkb, dvb), (*qb, dq))
     return dq, (dkb, dvb)

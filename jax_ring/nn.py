@@ -24,7 +24,14 @@ from flax import nnx
 
 from jax_ring import _validation
 from jax_ring._attention import ring_attention
-from jax_ring._decode import KVCache, decode_attention, init_cache, prefill_attention, update_cache
+from jax_ring._decode import (
+  KVCache,
+  decode_attention,
+  init_cache,
+  prefill_attention,
+  prompt_rows,
+  update_cache,
+)
 from jax_ring._dilated import check_patterns, dilated_attention
 from jax_ring._policy import Policy
 from jax_ring._reference import reference_attention, reference_dilated_attention
@@ -498,12 +505,7 @@ class DilatedAttention(_Cached, _Projected):
     b, t = x.shape[:2]
     axes = self._cache_axes()
     q, k, v = self.project(x, None)
-    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    if lengths is not None:
-      lengths = jnp.asarray(lengths, jnp.int32)
-      if lengths.shape != (b,):
-        raise ValueError(f"lengths.shape={tuple(lengths.shape)} must be (batch,)=({b},)")
-      seg = jnp.where(jnp.arange(t)[None] < lengths[:, None], seg, -1)
+    lengths, seg = prompt_rows(lengths, segment_ids, b, t)
     out = self.attend(q, k, v, seg)
     zero = jnp.zeros((), jnp.int32)
     empty = cache._replace(
@@ -513,8 +515,7 @@ class DilatedAttention(_Cached, _Projected):
       appended=zero,
     )
     cache = update_cache(empty, k.astype(cache.k.dtype), v.astype(cache.v.dtype), segment_ids=seg, **axes)
-    if lengths is not None:
-      cache = cache._replace(lengths=lengths)
+    cache = cache._replace(lengths=lengths)  # generation continues at each row's own length
     self._store(cache)
     return self._output(out)
 
