@@ -15,6 +15,7 @@ from jax_ring._decode import (
   update_cache,
 )
 from jax_ring._dilated import dilated_attention
+from jax_ring._merge import merge_attention
 from jax_ring._policy import PRESETS, Policy, policy_for
 from jax_ring._reference import reference_attention, reference_dilated_attention
 from jax_ring._tiles import BlockSizes
@@ -32,6 +33,7 @@ __all__ = [
   "Policy",
   "dilated_attention",
   "layouts",
+  "merge_attention",
   "policy_for",
   "reference_attention",
   "reference_dilated_attention",

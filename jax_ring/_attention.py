@@ -16,19 +16,30 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ring import _validation, layouts
 from jax_ring._kernel import MaskSpec
-from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_on_mesh
+from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_attention_inputs
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import RingConfig, ring, schedule
 from jax_ring._tiles import BlockSizes, check_block_sizes, local_blocks
 
 
-def check_arguments(query, key, value, segment_ids, local_window_size, scale, block_sizes):
-  """The checks every ring entry point shares: ((B, T, N, K), window, scale, block_sizes)."""
-  b, t, _, n, k, h = _validation.check_qkv(query, key, value, same_length=True)
-  _validation.check_segment_ids(segment_ids, b, t)
+def check_arguments(
+  query, key, value, segment_ids, local_window_size, scale, block_sizes, *, same_length=False, unbatched=False
+):
+  """The checks every ring entry point shares, on rank-4 inputs.
+
+  Returns ((B, T, S, N, K), (query ids, kv ids), window, scale, block_sizes); the ids
+  are [B, T] and [B, S] or both None (see `_validation.split_segment_ids`)."""
+  b, t, s, n, k, h = _validation.check_qkv(query, key, value, same_length=same_length)
+  seg = _validation.split_segment_ids(segment_ids, b, t, s, unbatched)
   window = _validation.normalize_window(local_window_size)
   scale = _validation.check_scale(scale, h)
-  return (b, t, n, k), window, scale, check_block_sizes(block_sizes)
+  return (b, t, s, n, k), seg, window, scale, check_block_sizes(block_sizes)
+
+
+def _check_positions(positions, length: int, name: str):
+  if tuple(positions.shape) != (length,) or not jnp.issubdtype(positions.dtype, jnp.integer):
+    raise ValueError(f"{name} shape={tuple(positions.shape)} dtype={positions.dtype} must be int [{length}]")
+  return positions.astype(jnp.int32)
 
 
 def ring_attention_shard(
@@ -45,54 +56,89 @@ def ring_attention_shard(
   policy: Policy | str | None = None,
   block_sizes: BlockSizes | None = None,
   positions=None,
-  _valid_length: int | None = None,
+  kv_positions=None,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  return_residual: bool = False,
+  _valid_lengths: tuple[int, int] | None = None,
 ):
   """Ring attention for code already inside `jax.shard_map`: shards in, shard out.
 
-  Legend: B batch, T local (per-device) length, N query heads, K kv heads, H head dim.
+  Legend: B batch, T and S local (per-device) query and key lengths, N query heads,
+  K kv heads, H head dim.
 
   Args:
-    query: [B, T, N, H], this device's shard of the queries.
-    key, value: [B, T, K, H], this device's shard of keys and values (N % K == 0).
+    query: [B, T, N, H], this device's shard of the queries ([T, N, H] without batch).
+    key, value: [B, S, K, H], this device's shard of keys and values (N % K == 0).
     axis_name: the mesh axis the sequence is sharded over (the ring).
     is_causal, local_window_size, scale: as in `ring_attention`, on global positions.
-    segment_ids: int [B, T], this device's shard; negative ids are padding.
+    segment_ids: int [B, T] (when S == T), or a pair (query ids [B, T], kv ids
+      [B, S]): this device's shards; negative ids are padding.
     layout: how global positions map to devices ("contiguous", "striped", "zigzag",
       or "auto": zigzag when causal). The tokens must already be in that layout.
     policy: a `Policy` or preset name; None means `policy_for()` the first device.
     block_sizes: `BlockSizes` for the tiles inside a device.
-    positions: int [T] global positions of this shard's tokens; overrides `layout`.
+    positions: int [T] global positions of this shard's queries; overrides `layout`.
+    kv_positions: int [S] global positions of this shard's keys; default `positions`
+      (required with `positions` when S != T) or the layout's.
+    query_seq_lengths, key_value_seq_lengths: int [B], as in `ring_attention`: a
+      query (key) at global position >= its row's length is padding.
+    return_residual: also return the log-sum-exp, as in `ring_attention`.
 
   Returns:
-    [B, T, N, H] output shard in the policy's output dtype.
+    [B, T, N, H] output shard in the policy's output dtype; with `return_residual`,
+    (output, lse [B, T, N] in the accumulation dtype).
   """
-  (b, t, _, _), window, scale, block_sizes = check_arguments(
-    query, key, value, segment_ids, local_window_size, scale, block_sizes
+  query, key, value, unbatched = _validation.add_batch_axis(query, key, value)
+  (b, t, s, _, _), (q_seg, kv_seg), window, scale, block_sizes = check_arguments(
+    query, key, value, segment_ids, local_window_size, scale, block_sizes, unbatched=unbatched
   )
   layout = layouts.resolve(layout, is_causal)
   policy = get_policy(policy)
   with jax.named_scope("jax_ring.ring_attention_shard"):
     ring_size = lax.axis_size(axis_name)
+    q_len = _validation.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, t * ring_size, unbatched)
+    kv_len = _validation.check_seq_lengths(
+      key_value_seq_lengths, "key_value_seq_lengths", b, s * ring_size, unbatched
+    )
+    index = lax.axis_index(axis_name)
     if positions is None:
-      pos = layouts.shard_positions(layout, lax.axis_index(axis_name), t, ring_size)
+      q_pos = layouts.shard_positions(layout, index, t, ring_size)
     else:
-      if tuple(positions.shape) != (t,) or not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(
-          f"positions shape={tuple(positions.shape)} dtype={positions.dtype} must be int [{t}]"
-        )
-      pos = positions.astype(jnp.int32)
-    has_padding = _valid_length is not None or positions is not None
-    if _valid_length is not None:
-      pos = jnp.where(pos < _valid_length, pos, -1)
-    padded, bq, bk = local_blocks(t, block_sizes, layout=layout if positions is None else None)
-    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    if padded != t:
+      q_pos = _check_positions(positions, t, "positions")
+    if kv_positions is not None:
+      k_pos = _check_positions(kv_positions, s, "kv_positions")
+    elif positions is not None:
+      if s != t:
+        raise ValueError(f"kv_positions is required with positions when key length S={s} != T={t}")
+      k_pos = q_pos
+    else:
+      k_pos = q_pos if s == t else layouts.shard_positions(layout, index, s, ring_size)
+    custom = positions is not None or kv_positions is not None
+    has_padding = _valid_lengths is not None or custom
+    if _valid_lengths is not None:
+      q_pos = jnp.where(q_pos < _valid_lengths[0], q_pos, -1)
+      k_pos = jnp.where(k_pos < _valid_lengths[1], k_pos, -1)
+    q_seg = _validation.mask_beyond(q_seg, q_len, q_pos)
+    kv_seg = _validation.mask_beyond(kv_seg, kv_len, k_pos)
+    if (q_seg is None) != (kv_seg is None):  # lengths on one side only: the other is all 0
+      q_seg = jnp.zeros((b, t), jnp.int32) if q_seg is None else q_seg
+      kv_seg = jnp.zeros((b, s), jnp.int32) if kv_seg is None else kv_seg
+    q_seg, kv_seg = (None if x is None else x.astype(jnp.int32) for x in (q_seg, kv_seg))
+    tile_layout = None if custom else layout
+    padded_t, bq, _ = local_blocks(t, block_sizes, layout=tile_layout)
+    padded_s, _, bk = local_blocks(s, block_sizes, layout=tile_layout)
+    if padded_t != t:
       has_padding = True
-      extra = padded - t
-      query, key, value = (pad_seq(x, extra) for x in (query, key, value))
-      pos = jnp.pad(pos, (0, extra), constant_values=-1)
-      seg = None if seg is None else pad_seq(seg, extra, -1)
-    back, fwd = schedule(layout, window, is_causal, t, ring_size, positions is not None)
+      query = pad_seq(query, padded_t - t)
+      q_pos = jnp.pad(q_pos, (0, padded_t - t), constant_values=-1)
+      q_seg = None if q_seg is None else pad_seq(q_seg, padded_t - t, -1)
+    if padded_s != s:
+      has_padding = True
+      key, value = (pad_seq(x, padded_s - s) for x in (key, value))
+      k_pos = jnp.pad(k_pos, (0, padded_s - s), constant_values=-1)
+      kv_seg = None if kv_seg is None else pad_seq(kv_seg, padded_s - s, -1)
+    back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
     cfg = RingConfig(
       axis_name=axis_name,
       ring_size=ring_size,
@@ -103,10 +149,13 @@ def ring_attention_shard(
       block_kv=bk,
       steps_back=back,
       steps_fwd=fwd,
-      head_groups=block_sizes.head_groups(key.shape[2], padded),
+      head_groups=block_sizes.head_groups(key.shape[2], max(padded_t, padded_s)),
     )
-    out = ring(cfg, query, key, value, pos, pos, seg, seg)
-    return out[:, :t]
+    out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg)
+    out, lse = out[:, :t], lse[:, :t]
+    if unbatched:
+      out, lse = out[0], lse[0]
+    return (out, lse) if return_residual else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +172,7 @@ class GlobalConfig:
   layout: str
   policy: Policy
   block_sizes: BlockSizes
+  return_residual: bool = False
 
 
 def _write_cache(cache, k, v, seg, pos):
@@ -144,69 +194,91 @@ def _write_cache(cache, k, v, seg, pos):
   )
 
 
-def global_impl(query, key, value, segment_ids, cache=None, *, gc: GlobalConfig, in_context: bool):
+def global_impl(
+  query, key, value, q_seg, kv_seg, q_len=None, kv_len=None, cache=None, *, gc: GlobalConfig, in_context: bool
+):
   """Pads, shards, relayouts, runs the ring, and undoes it all. In a mesh context
   (Explicit axes made Auto by `auto_axes`) specs are bare; otherwise NamedShardings.
+  Queries [B, T, ...] and keys [B, S, ...] are padded and laid out each by its own
+  length; q_len / kv_len are the per-row valid lengths (or None).
 
-  With `cache` (k, v, positions, segment ids of a sequence-sharded KV cache), each
-  device also writes its K/V shard, as the layout placed it, into its cache shard;
-  returns (output, cache)."""
+  With `cache` (k, v, positions, segment ids of a sequence-sharded KV cache; needs
+  S == T and one segment-id array), each device also writes its K/V shard, as the
+  layout placed it, into its cache shard; returns (output, cache)."""
   mesh = gc.mesh
   p = mesh.shape[gc.seq_axis]
-  t = query.shape[1]
-  padded = layouts.padded_length(gc.layout, t, p)
-  if padded != t:
-    query, key, value = (pad_seq(x, padded - t) for x in (query, key, value))
-    segment_ids = None if segment_ids is None else pad_seq(segment_ids, padded - t, -1)
+  t, s = query.shape[1], key.shape[1]
+  padded_t, padded_s = (layouts.padded_length(gc.layout, n, p) for n in (t, s))
+  if padded_t != t:
+    query = pad_seq(query, padded_t - t)
+    q_seg = None if q_seg is None else pad_seq(q_seg, padded_t - t, -1)
+  if padded_s != s:
+    key, value = (pad_seq(x, padded_s - s) for x in (key, value))
+    kv_seg = None if kv_seg is None else pad_seq(kv_seg, padded_s - s, -1)
   spec = P(gc.batch_axis, gc.seq_axis, gc.head_axis, None)
   seg_spec = P(gc.batch_axis, gc.seq_axis)
+  row_spec = P(gc.batch_axis)
   cache_specs = (spec, spec, seg_spec, seg_spec)
-  c = lambda x, sp: constrain(x, sp, mesh, in_context)
-  args = [c(x, spec) for x in (query, key, value)]
-  specs = [spec, spec, spec]
-  args.append(None if segment_ids is None else c(segment_ids, seg_spec))
-  specs.append(None if segment_ids is None else seg_spec)
+  c = lambda x, sp: None if x is None else constrain(x, sp, mesh, in_context)
+  args = [c(query, spec), c(key, spec), c(value, spec), c(q_seg, seg_spec), c(kv_seg, seg_spec)]
+  args += [c(q_len, row_spec), c(kv_len, row_spec)]
+  specs = [spec, spec, spec, seg_spec, seg_spec, row_spec, row_spec]
+  specs = [None if a is None else sp for a, sp in zip(args, specs)]
   if cache is not None:
     args.append(tuple(c(x, sp) for x, sp in zip(cache, cache_specs)))
     specs.append(cache_specs)
+  padded = padded_t != t or padded_s != s
 
-  def body(q, k, v, seg, cache=None):
-    to = lambda x: layouts.relayout_shard(x, gc.layout, gc.seq_axis, p)
-    q, k, v = to(q), to(k), to(v)
-    seg = None if seg is None else to(seg)
-    out = ring_attention_shard(
+  def body(q, k, v, qs, ks, ql, kl, cache=None):
+    to = lambda x: None if x is None else layouts.relayout_shard(x, gc.layout, gc.seq_axis, p)
+    back = lambda x: layouts.relayout_shard(x, gc.layout, gc.seq_axis, p, inverse=True)
+    q, k, v, qs, ks = to(q), to(k), to(v), to(qs), to(ks)
+    res = ring_attention_shard(
       q,
       k,
       v,
       axis_name=gc.seq_axis,
       is_causal=gc.is_causal,
-      segment_ids=seg,
+      segment_ids=None if qs is None else (qs, ks),
       local_window_size=gc.window,
       scale=gc.scale,
       layout=gc.layout,
       policy=gc.policy,
       block_sizes=gc.block_sizes,
-      _valid_length=t if padded != t else None,
+      query_seq_lengths=ql,
+      key_value_seq_lengths=kl,
+      return_residual=gc.return_residual,
+      _valid_lengths=(t, s) if padded else None,
     )
-    out = layouts.relayout_shard(out, gc.layout, gc.seq_axis, p, inverse=True)
+    res = tuple(back(x) for x in res) if gc.return_residual else back(res)
     if cache is None:
-      return out
+      return res
     pos = layouts.shard_positions(gc.layout, lax.axis_index(gc.seq_axis), k.shape[1], p)
-    return out, _write_cache(cache, k, v, seg, jnp.where(pos < t, pos, -1))
+    return res, _write_cache(cache, k, v, ks, jnp.where(pos < t, pos, -1))
 
-  out_specs = spec if cache is None else (spec, cache_specs)
+  out_spec = (spec, P(gc.batch_axis, gc.seq_axis, gc.head_axis)) if gc.return_residual else spec
+  out_specs = out_spec if cache is None else (out_spec, cache_specs)
   sharded = jax.shard_map(body, mesh=None if in_context else mesh, in_specs=tuple(specs), out_specs=out_specs)
+  unpad = lambda res: tuple(x[:, :t] for x in res) if gc.return_residual else res[:, :t]
   if cache is None:
-    return sharded(*args)[:, :t]
-  out, cache = sharded(*args)
-  return out[:, :t], cache
+    return unpad(sharded(*args))
+  res, cache = sharded(*args)
+  return unpad(res), cache
+
+
+def result_spec(gc: GlobalConfig, length: int):
+  """The spec of ring attention's result on global arrays: the output's, and with
+  `return_residual` the lse's ([B, T, N]) beside it."""
+  spec = output_spec(gc.mesh, gc.seq_axis, gc.batch_axis, gc.head_axis, length)
+  return (spec, P(*spec[:3])) if gc.return_residual else spec
 
 
 @functools.partial(jax.jit, static_argnames=("gc",))
-def _ring_attention_global(query, key, value, segment_ids, *, gc: GlobalConfig):
-  out_spec = output_spec(gc.mesh, gc.seq_axis, gc.batch_axis, gc.head_axis, query.shape[1])
+def _ring_attention_global(query, key, value, q_seg, kv_seg, q_len, kv_len, *, gc: GlobalConfig):
   impl = functools.partial(global_impl, gc=gc)
-  return call_on_mesh(impl, gc.mesh, out_spec, query, key, value, segment_ids)
+  return call_on_mesh(
+    impl, gc.mesh, result_spec(gc, query.shape[1]), query, key, value, q_seg, kv_seg, q_len, kv_len
+  )
 
 
 def ring_attention(
@@ -225,20 +297,28 @@ def ring_attention(
   layout: str = "auto",
   policy: Policy | str | None = None,
   block_sizes: BlockSizes | None = None,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  return_residual: bool = False,
 ):
   """Exact softmax attention with the sequence sharded over `seq_axis` of `mesh`.
 
-  Legend: B batch, T sequence length, N query heads, K key/value heads (N % K == 0,
-  query head n uses kv head n // (N // K)), H head dim.
+  Legend: B batch, T query length, S key/value length, N query heads, K key/value
+  heads (N % K == 0, query head n uses kv head n // (N // K)), H head dim.
 
   Args:
-    query: [B, T, N, H] in natural token order.
-    key, value: [B, T, K, H].
+    query: [B, T, N, H] in natural token order, or [T, N, H] (no batch axis, as
+      `jax.nn.dot_product_attention` takes it; then key and value are rank 3 too).
+    key, value: [B, S, K, H]. S may differ from T (cross-attention): queries and keys
+      are both sharded over `seq_axis`, each by its own length, and K/V rotate.
+      Masks compare positions 0..T-1 with 0..S-1, so for T != S the causal mask is
+      aligned at the top left (query i sees keys j <= i), as in jax.nn.
     mesh: a `jax.sharding.Mesh` with axis `seq_axis` (and optionally batch/head axes).
     seq_axis: mesh axis over which the sequence is sharded; K/V rotate around it.
     batch_axis, head_axis: optional mesh axes for the batch and head dimensions.
     is_causal: query i sees keys j <= i (global positions).
-    segment_ids: int [B, T]; query sees key only with equal ids; negative = padding.
+    segment_ids: int [B, T] when S == T, or a pair (query ids [B, T], kv ids [B, S]):
+      a query sees a key only with an equal id; negative ids are padding.
     local_window_size: int w or (left, right): query i sees i - left <= j <= i + right.
     scale: logit scale, default 1/sqrt(H).
     layout: "auto" (zigzag when causal, else contiguous), "contiguous", "striped",
@@ -246,18 +326,33 @@ def ring_attention(
       natural order.
     policy: a `Policy` or a preset name; None means `policy_for` the mesh's first device.
     block_sizes: `BlockSizes`, the tile sizes inside a device.
+    query_seq_lengths: int [B] in [0, T], as in jax.nn: queries at positions >=
+      query_seq_lengths[b] are padding and get output 0.
+    key_value_seq_lengths: int [B] in [0, S]: keys at positions >= it are masked.
+    return_residual: also return the log-sum-exp of each query's scaled logits over
+      the keys it sees, lse [B, T, N] in the accumulation dtype (float32), -inf where
+      it sees none. Unlike jax.nn's residual (under stop_gradient, in the input
+      dtype), it is exact and differentiable; `merge_attention` combines (output,
+      lse) pairs computed over disjoint sets of keys.
 
-  Any T works: it is padded internally to what the layout needs, and the padding is
-  masked. A query that sees no key gets 0.
+  Any T and S work: each is padded internally to what the layout needs, and the
+  padding is masked. A query that sees no key gets 0 (jax.nn gives such a row the
+  mean of V when it is not padding).
 
   Returns:
-    [B, T, N, H], in the policy's output dtype (default: the query's dtype).
+    [B, T, N, H] (or [T, N, H]), in the policy's output dtype (default: the query's
+    dtype); with `return_residual`, (output, lse).
   """
-  (b, t, n, k), window, scale, block_sizes = check_arguments(
-    query, key, value, segment_ids, local_window_size, scale, block_sizes
+  query, key, value, unbatched = _validation.add_batch_axis(query, key, value)
+  (b, t, s, n, k), (q_seg, kv_seg), window, scale, block_sizes = check_arguments(
+    query, key, value, segment_ids, local_window_size, scale, block_sizes, unbatched=unbatched
   )
+  q_len = _validation.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, t, unbatched)
+  kv_len = _validation.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, s, unbatched)
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
+  if not isinstance(return_residual, bool):
+    raise TypeError(f"return_residual={return_residual!r} must be a bool")
   _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
   nb = _validation.check_mesh_axis(mesh, batch_axis, "batch_axis", allow_none=True)
   nh = _validation.check_mesh_axis(mesh, head_axis, "head_axis", allow_none=True)
@@ -269,10 +364,34 @@ def ring_attention(
   layout = layouts.resolve(layout, is_causal)
   policy = get_policy(policy, mesh.devices.flat[0])
   gc = GlobalConfig(
-    mesh, seq_axis, batch_axis, head_axis, is_causal, window, scale, layout, policy, block_sizes
+    mesh,
+    seq_axis,
+    batch_axis,
+    head_axis,
+    is_causal,
+    window,
+    scale,
+    layout,
+    policy,
+    block_sizes,
+    return_residual,
   )
   with jax.named_scope("jax_ring.ring_attention"):
-    query, key, value, segment_ids = place_on_mesh(
-      mesh, seq_axis, batch_axis, head_axis, t, query, key, value, segment_ids
+    placed = place_attention_inputs(
+      mesh,
+      seq_axis,
+      batch_axis,
+      head_axis,
+      query=query,
+      key=key,
+      value=value,
+      q_seg=q_seg,
+      kv_seg=kv_seg,
+      q_len=q_len,
+      kv_len=kv_len,
     )
-    return _ring_attention_global(query, key, value, segment_ids, gc=gc)
+    names = ("query", "key", "value", "q_seg", "kv_seg", "q_len", "kv_len")
+    res = _ring_attention_global(*(placed[n] for n in names), gc=gc)
+  if unbatched:
+    res = tuple(x[0] for x in res) if return_residual else res[0]
+  return res

@@ -37,6 +37,7 @@ from jax_ring import _validation, layouts
 from jax_ring._attention import GlobalConfig, check_arguments, global_impl
 from jax_ring._dilated import check_patterns
 from jax_ring._kernel import block_update, finalize
+from jax_ring._merge import merge_local, merge_partials
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, place, place_on_mesh
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import zeros_like_both
@@ -324,33 +325,6 @@ def local_partial(
   return o.transpose(0, 3, 1, 2, 4).reshape(b, tq, n, h), lse.transpose(0, 3, 1, 2).reshape(b, tq, n)
 
 
-def _merge(o, lse, top_of, total_of):
-  """The exact merge of partial results (o [..., H], lse [...]) given how to take the
-  max (`top_of`) and the sum (`total_of`) over the partials: w = exp(lse - max), then
-  sum(w * o) / sum(w). Rows no partial saw: 0, -inf."""
-  top = top_of(lse)
-  safe = jnp.where(jnp.isneginf(top), 0.0, top)
-  w = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - safe))
-  total = total_of(jnp.concatenate([o * w[..., None], w[..., None]], axis=-1))
-  num, den = total[..., :-1], total[..., -1]
-  seen = den > 0
-  out = jnp.where(seen[..., None], num / jnp.where(seen, den, 1.0)[..., None], 0.0)
-  return out, jnp.where(seen, safe + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
-
-
-def merge_partials(o, lse, axis_name):
-  """Exact merge over `axis_name` of per-device (o [..., H], lse [...]): one pmax of
-  lse and one psum of [w * o, w] with w = exp(lse - max). Rows no device saw: 0, -inf."""
-  return _merge(o, lse, lambda x: lax.pmax(x, axis_name), lambda x: lax.psum(x, axis_name))
-
-
-def merge_local(outs, lses):
-  """The same merge over a list of partials on one device: LongNet's merge of its
-  patterns."""
-  first = lambda reduce: lambda x: reduce(x, axis=0)
-  return _merge(jnp.stack(outs), jnp.stack(lses), first(jnp.max), first(jnp.sum))
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
   """The static part of one decode_attention call. patterns: LongNet's (segment
@@ -617,7 +591,9 @@ def _prefill_global(query, key, value, segment_ids, cache, *, gc: GlobalConfig):
   kv, rows = P(gc.batch_axis, gc.seq_axis, gc.head_axis, None), P(gc.batch_axis, gc.seq_axis)
   out_specs = (output_spec(gc.mesh, gc.seq_axis, gc.batch_axis, gc.head_axis, t), (kv, kv, rows, rows))
   impl = functools.partial(global_impl, gc=gc)
-  return call_on_mesh(impl, gc.mesh, out_specs, query, key, value, segment_ids, cache)
+  return call_on_mesh(
+    impl, gc.mesh, out_specs, query, key, value, segment_ids, segment_ids, None, None, cache
+  )
 
 
 def prompt_rows(lengths, segment_ids, b: int, t: int):
@@ -680,8 +656,8 @@ def prefill_attention(
     ([B, T, N, H] output, the filled cache).
   """
   axes = _check_axes(mesh, seq_axis, batch_axis, head_axis)
-  (b, t, n, k), window, scale, block_sizes = check_arguments(
-    query, key, value, segment_ids, local_window_size, scale, block_sizes
+  (b, t, _, n, k), _, window, scale, block_sizes = check_arguments(
+    query, key, value, segment_ids, local_window_size, scale, block_sizes, same_length=True
   )
   cb, cs, ck, ch = check_cache(cache, axes, num_heads=n, head_dim=query.shape[3])
   if (cb, ck) != (b, k):
@@ -702,7 +678,7 @@ def prefill_attention(
   gc = GlobalConfig(mesh, seq_axis, batch_axis, head_axis, True, window, scale, layout, policy, block_sizes)
   with jax.named_scope("jax_ring.prefill_attention"):
     query, key, value, segment_ids = place_on_mesh(
-      mesh, seq_axis, batch_axis, head_axis, t, query, key, value, segment_ids
+      mesh, seq_axis, batch_axis, head_axis, query, key, value, segment_ids
     )
     lengths = place(mesh, {"lengths": (lengths, P(batch_axis))})["lengths"]
     fields = (cache.k, cache.v, cache.positions, cache.segment_ids)

@@ -268,8 +268,8 @@ def dilated(cfg: DilatedConfig, q, k, v, seg):
 
 def _dilated_fwd(cfg: DilatedConfig, q, k, v, seg):
   out, lse = _forward(cfg, q, k, v, seg)
-  out = out.astype(cfg.policy.out_dtype(q.dtype))
-  return out, (q, k, v, seg, out, lse)
+  kept = out.astype(cfg.policy.delta_dtype(q.dtype))  # what the backward's delta uses
+  return out.astype(cfg.policy.out_dtype(q.dtype)), (q, k, v, seg, kept, lse)
 
 
 def _dilated_bwd(cfg: DilatedConfig, res, g):
@@ -423,7 +423,7 @@ def dilated_attention(
   with jax.named_scope("jax_ring.dilated_attention"):
     if mesh is not None:
       query, key, value, segment_ids = place_on_mesh(
-        mesh, seq_axis, batch_axis, None, t, query, key, value, segment_ids
+        mesh, seq_axis, batch_axis, None, query, key, value, segment_ids
       )
     return _dilated_global(
       query,

@@ -141,19 +141,29 @@ def place(mesh, arrays: dict) -> dict:
   return out
 
 
-def place_on_mesh(mesh, seq_axis, batch_axis, head_axis, length, query, key, value, segment_ids):
-  """`place` for the inputs of an attention call; the sequence is sharded when the
-  axis divides the length."""
-  seq = seq_axis if length % mesh.shape[seq_axis] == 0 else None
-  spec = P(batch_axis, seq, head_axis, None)
-  placed = place(
-    mesh,
-    {
-      "query": (query, spec),
-      "key": (key, spec),
-      "value": (value, spec),
-      "segment_ids": (segment_ids, P(batch_axis, seq)),
-    },
+def place_attention_inputs(mesh, seq_axis, batch_axis, head_axis, **arrays) -> dict:
+  """`place` for the inputs of an attention call, by name: "query", "key", "value"
+  ([B, L, heads, H]), "q_seg" / "kv_seg" / "segment_ids" ([B, L]), "q_len" / "kv_len"
+  ([B]); None entries stay None. Each sequence is sharded when the axis divides its
+  own length."""
+  seq = lambda x: seq_axis if x.shape[1] % mesh.shape[seq_axis] == 0 else None
+  specs = {}
+  for name, x in arrays.items():
+    if x is None:
+      specs[name] = (None, None)
+    elif x.ndim == 1:
+      specs[name] = (x, P(batch_axis))
+    elif x.ndim == 2:
+      specs[name] = (x, P(batch_axis, seq(x)))
+    else:
+      specs[name] = (x, P(batch_axis, seq(x), head_axis, None))
+  return place(mesh, specs)
+
+
+def place_on_mesh(mesh, seq_axis, batch_axis, head_axis, query, key, value, segment_ids):
+  """`place_attention_inputs` for (query, key, value, segment_ids)."""
+  placed = place_attention_inputs(
+    mesh, seq_axis, batch_axis, head_axis, query=query, key=key, value=value, segment_ids=segment_ids
   )
   return placed["query"], placed["key"], placed["value"], placed["segment_ids"]
 

@@ -28,6 +28,11 @@ class Policy:
     wire_dtype: dtype of K/V as they cross `ppermute`; None means compute_dtype.
     precision: matmul precision passed to every einsum ("highest", "high",
       "default" or a `jax.lax.Precision`).
+    exact_delta: the backward's delta = rowsum(dO * O) is taken from the output in
+      accum_dtype, kept for the backward, instead of from the output after its cast
+      to the (possibly narrower) output dtype. When the output is narrower (bf16) this
+      keeps B x T x N x H accumulation-dtype values instead of output-dtype ones per
+      attention call; otherwise it costs nothing. Measured in docs/benchmarks.md.
   """
 
   compute_dtype: Any = jnp.float32
@@ -36,8 +41,11 @@ class Policy:
   accum_dtype: Any = jnp.float32
   wire_dtype: Any = None
   precision: Any = "highest"
+  exact_delta: bool = True
 
   def __post_init__(self):
+    if not isinstance(self.exact_delta, bool):
+      raise TypeError(f"Policy.exact_delta={self.exact_delta!r} must be a bool")
     for field in ("compute_dtype", "param_dtype", "accum_dtype"):
       value = getattr(self, field)
       if not jnp.issubdtype(jnp.dtype(value), jnp.floating):
@@ -70,6 +78,10 @@ class Policy:
 
   def out_dtype(self, query_dtype):
     return self.output_dtype if self.output_dtype is not None else jnp.dtype(query_dtype)
+
+  def delta_dtype(self, query_dtype):
+    """The dtype of the output the backward takes its delta from (see exact_delta)."""
+    return self.accum_dtype if self.exact_delta else self.out_dtype(query_dtype)
 
 
 PRESETS: dict[str, Policy] = {

@@ -65,6 +65,8 @@ def reference_attention(
   segment_ids=None,
   local_window_size=None,
   scale=None,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
   return_residual=False,
 ):
   """Dense softmax attention on one device; works in float64.
@@ -73,13 +75,16 @@ def reference_attention(
   G = N // K query heads per key/value head, H head dim.
 
   Args:
-    query: [B, T, N, H].
+    query: [B, T, N, H] (or [T, N, H], with key and value rank 3 too).
     key, value: [B, S, K, H] with N % K == 0 (GQA/MQA: query head n uses kv head n // G).
-    is_causal: query i sees keys j <= i.
-    segment_ids: int [B, T] (requires T == S); queries see keys with the same id;
-      negative ids are padding (see nothing, seen by no one).
+    is_causal: query i sees keys j <= i (top-left aligned when T != S).
+    segment_ids: int [B, T] (when T == S) or a pair (query ids [B, T], kv ids [B, S]);
+      queries see keys with the same id; negative ids are padding (see nothing, seen
+      by no one).
     local_window_size: int w or (left, right): query i sees i - left <= j <= i + right.
     scale: logit scale, default 1/sqrt(H).
+    query_seq_lengths, key_value_seq_lengths: int [B]: positions at or beyond a row's
+      length are padding.
     return_residual: also return the log-sum-exp of each query's logits, [B, T, N]
       (-inf where it sees no key), in the computation's dtype.
 
@@ -87,8 +92,16 @@ def reference_attention(
     [B, T, N, H] in the query's dtype; queries that see no key get 0. With
     `return_residual`, (output, lse).
   """
-  b, t, s, _, _, h = _validation.check_qkv(query, key, value, same_length=segment_ids is not None)
-  _validation.check_segment_ids(segment_ids, b, t)
+  query, key, value, unbatched = _validation.add_batch_axis(query, key, value)
+  b, t, s, _, _, h = _validation.check_qkv(query, key, value)
+  q_seg, kv_seg = _validation.split_segment_ids(segment_ids, b, t, s, unbatched)
+  q_len = _validation.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, t, unbatched)
+  kv_len = _validation.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, s, unbatched)
+  q_seg = _validation.mask_beyond(q_seg, q_len, jnp.arange(t))
+  kv_seg = _validation.mask_beyond(kv_seg, kv_len, jnp.arange(s))
+  if (q_seg is None) != (kv_seg is None):
+    q_seg = jnp.zeros((b, t), jnp.int32) if q_seg is None else q_seg
+    kv_seg = jnp.zeros((b, s), jnp.int32) if kv_seg is None else kv_seg
   window = _validation.normalize_window(local_window_size)
   scale = _validation.check_scale(scale, h)
   mask = visibility_mask(
@@ -96,13 +109,15 @@ def reference_attention(
     jnp.arange(s),
     is_causal=is_causal,
     window=window,
-    q_segment_ids=segment_ids,
-    k_segment_ids=segment_ids,
+    q_segment_ids=q_seg,
+    k_segment_ids=kv_seg,
   )
   dtype = jnp.promote_types(query.dtype, jnp.float32)
   out, lse = attention_with_lse(query.astype(dtype), key.astype(dtype), value.astype(dtype), mask, scale)
-  out = out.astype(query.dtype)
-  return (out, jnp.moveaxis(lse, 1, 2)) if return_residual else out
+  out, lse = out.astype(query.dtype), jnp.moveaxis(lse, 1, 2)
+  if unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residual else out
 
 
 def dilated_pattern_mask(length: int, num_heads: int, segment_length: int, rate: int):

@@ -24,7 +24,7 @@ from jax import lax
 
 from jax_ring._kernel import KVBlocks, MaskSpec, QBlocks, chunk_backward, chunk_forward, finalize
 from jax_ring._policy import Policy
-from jax_ring._tiles import block_kv, block_q, block_rows, block_seg, unblock_kv, unblock_q
+from jax_ring._tiles import block_kv, block_q, block_rows, block_seg, unblock_kv, unblock_q, unblock_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,16 +210,21 @@ def _heads(x, j, width: int):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def ring(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg):
   """Ring attention of this device's q [B, T, N, H] against every device's k, v
-  [B, T, K, H], positions [T] and segment ids [B, T] (or None): out [B, T, N, H]."""
-  return _ring_fwd(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg)[0]
+  [B, S, K, H], positions [T] / [S] and segment ids [B, T] / [B, S] (or None).
+
+  Returns (out [B, T, N, H] in the policy's output dtype, lse [B, T, N] in the
+  accumulation dtype, -inf where a query sees no key). Both are differentiable: the
+  cotangent of lse enters the backward as a shift of delta."""
+  outputs, _ = _ring_fwd(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg)
+  return outputs
 
 
 class _Residuals(NamedTuple):
   q: jax.Array
   k: jax.Array
   v: jax.Array
-  out: jax.Array
-  lse: jax.Array
+  out: jax.Array  # in the policy's delta dtype
+  lse: jax.Array  # [B, T, N]
   q_pos: jax.Array
   k_pos: jax.Array
   q_seg: jax.Array | None
@@ -230,32 +235,42 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg):
   # Head groups run one after another, so the ring's buffers (blocked copies, K/V in
   # flight, accumulators) hold one group's heads at a time.
   groups, wq, wk = _head_groups(cfg, q, k)
-  out_dtype = cfg.policy.out_dtype(q.dtype)
+  pol = cfg.policy
+  b, t = q.shape[:2]
 
-  def group(out, j):
+  def group(carry, j):
+    out, lse = carry
     x = prepare(cfg, _heads(q, j, wq), _heads(k, j, wk), _heads(v, j, wk), q_pos, k_pos, q_seg, k_seg)
-    o, lse = ring_forward_state(cfg, x)
-    o = unblock_q(o).reshape(*q.shape[:2], wq, q.shape[3]).astype(out_dtype)
-    return lax.dynamic_update_slice_in_dim(out, o, j * wq, axis=2), lse
+    o, l = ring_forward_state(cfg, x)
+    o = unblock_q(o).reshape(b, t, wq, q.shape[3])
+    l = unblock_rows(l).reshape(b, t, wq)
+    put = lambda a, new: lax.dynamic_update_slice_in_dim(a, new.astype(a.dtype), j * wq, axis=2)
+    return (put(out, o), put(lse, l)), None
 
-  out = zeros_like_both(q.shape, out_dtype, q, k)
-  out, lse = lax.scan(group, out, jnp.arange(groups))
-  return out, _Residuals(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
+  # The output is kept in the dtype the backward's delta wants (see Policy.exact_delta)
+  # and cast once for the caller.
+  kept = zeros_like_both(q.shape, pol.delta_dtype(q.dtype), q, k)
+  lse = zeros_like_both(q.shape[:3], pol.accum_dtype, q, k)
+  (kept, lse), _ = lax.scan(group, (kept, lse), jnp.arange(groups))
+  out = kept.astype(pol.out_dtype(q.dtype))
+  return (out, lse), _Residuals(q, k, v, kept, lse, q_pos, k_pos, q_seg, k_seg)
 
 
 def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
   pol = cfg.policy
+  acc = pol.accum_dtype
+  g_out, g_lse = g
   groups, wq, wk = _head_groups(cfg, res.q, res.k)
-  delta_all = jnp.sum(g.astype(pol.accum_dtype) * res.out.astype(pol.accum_dtype), axis=-1)  # [B, T, N]
+  # d lse_i / d s_ij = p_ij, so lse's cotangent enters every score gradient as -delta does.
+  delta_all = jnp.sum(g_out.astype(acc) * res.out.astype(acc), axis=-1) - g_lse.astype(acc)  # [B, T, N]
 
-  def group(grads, xs):
-    j, lse = xs
+  def group(grads, j):
     q, k, v = _heads(res.q, j, wq), _heads(res.k, j, wk), _heads(res.v, j, wk)
     x = prepare(cfg, q, k, v, res.q_pos, res.k_pos, res.q_seg, res.k_seg)
     nq, b, kh, grp, bq, h = x.q.shape
-    do = block_q(_heads(g, j, wq).astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
-    delta = block_rows(_heads(delta_all, j, wq).reshape(b, -1, kh, grp), bq)
-    gq, gk, gv = ring_backward_state(cfg, x, do, lse, delta)
+    do = block_q(_heads(g_out, j, wq).astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
+    rows = lambda r: block_rows(_heads(r, j, wq).reshape(b, -1, kh, grp), bq)
+    gq, gk, gv = ring_backward_state(cfg, x, do, rows(res.lse), rows(delta_all))
     gq = unblock_q(gq).reshape(q.shape)
     new = (gq, unblock_kv(gk), unblock_kv(gv))
     widths = (wq, wk, wk)
@@ -265,7 +280,7 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
     ), None
 
   zeros = tuple(zeros_like_both(x.shape, x.dtype, x, res.k) for x in (res.q, res.k, res.v))
-  (dq, dk, dv), _ = lax.scan(group, zeros, (jnp.arange(groups), res.lse))
+  (dq, dk, dv), _ = lax.scan(group, zeros, jnp.arange(groups))
   return dq, dk, dv, None, None, None, None
 
 

@@ -12,7 +12,10 @@ def check_qkv(query, key, value, *, same_length: bool = False):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     if x.ndim != 4:
-      raise ValueError(f"{name}.shape={tuple(x.shape)} must have rank 4: [batch, seq, heads, head_dim]")
+      raise ValueError(
+        f"{name}.shape={tuple(x.shape)} must have rank 4, [batch, seq, heads, head_dim] (or query, key "
+        "and value all rank 3, [seq, heads, head_dim], as jax.nn.dot_product_attention takes them)"
+      )
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"{name}.dtype={x.dtype} must be a floating dtype")
   b, t, n, h = query.shape
@@ -31,6 +34,14 @@ def check_qkv(query, key, value, *, same_length: bool = False):
       "over one sharded sequence"
     )
   return b, t, s, n, k, h
+
+
+def add_batch_axis(query, key, value):
+  """(query, key, value, unbatched): rank-3 [T, N, H] / [S, K, H] inputs, as
+  jax.nn.dot_product_attention takes them, gain a batch axis of 1."""
+  if all(getattr(x, "ndim", None) == 3 for x in (query, key, value)):
+    return query[None], key[None], value[None], True
+  return query, key, value, False
 
 
 def check_segment_ids(segment_ids, batch: int, length: int, name: str = "segment_ids"):
@@ -87,3 +98,85 @@ def check_mesh_axis(mesh, axis, name: str, *, allow_none: bool):
 def check_divides(size: int, parts: int, what: str, axis_arg: str, axis):
   if size % parts:
     raise ValueError(f"{what}={size} must be divisible by the size {parts} of mesh axis {axis_arg}={axis!r}")
+
+
+def _array(x, name: str):
+  """x as an array: jax arrays and tracers pass, array-likes (lists, ints) go through NumPy."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return x
+  try:
+    return np.asarray(x)
+  except Exception as e:
+    raise TypeError(f"{name}={x!r} must be an integer array") from e
+
+
+def _concrete(x):
+  """x as a NumPy array when its values are known now (not a tracer), else None."""
+  try:
+    return np.asarray(x)
+  except Exception:  # a tracer (inside jit) or a global array spanning other processes
+    return None
+
+
+def check_seq_lengths(lengths, name: str, batch: int, length: int, unbatched: bool):
+  """Per-row valid lengths (jax.nn's query_seq_lengths / key_value_seq_lengths): int
+  [B] (or [1] / a scalar for rank-3 inputs), each in [0, length] when concrete.
+  Returns an int32 [B] array or None."""
+  if lengths is None:
+    return None
+  lengths = _array(lengths, name)
+  shapes = ((batch,), ()) if unbatched else ((batch,),)
+  if tuple(lengths.shape) not in shapes:
+    raise ValueError(f"{name}.shape={tuple(lengths.shape)} must be (batch,)=({batch},)")
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"{name}.dtype={lengths.dtype} must be an integer dtype")
+  values = _concrete(lengths)
+  if values is not None and ((values < 0) | (values > length)).any():
+    raise ValueError(f"{name}={values.tolist()} must lie in [0, {length}], the length of that sequence")
+  return jnp.reshape(jnp.asarray(lengths, jnp.int32), (batch,))
+
+
+def split_segment_ids(segment_ids, batch: int, t: int, s: int, unbatched: bool):
+  """`segment_ids` as (query ids [B, T], key/value ids [B, S]), or (None, None).
+
+  One array serves both sides when T == S; a pair (query ids, kv ids) gives each its
+  own. For rank-3 inputs the ids have no batch axis ([T], [S]) and gain one here."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise TypeError(
+        f"segment_ids is a sequence of {len(segment_ids)}; expected one int array or a pair "
+        "(query_segment_ids, kv_segment_ids)"
+      )
+    pair = [(segment_ids[0], "segment_ids[0] (query ids)", t), (segment_ids[1], "segment_ids[1] (kv ids)", s)]
+  else:
+    if s != t:
+      raise ValueError(
+        f"segment_ids is one array, but key length S={s} != query length T={t}: pass a pair "
+        "(query_segment_ids [B, T], kv_segment_ids [B, S])"
+      )
+    pair = [(segment_ids, "segment_ids", t)]
+  out = []
+  for ids, name, length in pair:
+    if not hasattr(ids, "shape"):
+      raise TypeError(f"{name} must be an integer array, got {type(ids).__name__}")
+    if unbatched:
+      if tuple(ids.shape) != (length,):
+        raise ValueError(f"{name}.shape={tuple(ids.shape)} must be (seq,)=({length},) for rank-3 inputs")
+      ids = ids[None]
+    check_segment_ids(ids, batch, length, name)
+    out.append(ids)
+  return (out[0], out[0]) if len(out) == 1 else tuple(out)
+
+
+def mask_beyond(ids, lengths, positions):
+  """Segment ids [B, L] (None: all 0) of tokens at global `positions` [L], with every
+  token at a position >= lengths[b] set to -1 (padding); ids as given when lengths is
+  None."""
+  if lengths is None:
+    return ids
+  base = (
+    jnp.zeros((lengths.shape[0], positions.shape[0]), jnp.int32) if ids is None else ids.astype(jnp.int32)
+  )
+  return jnp.where(positions[None] < lengths[:, None], base, -1)

@@ -1,5 +1,6 @@
 """Core ring attention against the float64 dense reference."""
 
+import functools
 import os
 
 import jax
@@ -28,17 +29,26 @@ CASES = {
 }
 
 
-def _run_case(devices, case, **extra):
+def _options(case):
   heads, kv_heads, length, options = CASES[case]
   options = dict(options)
-  batch = 2
   if options.get("segment_ids") == "padded":
-    options["segment_ids"] = padded_segments(batch, length)
+    options["segment_ids"] = padded_segments(2, length)
+  return options
+
+
+OPTIONS = {case: _options(case) for case in CASES}
+# One reference function per case: compiled once, however many device counts use it.
+REFERENCES = {case: functools.partial(reference_attention, **OPTIONS[case]) for case in CASES}
+
+
+def _run_case(devices, case, **extra):
+  heads, kv_heads, length, _ = CASES[case]
+  options = OPTIONS[case]
   mesh = make_mesh((devices,), ("seq",))
-  args = qkv(batch, length, heads, kv_heads, 16)
+  args = qkv(2, length, heads, kv_heads, 16)
   fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, block_sizes=SMALL_BLOCKS, **options, **extra)
-  ref = lambda q, k, v: reference_attention(q, k, v, **options)
-  return compare_with_reference(fn, ref, args, TOL)
+  return compare_with_reference(fn, REFERENCES[case], args, TOL)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
