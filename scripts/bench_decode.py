@@ -114,12 +114,7 @@ def build(args):
       o2, lse2 = local_partial(
         q, shard, q_pos, q_seg, fill, window=None, scale=scale, policy=policy, tile=tile
       )
-      top = jnp.maximum(lse, lse2)
-      safe = jnp.where(jnp.isneginf(top), 0.0, top)
-      w1, w2 = jnp.exp(lse - safe), jnp.exp(lse2 - safe)
-      den = w1 + w2
-      o = (w1[..., None] * o + w2[..., None] * o2) / jnp.where(den > 0, den, 1.0)[..., None]
-      lse = jnp.where(den > 0, safe + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+      o, lse = jax_ring.merge_attention((o, lse), (o2, lse2))
       moved = KVCache(*(lax.ppermute(x, "seq", perm) for x in shard[:4]), *shard[4:])
       return (o, lse, moved), None
 

@@ -96,6 +96,34 @@ def table_lines() -> list[str]:
     errs = _errors([out, *vjp(g)], expected)
     lines.append(f"| {shape} | 1 | jax.nn.dot_product_attention | {' | '.join(errs)} | | |")
     print(lines[-1], flush=True)
+  lines += model_lines()
+  return lines
+
+
+def model_lines() -> list[str]:
+  """The same choice for a whole training step: bench_lm_memory's DecoderLM."""
+  import jax.numpy as jnp
+  from bench_lm_memory import parse_args as lm_args
+  from bench_lm_memory import step_memory
+
+  import jax_ring
+
+  args = lm_args([])
+  t = 16384
+  lines = [
+    f"\nA whole training step (bench_lm_memory.py's DecoderLM: dim {args.dim}, {args.layers} layers, "
+    f"{args.heads} heads, {args.kv_heads} kv heads, ring attention, T={t} over {args.devices} devices, "
+    "bf16 activations and policy, no remat), compiled: per-device MiB of arguments + temp.\n",
+    "| delta from | MiB per device |",
+    "|---|---|",
+  ]
+  for exact in (True, False):
+    policy = jax_ring.Policy(compute_dtype=jnp.bfloat16, precision="default", exact_delta=exact)
+    mib = step_memory(args, t, remat=False, scan=False, policy=policy, dtype="bfloat16")
+    lines.append(
+      f"| {'float32 output (exact_delta=True)' if exact else 'bf16 output (exact_delta=False)'} | {mib:.1f} |"
+    )
+    print(lines[-1], flush=True)
   return lines
 
 

@@ -35,7 +35,7 @@ def parse_args(argv):
   return p.parse_args(argv)
 
 
-def step_memory(args, seq_len: int, remat: bool, scan: bool) -> float:
+def step_memory(args, seq_len: int, remat: bool, scan: bool, policy="float32", dtype=None) -> float:
   """Per-device MiB of one compiled training step (forward, backward, AdamW update)."""
   import jax
   import jax.numpy as jnp
@@ -56,7 +56,8 @@ def step_memory(args, seq_len: int, remat: bool, scan: bool) -> float:
     num_kv_heads=args.kv_heads,
     mlp_hidden=4 * args.dim,
     attention="ring",
-    policy="float32",
+    policy=policy,
+    dtype=dtype,
     remat=remat,
     scan_layers=scan,
   )

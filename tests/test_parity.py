@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import compare_with_reference, make_mesh, qkv, rel_err
+from conftest import assert_close, compare_with_reference, make_mesh, qkv, rel_err
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_ring
 from jax_ring import merge_attention, reference_attention, ring_attention
@@ -206,3 +208,49 @@ def test_merge_attention_checks_its_pieces():
     merge_attention((o, lse))
   with pytest.raises(ValueError, match=r"piece 1: output.shape=\(2, 5, 4, 8\), lse.shape=\(2, 5\)"):
     merge_attention((o, lse), (o, lse[..., 0]))
+
+
+def test_shard_function_cross_attention_inside_shard_map():
+  """ring_attention_shard with S != T, lengths and the lse, in the caller's shard_map
+  (contiguous shards), equals the float64 reference; positions without kv_positions
+  for S != T is an error."""
+  mesh = make_mesh((2,), ("seq",))
+  t, s = 36, 52
+  q, _, _ = qkv(B, t, N, K, H)
+  _, k, v = qkv(B, s, N, K, H, seed=1)
+  lengths = {"query_seq_lengths": jnp.array([30, 7], jnp.int32), "key_value_seq_lengths": jnp.array([52, 20])}
+  rows, seq = P(None), P(None, "seq")
+
+  def inner(q, k, v, ql, kl):
+    return jax_ring.ring_attention_shard(
+      q, k, v, axis_name="seq", is_causal=True, return_residual=True, block_sizes=SMALL_BLOCKS,
+      query_seq_lengths=ql, key_value_seq_lengths=kl,
+    )  # fmt: skip
+
+  sharded = jax.jit(
+    jax.shard_map(inner, mesh=mesh, in_specs=(seq, seq, seq, rows, rows), out_specs=(seq, seq))
+  )
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  args = [put(x, seq) for x in (q, k, v)] + [put(lengths[n], rows) for n in sorted(lengths, reverse=True)]
+  out, lse = sharded(*args)
+  wide = (x.astype(jnp.float64) for x in (q, k, v))
+  ref, ref_lse = reference_attention(*wide, is_causal=True, return_residual=True, **lengths)
+  assert_close(out, ref, TOL)
+  assert_close(lse, ref_lse, TOL, "lse")
+
+  def positions_only(q, k, v):
+    return jax_ring.ring_attention_shard(q, k, v, axis_name="seq", positions=jnp.arange(t // 2))
+
+  with pytest.raises(
+    ValueError, match=r"kv_positions is required with positions when key length S=26 != T=18"
+  ):
+    jax.shard_map(positions_only, mesh=mesh, in_specs=(seq, seq, seq), out_specs=seq)(*args[:3])
+
+
+def test_kv_cache_prefill_still_needs_equal_lengths():
+  mesh = make_mesh((2,), ("seq",))
+  cache = jax_ring.init_cache(1, 16, K, H, mesh=mesh)
+  q, _, _ = qkv(1, 8, N, K, H)
+  _, k, v = qkv(1, 6, N, K, H)
+  with pytest.raises(ValueError, match=r"key length=6 must equal query length=8"):
+    jax_ring.prefill_attention(q, k, v, cache, mesh=mesh)
