@@ -119,12 +119,7 @@ def ring_attention_shard(
     if _valid_lengths is not None:
       q_pos = jnp.where(q_pos < _valid_lengths[0], q_pos, -1)
       k_pos = jnp.where(k_pos < _valid_lengths[1], k_pos, -1)
-    q_seg = _validation.mask_beyond(q_seg, q_len, q_pos)
-    kv_seg = _validation.mask_beyond(kv_seg, kv_len, k_pos)
-    if (q_seg is None) != (kv_seg is None):  # lengths on one side only: the other is all 0
-      q_seg = jnp.zeros((b, t), jnp.int32) if q_seg is None else q_seg
-      kv_seg = jnp.zeros((b, s), jnp.int32) if kv_seg is None else kv_seg
-    q_seg, kv_seg = (None if x is None else x.astype(jnp.int32) for x in (q_seg, kv_seg))
+    q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, q_pos, k_pos)
     tile_layout = None if custom else layout
     padded_t, bq, _ = local_blocks(t, block_sizes, layout=tile_layout)
     padded_s, _, bk = local_blocks(s, block_sizes, layout=tile_layout)

@@ -97,11 +97,7 @@ def reference_attention(
   q_seg, kv_seg = _validation.split_segment_ids(segment_ids, b, t, s, unbatched)
   q_len = _validation.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, t, unbatched)
   kv_len = _validation.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, s, unbatched)
-  q_seg = _validation.mask_beyond(q_seg, q_len, jnp.arange(t))
-  kv_seg = _validation.mask_beyond(kv_seg, kv_len, jnp.arange(s))
-  if (q_seg is None) != (kv_seg is None):
-    q_seg = jnp.zeros((b, t), jnp.int32) if q_seg is None else q_seg
-    kv_seg = jnp.zeros((b, s), jnp.int32) if kv_seg is None else kv_seg
+  q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, jnp.arange(t), jnp.arange(s))
   window = _validation.normalize_window(local_window_size)
   scale = _validation.check_scale(scale, h)
   mask = visibility_mask(

@@ -170,6 +170,18 @@ def split_segment_ids(segment_ids, batch: int, t: int, s: int, unbatched: bool):
   return (out[0], out[0]) if len(out) == 1 else tuple(out)
 
 
+def apply_lengths(q_ids, kv_ids, q_lengths, kv_lengths, q_positions, kv_positions):
+  """(query ids, kv ids) with the per-row lengths folded in (`mask_beyond`), both int32
+  or both None: lengths on one side only give the other side ids of 0."""
+  q_ids = mask_beyond(q_ids, q_lengths, q_positions)
+  kv_ids = mask_beyond(kv_ids, kv_lengths, kv_positions)
+  if q_ids is None and kv_ids is None:
+    return None, None
+  b = (q_ids if q_ids is not None else kv_ids).shape[0]
+  fill = lambda ids, positions: jnp.zeros((b, positions.shape[0]), jnp.int32) if ids is None else ids
+  return fill(q_ids, q_positions).astype(jnp.int32), fill(kv_ids, kv_positions).astype(jnp.int32)
+
+
 def mask_beyond(ids, lengths, positions):
   """Segment ids [B, L] (None: all 0) of tokens at global `positions` [L], with every
   token at a position >= lengths[b] set to -1 (padding); ids as given when lengths is
