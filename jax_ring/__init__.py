@@ -4,7 +4,7 @@ Legend used in every docstring: B batch, T query length, S key length, N query h
 K key/value heads, G = N // K query heads per kv head, H head dim.
 """
 
-from jax_ring import layouts
+from jax_ring import hlo, layouts
 from jax_ring._attention import ring_attention, ring_attention_shard
 from jax_ring._decode import (
   KVCache,
@@ -32,6 +32,7 @@ __all__ = [
   "BlockSizes",
   "Policy",
   "dilated_attention",
+  "hlo",
   "layouts",
   "merge_attention",
   "policy_for",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_ring import _validation, layouts
+from jax_ring import _ulysses, _validation, layouts
 from jax_ring._kernel import MaskSpec
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_attention_inputs
 from jax_ring._policy import Policy, get_policy
@@ -60,6 +61,7 @@ def ring_attention_shard(
   query_seq_lengths=None,
   key_value_seq_lengths=None,
   return_residual: bool = False,
+  ulysses_axis=None,
   _valid_lengths: tuple[int, int] | None = None,
 ):
   """Ring attention for code already inside `jax.shard_map`: shards in, shard out.
@@ -84,73 +86,126 @@ def ring_attention_shard(
     query_seq_lengths, key_value_seq_lengths: int [B], as in `ring_attention`: a
       query (key) at global position >= its row's length is padding.
     return_residual: also return the log-sum-exp, as in `ring_attention`.
+    ulysses_axis: a second mesh axis (size u) that also splits the sequence: the u
+      devices at one ring position hold consecutive pieces, in `ulysses_axis` order, of
+      that position's ring shard (which is in `layout`); every argument above is this
+      device's piece. An all-to-all over it trades the pieces for heads around the ring
+      (N must divide by u), and the output comes back as this device's piece.
 
   Returns:
     [B, T, N, H] output shard in the policy's output dtype; with `return_residual`,
     (output, lse [B, T, N] in the accumulation dtype).
   """
   query, key, value, unbatched = _validation.add_batch_axis(query, key, value)
-  (b, t, s, _, _), (q_seg, kv_seg), window, scale, block_sizes = check_arguments(
+  (_, t, s, n, k), (q_seg, kv_seg), window, scale, block_sizes = check_arguments(
     query, key, value, segment_ids, local_window_size, scale, block_sizes, unbatched=unbatched
   )
-  layout = layouts.resolve(layout, is_causal)
-  policy = get_policy(policy)
+  q_pos = None if positions is None else _check_positions(positions, t, "positions")
+  k_pos = None if kv_positions is None else _check_positions(kv_positions, s, "kv_positions")
+  if q_pos is not None and k_pos is None and s != t:
+    raise ValueError(f"kv_positions is required with positions when key length S={s} != T={t}")
+  group = 1
+  if ulysses_axis is not None:
+    group = lax.axis_size(ulysses_axis)
+    _ulysses.check_heads(n, k, group, ulysses_axis)
   with jax.named_scope("jax_ring.ring_attention_shard"):
-    ring_size = lax.axis_size(axis_name)
-    q_len = _validation.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, t * ring_size, unbatched)
-    kv_len = _validation.check_seq_lengths(
-      key_value_seq_lengths, "key_value_seq_lengths", b, s * ring_size, unbatched
-    )
-    index = lax.axis_index(axis_name)
-    if positions is None:
-      q_pos = layouts.shard_positions(layout, index, t, ring_size)
-    else:
-      q_pos = _check_positions(positions, t, "positions")
-    if kv_positions is not None:
-      k_pos = _check_positions(kv_positions, s, "kv_positions")
-    elif positions is not None:
-      if s != t:
-        raise ValueError(f"kv_positions is required with positions when key length S={s} != T={t}")
-      k_pos = q_pos
-    else:
-      k_pos = q_pos if s == t else layouts.shard_positions(layout, index, s, ring_size)
-    custom = positions is not None or kv_positions is not None
-    has_padding = _valid_lengths is not None or custom
-    if _valid_lengths is not None:
-      q_pos = jnp.where(q_pos < _valid_lengths[0], q_pos, -1)
-      k_pos = jnp.where(k_pos < _valid_lengths[1], k_pos, -1)
-    q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, q_pos, k_pos)
-    tile_layout = None if custom else layout
-    padded_t, bq, _ = local_blocks(t, block_sizes, layout=tile_layout)
-    padded_s, _, bk = local_blocks(s, block_sizes, layout=tile_layout)
-    if padded_t != t:
-      has_padding = True
-      query = pad_seq(query, padded_t - t)
-      q_pos = jnp.pad(q_pos, (0, padded_t - t), constant_values=-1)
-      q_seg = None if q_seg is None else pad_seq(q_seg, padded_t - t, -1)
-    if padded_s != s:
-      has_padding = True
-      key, value = (pad_seq(x, padded_s - s) for x in (key, value))
-      k_pos = jnp.pad(k_pos, (0, padded_s - s), constant_values=-1)
-      kv_seg = None if kv_seg is None else pad_seq(kv_seg, padded_s - s, -1)
-    back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
-    cfg = RingConfig(
+    if group > 1:
+      gather = lambda x, axis=1: None if x is None else _ulysses.gather_sequence(x, ulysses_axis, group, axis)
+      q_seg, kv_seg, q_pos, k_pos = gather(q_seg), gather(kv_seg), gather(q_pos, 0), gather(k_pos, 0)
+      query, key, value = _ulysses.heads_in(query, key, value, ulysses_axis, group)
+    out, lse = _ring_shard(
+      query,
+      key,
+      value,
+      q_seg,
+      kv_seg,
+      q_pos,
+      k_pos,
+      query_seq_lengths,
+      key_value_seq_lengths,
       axis_name=axis_name,
-      ring_size=ring_size,
-      mask=MaskSpec(is_causal=is_causal, window=window, has_padding=has_padding),
+      is_causal=is_causal,
+      window=window,
       scale=scale,
-      policy=policy,
-      block_q=bq,
-      block_kv=bk,
-      steps_back=back,
-      steps_fwd=fwd,
-      head_groups=block_sizes.head_groups(key.shape[2], max(padded_t, padded_s)),
+      layout=layouts.resolve(layout, is_causal),
+      policy=get_policy(policy),
+      block_sizes=block_sizes,
+      unbatched=unbatched,
+      valid_lengths=_valid_lengths,
     )
-    out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg)
-    out, lse = out[:, :t], lse[:, :t]
-    if unbatched:
-      out, lse = out[0], lse[0]
-    return (out, lse) if return_residual else out
+    if group > 1:
+      out, lse = _ulysses.to_sequence(out, ulysses_axis), _ulysses.to_sequence(lse, ulysses_axis)
+  if unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residual else out
+
+
+def _ring_shard(
+  query,
+  key,
+  value,
+  q_seg,
+  kv_seg,
+  q_pos,
+  k_pos,
+  q_len,
+  kv_len,
+  *,
+  axis_name,
+  is_causal,
+  window,
+  scale,
+  layout,
+  policy,
+  block_sizes,
+  unbatched,
+  valid_lengths,
+):
+  """The ring on checked rank-4 shards: positions (None: the layout's) to masks, the
+  tiles padded, and (output, lse) of the T local queries."""
+  b, t, s = query.shape[0], query.shape[1], key.shape[1]
+  ring_size = lax.axis_size(axis_name)
+  q_len = _validation.check_seq_lengths(q_len, "query_seq_lengths", b, t * ring_size, unbatched)
+  kv_len = _validation.check_seq_lengths(kv_len, "key_value_seq_lengths", b, s * ring_size, unbatched)
+  index = lax.axis_index(axis_name)
+  custom = q_pos is not None or k_pos is not None
+  if q_pos is None:
+    q_pos = layouts.shard_positions(layout, index, t, ring_size)
+  if k_pos is None:
+    k_pos = q_pos if s == t else layouts.shard_positions(layout, index, s, ring_size)
+  has_padding = valid_lengths is not None or custom
+  if valid_lengths is not None:
+    q_pos = jnp.where(q_pos < valid_lengths[0], q_pos, -1)
+    k_pos = jnp.where(k_pos < valid_lengths[1], k_pos, -1)
+  q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, q_pos, k_pos)
+  tile_layout = None if custom else layout
+  padded_t, bq, _ = local_blocks(t, block_sizes, layout=tile_layout)
+  padded_s, _, bk = local_blocks(s, block_sizes, layout=tile_layout)
+  if padded_t != t:
+    has_padding = True
+    query = pad_seq(query, padded_t - t)
+    q_pos = jnp.pad(q_pos, (0, padded_t - t), constant_values=-1)
+    q_seg = None if q_seg is None else pad_seq(q_seg, padded_t - t, -1)
+  if padded_s != s:
+    has_padding = True
+    key, value = (pad_seq(x, padded_s - s) for x in (key, value))
+    k_pos = jnp.pad(k_pos, (0, padded_s - s), constant_values=-1)
+    kv_seg = None if kv_seg is None else pad_seq(kv_seg, padded_s - s, -1)
+  back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
+  cfg = RingConfig(
+    axis_name=axis_name,
+    ring_size=ring_size,
+    mask=MaskSpec(is_causal=is_causal, window=window, has_padding=has_padding),
+    scale=scale,
+    policy=policy,
+    block_q=bq,
+    block_kv=bk,
+    steps_back=back,
+    steps_fwd=fwd,
+    head_groups=block_sizes.head_groups(key.shape[2], max(padded_t, padded_s)),
+  )
+  out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg)
+  return out[:, :t], lse[:, :t]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +223,12 @@ class GlobalConfig:
   policy: Policy
   block_sizes: BlockSizes
   return_residual: bool = False
+  ulysses_axis: Any = None
+
+  @property
+  def seq_spec(self):
+    """The sequence's entry in the specs: `seq_axis`, or (seq_axis, ulysses_axis)."""
+    return self.seq_axis if self.ulysses_axis is None else (self.seq_axis, self.ulysses_axis)
 
 
 def _write_cache(cache, k, v, seg, pos):
@@ -202,16 +263,19 @@ def global_impl(
   layout placed it, into its cache shard; returns (output, cache)."""
   mesh = gc.mesh
   p = mesh.shape[gc.seq_axis]
+  u = 1 if gc.ulysses_axis is None else mesh.shape[gc.ulysses_axis]
   t, s = query.shape[1], key.shape[1]
-  padded_t, padded_s = (layouts.padded_length(gc.layout, n, p) for n in (t, s))
+  # Every device gets an equal piece, and each ring shard (u pieces) suits the layout.
+  m = math.lcm(layouts.multiple(gc.layout, p), p * u)
+  padded_t, padded_s = (-(-n // m) * m for n in (t, s))
   if padded_t != t:
     query = pad_seq(query, padded_t - t)
     q_seg = None if q_seg is None else pad_seq(q_seg, padded_t - t, -1)
   if padded_s != s:
     key, value = (pad_seq(x, padded_s - s) for x in (key, value))
     kv_seg = None if kv_seg is None else pad_seq(kv_seg, padded_s - s, -1)
-  spec = P(gc.batch_axis, gc.seq_axis, gc.head_axis, None)
-  seg_spec = P(gc.batch_axis, gc.seq_axis)
+  spec = P(gc.batch_axis, gc.seq_spec, gc.head_axis, None)
+  seg_spec = P(gc.batch_axis, gc.seq_spec)
   row_spec = P(gc.batch_axis)
   cache_specs = (spec, spec, seg_spec, seg_spec)
   c = lambda x, sp: None if x is None else constrain(x, sp, mesh, in_context)
@@ -227,6 +291,12 @@ def global_impl(
   def body(q, k, v, qs, ks, ql, kl, cache=None):
     to = lambda x: None if x is None else layouts.relayout_shard(x, gc.layout, gc.seq_axis, p)
     back = lambda x: layouts.relayout_shard(x, gc.layout, gc.seq_axis, p, inverse=True)
+    if u > 1:  # the group's pieces -> its whole contiguous ring shard, N / u heads
+      gather = lambda x: None if x is None else _ulysses.gather_sequence(x, gc.ulysses_axis, u)
+      qs, ks = gather(qs), gather(ks)
+      q, k, v = _ulysses.heads_in(q, k, v, gc.ulysses_axis, u)
+      back_ring = back
+      back = lambda x: _ulysses.to_sequence(back_ring(x), gc.ulysses_axis)
     q, k, v, qs, ks = to(q), to(k), to(v), to(qs), to(ks)
     res = ring_attention_shard(
       q,
@@ -251,7 +321,7 @@ def global_impl(
     pos = layouts.shard_positions(gc.layout, lax.axis_index(gc.seq_axis), k.shape[1], p)
     return res, _write_cache(cache, k, v, ks, jnp.where(pos < t, pos, -1))
 
-  out_spec = (spec, P(gc.batch_axis, gc.seq_axis, gc.head_axis)) if gc.return_residual else spec
+  out_spec = (spec, P(gc.batch_axis, gc.seq_spec, gc.head_axis)) if gc.return_residual else spec
   out_specs = out_spec if cache is None else (out_spec, cache_specs)
   sharded = jax.shard_map(body, mesh=None if in_context else mesh, in_specs=tuple(specs), out_specs=out_specs)
   unpad = lambda res: tuple(x[:, :t] for x in res) if gc.return_residual else res[:, :t]
@@ -264,7 +334,7 @@ def global_impl(
 def result_spec(gc: GlobalConfig, length: int):
   """The spec of ring attention's result on global arrays: the output's, and with
   `return_residual` the lse's ([B, T, N]) beside it."""
-  spec = output_spec(gc.mesh, gc.seq_axis, gc.batch_axis, gc.head_axis, length)
+  spec = output_spec(gc.mesh, gc.seq_spec, gc.batch_axis, gc.head_axis, length)
   return (spec, P(*spec[:3])) if gc.return_residual else spec
 
 
@@ -295,6 +365,7 @@ def ring_attention(
   query_seq_lengths=None,
   key_value_seq_lengths=None,
   return_residual: bool = False,
+  ulysses_axis=None,
 ):
   """Exact softmax attention with the sequence sharded over `seq_axis` of `mesh`.
 
@@ -329,6 +400,13 @@ def ring_attention(
       it sees none. Unlike jax.nn's residual (under stop_gradient, in the input
       dtype), it is exact and differentiable; `merge_attention` combines (output,
       lse) pairs computed over disjoint sets of keys.
+    ulysses_axis: a second mesh axis (size u) for the Ulysses hybrid (USP): the
+      sequence is sharded over (seq_axis, ulysses_axis), and inside the call an
+      all-to-all over `ulysses_axis` trades sequence pieces for heads, the ring runs
+      over `seq_axis` with N / u heads per device, and the inverse all-to-all restores
+      the layout. N (per head_axis shard) must divide by u; K/V heads are split, or
+      repeated as little as needed when u does not divide K. Put it on the faster
+      interconnect (inside a host): see the README's "Ulysses hybrid".
 
   Any T and S work: each is padded internally to what the layout needs, and the
   padding is masked. A query that sees no key gets 0 (jax.nn gives such a row the
@@ -351,11 +429,15 @@ def ring_attention(
   _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
   nb = _validation.check_mesh_axis(mesh, batch_axis, "batch_axis", allow_none=True)
   nh = _validation.check_mesh_axis(mesh, head_axis, "head_axis", allow_none=True)
-  named = [a for a in (seq_axis, batch_axis, head_axis) if a is not None]
+  nu = _validation.check_mesh_axis(mesh, ulysses_axis, "ulysses_axis", allow_none=True)
+  named = [a for a in (seq_axis, batch_axis, head_axis, ulysses_axis) if a is not None]
   if len(set(named)) != len(named):
-    raise ValueError(f"{seq_axis=}, {batch_axis=}, {head_axis=} must name different mesh axes")
+    axes = f"{seq_axis=}, {batch_axis=}, {head_axis=}, {ulysses_axis=}"
+    raise ValueError(f"{axes} must name different mesh axes")
   _validation.check_divides(b, nb, "batch", "batch_axis", batch_axis)
   _validation.check_divides(k, nh, "num_kv_heads", "head_axis", head_axis)
+  if ulysses_axis is not None:
+    _ulysses.check_heads(n // nh, k // nh, nu, ulysses_axis)
   layout = layouts.resolve(layout, is_causal)
   policy = get_policy(policy, mesh.devices.flat[0])
   gc = GlobalConfig(
@@ -370,11 +452,12 @@ def ring_attention(
     policy,
     block_sizes,
     return_residual,
+    ulysses_axis,
   )
   with jax.named_scope("jax_ring.ring_attention"):
     placed = place_attention_inputs(
       mesh,
-      seq_axis,
+      gc.seq_spec,
       batch_axis,
       head_axis,
       query=query,

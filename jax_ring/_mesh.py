@@ -141,12 +141,17 @@ def place(mesh, arrays: dict) -> dict:
   return out
 
 
+def axes_size(mesh, axes) -> int:
+  """The number of devices along a mesh axis or a tuple of axes."""
+  return int(np.prod([mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))]))
+
+
 def place_attention_inputs(mesh, seq_axis, batch_axis, head_axis, **arrays) -> dict:
   """`place` for the inputs of an attention call, by name: "query", "key", "value"
   ([B, L, heads, H]), "q_seg" / "kv_seg" / "segment_ids" ([B, L]), "q_len" / "kv_len"
-  ([B]); None entries stay None. Each sequence is sharded when the axis divides its
-  own length."""
-  seq = lambda x: seq_axis if x.shape[1] % mesh.shape[seq_axis] == 0 else None
+  ([B]); None entries stay None. Each sequence is sharded when the axis (or tuple of
+  axes) divides its own length."""
+  seq = lambda x: seq_axis if x.shape[1] % axes_size(mesh, seq_axis) == 0 else None
   specs = {}
   for name, x in arrays.items():
     if x is None:
@@ -170,5 +175,5 @@ def place_on_mesh(mesh, seq_axis, batch_axis, head_axis, query, key, value, segm
 
 def output_spec(mesh, seq_axis, batch_axis, head_axis, length):
   """The output's spec: the sequence stays sharded when the axis divides its length."""
-  seq = seq_axis if length % mesh.shape[seq_axis] == 0 else None
+  seq = seq_axis if length % axes_size(mesh, seq_axis) == 0 else None
   return P(batch_axis, seq, head_axis, None)

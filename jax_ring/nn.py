@@ -237,8 +237,10 @@ class RingAttention(_Cached, _Projected):
       attends only within itself; a baseline, not exact attention).
     num_kv_heads: K for GQA/MQA (default N). head_dim: H (default D // N).
     out_features: default D.
-    mesh, seq_axis, batch_axis, head_axis, is_causal, local_window_size, layout,
-      policy, block_sizes: as in `jax_ring.ring_attention`.
+    mesh, seq_axis, batch_axis, head_axis, ulysses_axis, is_causal, local_window_size,
+      layout, policy, block_sizes: as in `jax_ring.ring_attention`. With
+      `ulysses_axis`, training calls run the Ulysses hybrid; prefill and decode run the
+      ring over `seq_axis` alone, with the KV cache replicated over `ulysses_axis`.
     rope_base: rotary embeddings with this base on q and k at global positions
       (None: none). rope_max_wavelength: frequencies of longer wavelength are dropped
       (`rope_frequencies`), for models run past the length they were trained at.
@@ -264,6 +266,7 @@ class RingAttention(_Cached, _Projected):
     seq_axis="seq",
     batch_axis=None,
     head_axis=None,
+    ulysses_axis=None,
     is_causal: bool = False,
     local_window_size=None,
     layout: str = "auto",
@@ -303,6 +306,7 @@ class RingAttention(_Cached, _Projected):
         seq_axis=seq_axis,
         batch_axis=batch_axis,
         head_axis=head_axis,
+        ulysses_axis=ulysses_axis,
         is_causal=is_causal,
         local_window_size=_validation.normalize_window(local_window_size),
         layout=layout,
@@ -527,6 +531,7 @@ def make_attention_fn(
   is_causal: bool = False,
   batch_axis=None,
   head_axis=None,
+  ulysses_axis=None,
   local_window_size=None,
   layout: str = "auto",
   policy: Policy | str | None = None,
@@ -545,6 +550,8 @@ def make_attention_fn(
   cache (key, value [B, S, K, H]) with the mask of the filled prefix ([B, 1, 1, S]):
   that call runs as `jax_ring.decode_attention` (each device attends to its part of
   the keys, then one all-reduce merges), with the prefix mask as the keys' validity.
+  `ulysses_axis` (the Ulysses hybrid, as in `jax_ring.ring_attention`) applies to the
+  full-sequence calls; decoding runs over `seq_axis` alone.
   """
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
@@ -601,6 +608,7 @@ def make_attention_fn(
       seq_axis=seq_axis,
       batch_axis=batch_axis,
       head_axis=head_axis,
+      ulysses_axis=ulysses_axis,
       is_causal=factory_causal or is_causal,
       local_window_size=window,
       layout=layout,

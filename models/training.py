@@ -44,7 +44,10 @@ class TrainConfig:
 
   attention: str = _field("ring", "attention of the model", choices=ATTENTIONS)
   data: int = _field(1, "size of the mesh's data axis")
-  seq: int | None = _field(None, "size of the seq axis (default: devices / data)")
+  seq: int | None = _field(None, "size of the seq axis (default: devices / (data x ulysses))")
+  ulysses: int = _field(
+    1, "size of a Ulysses axis 'u' (ring/local attention: all-to-all inside groups of this many, ring across)"
+  )
   steps: int = _field(300, "length of the learning-rate schedule, in steps")
   batch: int = _field(16, "global batch size")
   dim: int = _field(64, "model width")
@@ -79,7 +82,7 @@ class TrainConfig:
   def __post_init__(self):
     if self.attention not in ATTENTIONS:
       raise ValueError(f"TrainConfig.attention={self.attention!r} is not one of {ATTENTIONS}")
-    for name in ("data", "steps", "batch", "eval_every", "ckpt_every"):
+    for name in ("data", "ulysses", "steps", "batch", "eval_every", "ckpt_every"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"TrainConfig.{name}={value!r} must be a positive int")
@@ -87,12 +90,18 @@ class TrainConfig:
       raise ValueError("TrainConfig.resume=True needs ckpt_dir")
 
 
-def make_mesh(data: int, seq: int):
-  """A ("data", "seq") mesh with Auto axes over the first data * seq devices."""
-  if data * seq > jax.device_count():
-    raise ValueError(f"data={data} x seq={seq} devices, but only {jax.device_count()} are visible")
-  devices = jax.devices()[: data * seq]
-  return jax.make_mesh((data, seq), ("data", "seq"), axis_types=(AxisType.Auto,) * 2, devices=devices)
+def make_mesh(data: int, seq: int, ulysses: int = 1):
+  """A ("data", "seq") mesh with Auto axes over the first data * seq devices; with
+  ulysses > 1, ("data", "seq", "u") over data * seq * ulysses."""
+  if data * seq * ulysses > jax.device_count():
+    raise ValueError(
+      f"data={data} x seq={seq} x ulysses={ulysses} devices, but only {jax.device_count()} are visible"
+    )
+  shape, names = (data, seq, ulysses), ("data", "seq", "u")
+  if ulysses == 1:
+    shape, names = shape[:2], names[:2]
+  devices = jax.devices()[: data * seq * ulysses]
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
 
 
 def model_config(config: TrainConfig, task) -> LMConfig:
@@ -113,6 +122,7 @@ def model_config(config: TrainConfig, task) -> LMConfig:
     remat=config.remat,
     conv=config.conv,
     rope_max_wavelength=config.rope_max_wavelength,
+    ulysses_axis="u" if config.ulysses > 1 else None,
   )
 
 
@@ -263,7 +273,7 @@ class Checkpoints:
 def _batch_spec(config: TrainConfig) -> P:
   if config.attention == "dense":
     return P()
-  return P("data" if config.data > 1 else None, "seq")
+  return P("data" if config.data > 1 else None, ("seq", "u") if config.ulysses > 1 else "seq")
 
 
 def process_block(sharding, shape) -> tuple[slice, ...]:
@@ -320,8 +330,8 @@ def train(config: TrainConfig, task, log=print, return_model: bool = False):
   if config.attention == "dense":
     data, seq = 1, 1
   else:
-    data, seq = config.data, config.seq or jax.device_count() // config.data
-  mesh = make_mesh(data, seq)
+    data, seq = config.data, config.seq or jax.device_count() // (config.data * config.ulysses)
+  mesh = make_mesh(data, seq, config.ulysses if config.attention != "dense" else 1)
   model, optimizer = build(config, task, mesh)
   if config.init:
     load_params(model, config.init, mesh)

@@ -35,6 +35,10 @@ class LMConfig:
   meeting rotations it never saw.
   scan_layers: the blocks' parameters stacked along a leading layer axis and run by
   `nnx.scan` (one compiled block for all layers); no decode mode.
+  ulysses_axis: a second mesh axis for attention "ring" or "local": the sequence is
+  sharded over (seq_axis, ulysses_axis) and attention runs the Ulysses hybrid
+  (`jax_ring.ring_attention(..., ulysses_axis=)`); num_heads must divide by its size.
+  Generation runs the ring over seq_axis alone.
   """
 
   vocab_size: int
@@ -56,6 +60,7 @@ class LMConfig:
   window: int | None = None
   remat: bool = False
   scan_layers: bool = False
+  ulysses_axis: str | None = None
 
   def validate(self, mesh=None, seq_axis="seq") -> None:
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden"):
@@ -86,14 +91,34 @@ class LMConfig:
       )
     if self.attention in ("ring", "local") and mesh is None:
       raise ValueError(f"LMConfig.attention={self.attention!r} needs a mesh")
+    if self.ulysses_axis is not None:
+      if self.attention not in ("ring", "local"):
+        raise ValueError(
+          f"LMConfig.ulysses_axis={self.ulysses_axis!r} needs attention 'ring' or 'local', "
+          f"not {self.attention!r}"
+        )
+      if self.ulysses_axis not in mesh.axis_names or self.ulysses_axis == seq_axis:
+        raise ValueError(
+          f"LMConfig.ulysses_axis={self.ulysses_axis!r} must be an axis of the mesh {tuple(mesh.axis_names)} "
+          f"other than seq_axis={seq_axis!r}"
+        )
+      if self.num_heads % mesh.shape[self.ulysses_axis]:
+        raise ValueError(
+          f"LMConfig.num_heads={self.num_heads} must be divisible by the {mesh.shape[self.ulysses_axis]} "
+          f"devices of ulysses_axis={self.ulysses_axis!r}"
+        )
     if mesh is not None and self.max_seq_len is not None:
       shards = mesh.shape[seq_axis] if seq_axis in mesh.axis_names else None
       if shards is None:
         raise ValueError(f"seq_axis={seq_axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+      axes = repr(seq_axis)
+      if self.ulysses_axis is not None:
+        shards *= mesh.shape[self.ulysses_axis]
+        axes = f"{seq_axis!r} x {self.ulysses_axis!r}"
       if self.max_seq_len < shards:
         raise ValueError(
-          f"LMConfig.max_seq_len={self.max_seq_len} is shorter than the {shards} devices of mesh axis "
-          f"{seq_axis!r}: every device needs at least one token"
+          f"LMConfig.max_seq_len={self.max_seq_len} is shorter than the {shards} devices of mesh axes "
+          f"{axes}: every device needs at least one token"
         )
 
 
@@ -141,7 +166,12 @@ def make_attention(config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rn
     )
   window = None if config.window is None else (config.window, 0)
   return ring_nn.RingAttention(
-    config.num_heads, config.dim, kind=config.attention, local_window_size=window, **common
+    config.num_heads,
+    config.dim,
+    kind=config.attention,
+    local_window_size=window,
+    ulysses_axis=config.ulysses_axis if config.attention != "dense" else None,
+    **common,
   )
 
 

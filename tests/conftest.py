@@ -30,9 +30,11 @@ def make_mesh(shape, names):
 
 
 def rel_err(actual, expected):
-  actual = jnp.asarray(actual, jnp.float64)
-  expected = jnp.asarray(expected, jnp.float64)
-  return float(jnp.linalg.norm(actual - expected) / jnp.maximum(jnp.linalg.norm(expected), 1e-30))
+  """|actual - expected| / |expected| (Frobenius), in float64 on the host, whatever
+  mesh either lives on."""
+  actual = np.asarray(actual, np.float64)
+  expected = np.asarray(expected, np.float64)
+  return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
 
 
 def qkv(batch, length, heads, kv_heads, head_dim, dtype=jnp.float32, seed=0):

@@ -2,8 +2,6 @@
 whole sequence: prefill (ring attention that fills the cache), round-robin appends,
 decode_attention's output and log-sum-exp, and the compiled decode step."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ring
 from jax_ring import decode_attention, init_cache, prefill_attention, update_cache
+from jax_ring.hlo import collective_bytes
 
 TOL = 2e-6  # absolute, float32 against float64
 
@@ -135,18 +134,6 @@ def test_decode_attention_shard_inside_shard_map():
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-6)
 
 
-def _collectives(hlo: str) -> dict[str, int]:
-  """op name -> total bytes of its results, over the collectives of an HLO module."""
-  sizes = {"f32": 4, "s32": 4, "f64": 8, "bf16": 2, "f16": 2, "pred": 1}
-  found = {}
-  pattern = r"= \(?((?:\w+\[[\d,]*\][^ ]*,? ?)+)\)? (all-reduce|all-gather|collective-permute|all-to-all)\("
-  for shapes, op in re.findall(pattern, hlo):
-    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shapes):
-      n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-      found[op] = found.get(op, 0) + n * sizes[dtype]
-  return found
-
-
 def test_decode_step_moves_partials_not_the_cache():
   """The compiled update + decode step: all-reduce only, and neither its collective
   bytes nor its temp memory grow with the cache length."""
@@ -161,7 +148,7 @@ def test_decode_step_moves_partials_not_the_cache():
     cache = jax.eval_shape(lambda n=length: init_cache(2, n, 2, 16, mesh=mesh))
     new = lambda n: jax.ShapeDtypeStruct((2, 1, n, 16), jnp.float32)
     compiled = jax.jit(step).lower(cache, new(4), new(2), new(2)).compile()
-    stats[length] = (_collectives(compiled.as_text()), compiled.memory_analysis().temp_size_in_bytes)
+    stats[length] = (collective_bytes(compiled), compiled.memory_analysis().temp_size_in_bytes)
   for length, (ops, _) in stats.items():
     assert set(ops) == {"all-reduce"}, (length, ops)
   assert stats[2048][0] == stats[8192][0]  # bytes on the wire: independent of the cache

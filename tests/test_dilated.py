@@ -1,7 +1,6 @@
 """LongNet dilated attention against its float64 dense definition."""
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +10,7 @@ from conftest import compare_with_reference, make_mesh, padded_segments, qkv
 
 import jax_ring
 from jax_ring import dilated_attention, reference_dilated_attention
+from jax_ring.hlo import collective_bytes
 
 TOL = 1e-5
 SMALL_BLOCKS = jax_ring.BlockSizes(block_q=8, block_kv=8)
@@ -140,32 +140,14 @@ def _compiled(mesh, length, rate, heads=2):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
 
 
-_SHAPE = re.compile(r"(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([0-9,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
-
-
-def collective_permute_bytes(hlo: str) -> int:
-  """Bytes produced by collective-permute ops (their result shapes), per device."""
-  total = 0
-  for line in hlo.splitlines():
-    if "collective-permute(" not in line and "collective-permute-start(" not in line:
-      continue
-    result = line.split("=", 1)[1].split("collective-permute")[0]
-    for dtype, dims in _SHAPE.findall(result):
-      size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-      total += size * _BYTES.get(dtype, 8 if dtype.endswith("64") else 4)
-  return total
-
-
 def test_hlo_traffic_falls_by_the_rate_and_no_all_gather():
   # 8 devices, 512 tokens: shards of 64, segments of 128 span 2 devices (a sub-ring).
   mesh = make_mesh((8,), ("seq",))
   moved = {}
   for rate in (1, 2, 4):
-    text = _compiled(mesh, 512, rate).as_text()
-    for op in ("all-gather", "all-to-all", "reduce-scatter"):
-      assert op not in text, f"rate {rate}: {op} in the HLO"
-    moved[rate] = collective_permute_bytes(text)
+    ops = collective_bytes(_compiled(mesh, 512, rate))
+    assert set(ops) == {"collective-permute"}, f"rate {rate}: {ops}"
+    moved[rate] = ops["collective-permute"]
   assert moved[1] > 0
   for rate in (2, 4):
     assert moved[1] / moved[rate] == pytest.approx(rate, rel=0.05), moved

@@ -24,9 +24,11 @@ def test_eight_devices_give_the_losses_of_one():
   one = _losses(attention="ring", seq=1, steps=4)
   eight = _losses(attention="ring", seq=8, steps=4)
   two_d = _losses(attention="ring", data=2, seq=4, steps=4)
+  hybrid = _losses(attention="ring", seq=2, ulysses=4, steps=4)  # 4 heads over "u", kv heads repeated
   assert np.all(np.isfinite(one)) and len(set(one.tolist())) == 4  # parameters move
   np.testing.assert_allclose(eight, one, rtol=2e-5)
   np.testing.assert_allclose(two_d, one, rtol=2e-5)
+  np.testing.assert_allclose(hybrid, one, rtol=2e-5)
 
 
 def test_resume_continues_exactly(tmp_path):
