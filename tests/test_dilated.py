@@ -146,7 +146,7 @@ def test_hlo_traffic_falls_by_the_rate_and_no_all_gather():
   moved = {}
   for rate in (1, 2, 4):
     ops = collective_bytes(_compiled(mesh, 512, rate))
-    assert set(ops) == {"collective-permute"}, f"rate {rate}: {ops}"
+    assert not {"all-gather", "all-to-all", "reduce-scatter"} & set(ops), f"rate {rate}: {ops}"
     moved[rate] = ops["collective-permute"]
   assert moved[1] > 0
   for rate in (2, 4):

@@ -204,7 +204,9 @@ def test_module_and_model_match_the_ring():
   hybrid, ring = make("u"), make(None)
   assert rel_err(hybrid(x), ring(x)) < TOL
 
-  config = LMConfig(vocab_size=32, dim=32, num_heads=4, num_kv_heads=2, mlp_hidden=32, ulysses_axis="u")
+  config = LMConfig(
+    vocab_size=32, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_hidden=32, ulysses_axis="u"
+  )
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 24), 0, 32)
   models = {
     axis: DecoderLM(dataclasses.replace(config, ulysses_axis=axis), mesh=mesh, rngs=nnx.Rngs(0))
