@@ -107,12 +107,12 @@ def ring_attention_shard(
   group = 1
   if ulysses_axis is not None:
     group = lax.axis_size(ulysses_axis)
-    _ulysses.check_heads(n, k, group, ulysses_axis)
+    _ulysses.check_heads(n, group, ulysses_axis)
   with jax.named_scope("jax_ring.ring_attention_shard"):
     if group > 1:
-      gather = lambda x, axis=1: None if x is None else _ulysses.gather_sequence(x, ulysses_axis, group, axis)
-      q_seg, kv_seg, q_pos, k_pos = gather(q_seg), gather(kv_seg), gather(q_pos, 0), gather(k_pos, 0)
-      query, key, value = _ulysses.heads_in(query, key, value, ulysses_axis, group)
+      (query, key, value), (q_seg, kv_seg), (q_pos, k_pos) = _ulysses.enter(
+        query, key, value, (q_seg, kv_seg), (q_pos, k_pos), ulysses_axis, group
+      )
     out, lse = _ring_shard(
       query,
       key,
@@ -292,9 +292,7 @@ def global_impl(
     to = lambda x: None if x is None else layouts.relayout_shard(x, gc.layout, gc.seq_axis, p)
     back = lambda x: layouts.relayout_shard(x, gc.layout, gc.seq_axis, p, inverse=True)
     if u > 1:  # the group's pieces -> its whole contiguous ring shard, N / u heads
-      gather = lambda x: None if x is None else _ulysses.gather_sequence(x, gc.ulysses_axis, u)
-      qs, ks = gather(qs), gather(ks)
-      q, k, v = _ulysses.heads_in(q, k, v, gc.ulysses_axis, u)
+      (q, k, v), (qs, ks), _ = _ulysses.enter(q, k, v, (qs, ks), (), gc.ulysses_axis, u)
       back_ring = back
       back = lambda x: _ulysses.to_sequence(back_ring(x), gc.ulysses_axis)
     q, k, v, qs, ks = to(q), to(k), to(v), to(qs), to(ks)
@@ -437,7 +435,7 @@ def ring_attention(
   _validation.check_divides(b, nb, "batch", "batch_axis", batch_axis)
   _validation.check_divides(k, nh, "num_kv_heads", "head_axis", head_axis)
   if ulysses_axis is not None:
-    _ulysses.check_heads(n // nh, k // nh, nu, ulysses_axis)
+    _ulysses.check_heads(n // nh, nu, ulysses_axis)
   layout = layouts.resolve(layout, is_causal)
   policy = get_policy(policy, mesh.devices.flat[0])
   gc = GlobalConfig(

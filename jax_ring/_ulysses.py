@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def check_heads(num_heads: int, num_kv_heads: int, group: int, axis) -> None:
+def check_heads(num_heads: int, group: int, axis) -> None:
   """Raises ValueError unless the query heads (per device, after any head_axis split)
   divide evenly over the `group` devices of the Ulysses axis."""
   if num_heads % group:
@@ -30,7 +30,6 @@ def check_heads(num_heads: int, num_kv_heads: int, group: int, axis) -> None:
       f"num_heads={num_heads} (query heads per device before the all-to-all) must be divisible by the "
       f"{group} devices of ulysses_axis={axis!r}: each device takes num_heads / {group} heads"
     )
-  del num_kv_heads  # any K works: kv_repeat repeats kv heads as far as needed
 
 
 def kv_repeat(num_heads: int, num_kv_heads: int, group: int) -> int:
@@ -61,11 +60,14 @@ def gather_sequence(x, axis_name, group: int, axis: int = 1):
   return lax.all_to_all(copies, axis_name, split_axis=x.ndim, concat_axis=axis, tiled=True)[..., 0]
 
 
-def heads_in(query, key, value, axis_name, group: int):
-  """Queries and keys/values with the sequence split over the group -> the group's
-  whole sequence with N / u query heads and the kv heads they use."""
-  n, k = query.shape[2], key.shape[2]
-  r = kv_repeat(n, k, group)
+def enter(query, key, value, ids, positions, axis_name, group: int):
+  """Into the hybrid: queries and keys/values with the sequence split over the group
+  -> the group's whole sequence with N / u query heads and the kv heads they use;
+  `ids` ([B, L] each) and `positions` ([L] each; None entries stay None) gathered to
+  the whole sequence. Returns ((query, key, value), ids, positions)."""
+  gather = lambda x, axis: None if x is None else gather_sequence(x, axis_name, group, axis)
+  r = kv_repeat(query.shape[2], key.shape[2], group)
   if r > 1:
     key, value = (jnp.repeat(x, r, axis=2) for x in (key, value))
-  return tuple(to_heads(x, axis_name) for x in (query, key, value))
+  qkv = tuple(to_heads(x, axis_name) for x in (query, key, value))
+  return qkv, tuple(gather(x, 1) for x in ids), tuple(gather(x, 0) for x in positions)

@@ -59,6 +59,17 @@ def padded_segments(batch, length, seed=1):
   return jnp.asarray(np.stack(rows))
 
 
+def cut_segments(length, cuts, pad_from=None):
+  """ids [2, length]: runs split at `cuts` (row 1 shifted by 3), -1 from pad_from on."""
+  rows = []
+  for shift in (0, 3):
+    row = np.searchsorted(np.asarray(cuts) + shift, np.arange(length), side="right").astype(np.int32)
+    if pad_from is not None:
+      row[pad_from + shift :] = -1
+    rows.append(row)
+  return jnp.asarray(np.stack(rows))
+
+
 @functools.cache
 def _forward_and_vjp(fn):
   """One jitted program: (outputs, input gradients for cotangent `cot`) of fn; one per

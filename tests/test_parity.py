@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, compare_with_reference, make_mesh, qkv, rel_err
+from conftest import assert_close, compare_with_reference, cut_segments, make_mesh, qkv, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -21,22 +21,11 @@ SMALL_BLOCKS = jax_ring.BlockSizes(block_q=8, block_kv=16, kv_heads=1)
 B, T, S, N, K, H = 2, 37, 53, 4, 2, 8
 
 
-def _segments(length, cuts, pad_from=None):
-  """ids [B, length]: runs split at `cuts` (row 1 shifted by 3), -1 from pad_from on."""
-  rows = []
-  for shift in (0, 3):
-    row = np.searchsorted(np.asarray(cuts) + shift, np.arange(length), side="right").astype(np.int32)
-    if pad_from is not None:
-      row[pad_from + shift :] = -1
-    rows.append(row)
-  return jnp.asarray(np.stack(rows))
-
-
 # Every new argument at once, one mask per layout (the layouts place queries and keys
 # on devices by their own lengths).
 Q_LENGTHS = jnp.array([30, 0], jnp.int32)  # row 1: every query is padding
 KV_LENGTHS = jnp.array([S, 11], jnp.int32)
-PAIR_IDS = (_segments(T, [9, 20]), _segments(S, [12, 30], pad_from=45))
+PAIR_IDS = (cut_segments(T, [9, 20]), cut_segments(S, [12, 30], pad_from=45))
 CASES = {
   "contiguous": {
     "local_window_size": (5, 3),

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import compare_with_reference, make_mesh, qkv, rel_err
+from conftest import compare_with_reference, cut_segments, make_mesh, qkv, rel_err
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -27,18 +27,7 @@ B, T, S, N, K, H = 2, 37, 53, 8, 2, 8
 MESHES = [(2, 4), (4, 2), (8, 1), (1, 8), (2, 2)]
 
 
-def _segments(length, cuts, pad_from=None):
-  """ids [B, length]: runs split at `cuts` (row 1 shifted by 3), -1 from pad_from on."""
-  rows = []
-  for shift in (0, 3):
-    row = np.searchsorted(np.asarray(cuts) + shift, np.arange(length), side="right").astype(np.int32)
-    if pad_from is not None:
-      row[pad_from + shift :] = -1
-    rows.append(row)
-  return jnp.asarray(np.stack(rows))
-
-
-PAIR_IDS = (_segments(T, [9, 20]), _segments(S, [12, 30], pad_from=45))
+PAIR_IDS = (cut_segments(T, [9, 20]), cut_segments(S, [12, 30], pad_from=45))
 CASES = {
   "contiguous": {
     "local_window_size": (5, 3),
@@ -102,7 +91,7 @@ def test_shard_entry_point_in_a_users_shard_map():
   mesh = _mesh((u, p))
   t = 64
   q, k, v = qkv(B, t, N, K, H)
-  ids = _segments(t, [20, 41])
+  ids = cut_segments(t, [20, 41])
   order = np.asarray(layouts.positions("zigzag", p, t // p)).reshape(-1)  # device-major
   spec = P(None, ("seq", "u"))
   put = lambda x, *rest: jax.device_put(x[:, order], NamedSharding(mesh, P(None, ("seq", "u"), *rest)))
