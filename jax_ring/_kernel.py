@@ -13,10 +13,12 @@ batched matmul with one batch axis whose operands need no copy (scripts/bench_ti
 
 Queries arrive multiplied by the softmax scale.
 
-Every (query block, key block) pair is classified from its mask (`tile_class`): one the
-masks rule out entirely is skipped (no matmul, no exponential), one they do not touch
-runs without any mask arithmetic, and only the rest (a causal diagonal, a window's
-edge, a segment boundary, padding) pay for the `where` over the scores.
+Every (query block, key block) pair is classified from the blocks' position and
+segment-id ranges (`block_bounds`, `tile_class`), never from the [bq, bk] mask itself:
+one the masks rule out entirely is skipped (no matmul, no exponential, no mask), one
+they do not touch runs without any mask arithmetic, and only the rest (a causal
+diagonal, a window's edge, a segment boundary, padding) build the mask and pay for the
+`where` over the scores.
 """
 
 from __future__ import annotations
@@ -158,30 +160,74 @@ def block_backward(q, q_t, k, v, do, do_t, lse, delta, mask, policy: Policy):
   return dq, dk_t.reshape(shape_t), dv_t.reshape(shape_t)
 
 
-def tile_class(mask):
-  """0 when the mask hides the whole tile (skipped), 2 when it hides nothing (no mask
-  arithmetic at all), 1 otherwise (masked)."""
-  return jnp.any(mask).astype(jnp.int32) + jnp.all(mask).astype(jnp.int32)
+class Bounds(NamedTuple):
+  """What a tile's class is decided from, per block: the range of its positions and,
+  per batch row, of its segment ids. O(block) to compute, where the mask is O(bq x bk)."""
+
+  lo: jax.Array  # [n] smallest position (of keys, -1 padding left out when masked)
+  hi: jax.Array  # [n] largest position
+  padded: jax.Array  # [n] bool: some position is -1
+  seg_lo: jax.Array | None  # [n, B] smallest id (-1 included)
+  seg_hi: jax.Array | None  # [n, B] largest id
+
+
+def block_bounds(pos, seg, skip_padding: bool = False) -> Bounds:
+  """Bounds of blocks with positions [n, b] and segment ids [n, B, b] (or None);
+  `skip_padding`: `lo` is over positions >= 0 (keys, when padding is masked)."""
+  valid = jnp.where(pos >= 0, pos, jnp.iinfo(pos.dtype).max) if skip_padding else pos
+  seg_lo, seg_hi = (None, None) if seg is None else (jnp.min(seg, axis=-1), jnp.max(seg, axis=-1))
+  return Bounds(jnp.min(valid, axis=-1), jnp.max(pos, axis=-1), jnp.any(pos < 0, axis=-1), seg_lo, seg_hi)
+
+
+def tile_class(spec: MaskSpec, q: Bounds, k: Bounds):
+  """0 when the masks hide the whole tile (skipped), 2 when they hide nothing (no mask
+  arithmetic at all), 1 otherwise (masked); from one query and one key block's bounds
+  (`block_bounds`, key lo without padding when `spec.has_padding`). Both tests are
+  sufficient conditions: a tile that passes neither is masked, exact for any positions."""
+  hidden = jnp.zeros((), bool)
+  whole = jnp.ones((), bool)
+  if spec.has_padding:
+    hidden = hidden | (k.hi < 0)
+    whole = whole & ~k.padded
+  if spec.is_causal:
+    hidden = hidden | (k.lo > q.hi)
+    whole = whole & (k.hi <= q.lo)
+  if spec.window is not None:
+    left, right = spec.window
+    hidden = hidden | (k.lo > q.hi + right) | (k.hi < q.lo - left)
+    whole = whole & (k.lo >= q.hi - left) & (k.hi <= q.lo + right)
+  if q.seg_lo is not None:
+    # Per batch row: no valid query, or id ranges apart, hide the row; one valid id on
+    # both sides shows all of it. The tile is shared by the rows: all must agree.
+    apart = (q.seg_hi < 0) | (q.seg_hi < k.seg_lo) | (k.seg_hi < q.seg_lo)
+    same = (q.seg_lo == q.seg_hi) & (k.seg_lo == q.seg_lo) & (k.seg_hi == q.seg_lo) & (q.seg_lo >= 0)
+    hidden = hidden | jnp.all(apart)
+    whole = whole & jnp.all(same)
+  return jnp.where(hidden, 0, jnp.where(whole, 2, 1)).astype(jnp.int32)
 
 
 def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, kv: KVBlocks, acc):
   """Adds the keys of `kv` to the running state (o, m, l) of every query block."""
+  masked = spec.positional or q_seg is not None
+  qb = block_bounds(q_pos, q_seg)
+  kb = block_bounds(kv.pos, kv.seg, spec.has_padding)
 
   def over_q(_, xs):
-    qb, qp, qs, state = xs
+    q, qp, qs, q_bounds, state = xs
 
     def over_k(state, ys):
-      kb, vb, kp, ks = ys
-      mask = block_mask(spec, qp, kp, qs, ks)
-      update = lambda mask: lambda st: block_update(qb, kb, vb, mask, policy, *st)
-      if mask is None:
+      k, v, kp, ks, k_bounds = ys
+      update = lambda mask: lambda st: block_update(q, k, v, mask, policy, *st)
+      if not masked:
         return update(None)(state), None
-      return lax.switch(tile_class(mask), (lambda st: st, update(mask), update(None)), state), None
+      partial = lambda st: update(block_mask(spec, qp, kp, qs, ks))(st)
+      branches = (lambda st: st, partial, update(None))
+      return lax.switch(tile_class(spec, q_bounds, k_bounds), branches, state), None
 
-    state, _ = lax.scan(over_k, state, tuple(kv))
+    state, _ = lax.scan(over_k, state, (*kv, kb))
     return None, state
 
-  _, acc = lax.scan(over_q, None, (q, q_pos, q_seg, acc))
+  _, acc = lax.scan(over_q, None, (q, q_pos, q_seg, qb, acc))
   return acc
 
 
@@ -203,16 +249,19 @@ def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, 
 
   dk_t and dv_t are transposed, [nk, B, K, H, bk]; so are their updates.
   """
+  masked = spec.positional or qb.seg is not None
+  q_bounds = block_bounds(qb.pos, qb.seg)
+  k_bounds = block_bounds(kv.pos, kv.seg, spec.has_padding)
 
   def over_k(dq, xs):
-    kb, vb, kp, ks, dkb, dvb = xs
+    kb, vb, kp, ks, k_bound, dkb, dvb = xs
 
     def over_q(carry, ys):
-      q, q_t, do, do_t, l, delta, qp, qs, dqb = ys
-      mask = block_mask(spec, qp, kp, qs, ks)
+      q, q_t, do, do_t, l, delta, qp, qs, q_bound, dqb = ys
 
-      def add(mask):
+      def add(mask_fn):
         def compute(dkb, dvb, dqb):
+          mask = mask_fn()
           g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, mask, policy)
           return (dkb + g_k, dvb + g_v), dqb + g_q
 
@@ -221,12 +270,14 @@ def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, 
       def skip(dkb, dvb, dqb):
         return (dkb, dvb), dqb
 
-      if mask is None:
-        return add(None)(*carry, dqb)
-      return lax.switch(tile_class(mask), (skip, add(mask), add(None)), *carry, dqb)
+      whole = add(lambda: None)
+      if not masked:
+        return whole(*carry, dqb)
+      partial = add(lambda: block_mask(spec, qp, kp, qs, ks))
+      return lax.switch(tile_class(spec, q_bound, k_bound), (skip, partial, whole), *carry, dqb)
 
-    (dkb, dvb), dq = lax.scan(over_q, (dkb, dvb), (*qb, dq))
+    (dkb, dvb), dq = lax.scan(over_q, (dkb, dvb), (*qb, q_bounds, dq))
     return dq, (dkb, dvb)
 
-  dq, (dk_t, dv_t) = lax.scan(over_k, dq, (*kv, dk_t, dv_t))
+  dq, (dk_t, dv_t) = lax.scan(over_k, dq, (*kv, k_bounds, dk_t, dv_t))
   return dq, dk_t, dv_t

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ring
 from jax_ring import reference_attention, ring_attention
+from jax_ring._kernel import MaskSpec, block_bounds, block_mask, tile_class
 
 TOL = 1e-5
 SMALL_BLOCKS = jax_ring.BlockSizes(block_q=8, block_kv=16, kv_heads=1)  # several passes per call
@@ -242,3 +243,69 @@ def test_max_length_budget_at_8_devices():
   device (temp + arguments) for forward+backward (issue 7's max-length target)."""
   stats = _compiled_fwd_bwd(make_mesh((8,), ("seq",)), 512 * 1024).memory_analysis()
   assert stats.temp_size_in_bytes + stats.argument_size_in_bytes <= 2**30
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _classes(spec, q_pos, k_pos, q_seg, k_seg):
+  """Every tile's class, and whether its mask shows anything / everything: [nq, nk]."""
+  qb, kb = block_bounds(q_pos, q_seg), block_bounds(k_pos, k_seg, spec.has_padding)
+  pick = lambda tree, i: jax.tree.map(lambda x: x[i], tree)
+
+  def one(i, j):
+    mask = block_mask(
+      spec, q_pos[i], k_pos[j], None if q_seg is None else q_seg[i], None if k_seg is None else k_seg[j]
+    )
+    mask = jnp.ones((1,), bool) if mask is None else mask
+    return tile_class(spec, pick(qb, i), pick(kb, j)), jnp.any(mask), jnp.all(mask)
+
+  i, j = jnp.meshgrid(jnp.arange(q_pos.shape[0]), jnp.arange(k_pos.shape[0]), indexing="ij")
+  return jax.vmap(jax.vmap(one))(i, j)
+
+
+@pytest.mark.parametrize(
+  "spec",
+  [
+    MaskSpec(is_causal=True),
+    MaskSpec(window=(5, 3)),
+    MaskSpec(is_causal=True, window=(9, 0), has_padding=True),
+    MaskSpec(has_padding=True),
+    MaskSpec(),
+  ],
+  ids=["causal", "window", "causal_window_padding", "padding", "segments_only"],
+)
+def test_tile_class_from_bounds_agrees_with_the_mask(spec):
+  """A tile is skipped only if its mask hides everything and runs unmasked only if it
+  hides nothing, for arbitrary positions and ids; for blocks of consecutive positions
+  (contiguous and zigzag blocks) and one id per block row the classes are exact."""
+  rng = np.random.default_rng(0)
+  b, nq, nk, bq, bk = 2, 6, 7, 4, 3
+  exact_seen = set()
+  for trial in range(40):
+    sorted_case = trial % 2 == 0
+    if sorted_case:  # runs of consecutive positions, one id per block row
+      q_pos = rng.integers(0, 60, (nq, 1)) + np.arange(bq)
+      k_pos = rng.integers(0, 60, (nk, 1)) + np.arange(bk)
+      q_seg = np.repeat(rng.integers(0, 2, (nq, b, 1)), bq, axis=2)
+      k_seg = np.repeat(rng.integers(0, 2, (nk, b, 1)), bk, axis=2)
+    else:
+      q_pos = rng.integers(0, 60, (nq, bq))
+      k_pos = rng.integers(0, 60, (nk, bk))
+      q_seg = rng.integers(-1, 3, (nq, b, bq))
+      k_seg = rng.integers(-1, 3, (nk, b, bk))
+    if spec.has_padding:
+      if not sorted_case:
+        k_pos = np.where(rng.random(k_pos.shape) < (0.5 if trial % 4 == 1 else 0.1), -1, k_pos)
+      k_pos[0] = -1  # a block of padding alone
+      k_pos[1, -1] = -1  # a block ending in padding
+    segs = trial % 3 != 2
+    qs, ks = (jnp.asarray(q_seg), jnp.asarray(k_seg)) if segs else (None, None)
+    cls, anything, everything = _classes(spec, jnp.asarray(q_pos), jnp.asarray(k_pos), qs, ks)
+    cls, anything, everything = (np.asarray(x) for x in (cls, anything, everything))
+    assert not np.any((cls == 0) & anything), trial
+    assert not np.any((cls == 2) & ~everything), trial
+    if sorted_case and (spec.positional or segs):
+      np.testing.assert_array_equal(
+        cls, np.where(anything, np.where(everything, 2, 1), 0), err_msg=str(trial)
+      )
+      exact_seen.update(np.unique(cls).tolist())
+  assert exact_seen == {0, 1, 2}
