@@ -20,7 +20,7 @@ from jax_ring._kernel import MaskSpec
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_attention_inputs
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import RingConfig, ring, schedule
-from jax_ring._tiles import BlockSizes, check_block_sizes, local_blocks
+from jax_ring._tiles import BlockSizes, check_block_sizes, fit_tile_budget, local_blocks
 
 
 def check_arguments(
@@ -192,6 +192,8 @@ def _ring_shard(
     k_pos = jnp.pad(k_pos, (0, padded_s - s), constant_values=-1)
     kv_seg = None if kv_seg is None else pad_seq(kv_seg, padded_s - s, -1)
   back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
+  groups = block_sizes.head_groups(key.shape[2], max(padded_t, padded_s))
+  bq, bk = fit_tile_budget(bq, bk, b * query.shape[2] // groups, block_sizes)
   cfg = RingConfig(
     axis_name=axis_name,
     ring_size=ring_size,
@@ -202,7 +204,7 @@ def _ring_shard(
     block_kv=bk,
     steps_back=back,
     steps_fwd=fwd,
-    head_groups=block_sizes.head_groups(key.shape[2], max(padded_t, padded_s)),
+    head_groups=groups,
   )
   out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg)
   return out[:, :t], lse[:, :t]

@@ -26,6 +26,13 @@ import jax.numpy as jnp
 SHARED_CORE_TILES = (256, 256)
 TILES = (1024, 512)
 MIN_AUTO_TILE = 256
+# Smallest automatic block that divides a shard exactly (below it, the shard is padded).
+MIN_EXACT_TILE = 128
+# Largest automatic score tile, in elements (batch x query heads of a pass x bq x bk):
+# 4 MiB in float32. The forward keeps one such tile live, the backward about three;
+# past this, short shards on few devices spent more on tiles than on their inputs
+# (at T=1024 on one device, 4 heads x 1024 x 512 tiles took 26 of 34 MiB).
+TILE_ELEMENTS = 1 << 20
 
 
 def default_tiles(platform: str, devices: int, cores: int | None = None) -> tuple[int, int]:
@@ -46,8 +53,11 @@ class BlockSizes:
 
   No score tile larger than [block_q x block_kv] exists per head. None (the default)
   picks per call (`default_tiles`): 256 x 256 on a CPU mesh with more devices than
-  cores, else 1024 x 512; halved (not below 256) until they divide the local length
-  rounded up to 256.
+  cores, else 1024 x 512; then the largest divisor of the local length up to that size
+  (a multiple of 8, at least 128), or, where there is none, the size halved (not below
+  256) until it divides the length rounded up to 256; then halved (not below 128)
+  while a score tile (batch x query heads of a pass x block_q x block_kv) is over
+  TILE_ELEMENTS.
   """
 
   block_q: int | None = None
@@ -94,6 +104,17 @@ def check_block_sizes(block_sizes) -> BlockSizes:
   return block_sizes
 
 
+def _exact_block(unit: int, auto: int) -> int | None:
+  """The largest divisor of `unit` that is at most `auto`, a multiple of 8 and at least
+  MIN_EXACT_TILE (or `unit` itself when it is at most `auto`); None if there is none."""
+  if unit <= auto:
+    return unit
+  for d in range(auto - auto % 8, MIN_EXACT_TILE - 1, -8):
+    if unit % d == 0:
+      return d
+  return None
+
+
 def local_blocks(
   length: int, bs: BlockSizes, devices: int | None = None, layout: str | None = None
 ) -> tuple[int, int, int]:
@@ -101,13 +122,25 @@ def local_blocks(
 
   `devices` is how many devices run at once on this process's cores (default: those
   of the current mesh that this process drives, `devices_here`).
-  Under the zigzag layout, blocks chosen here stay within one of the shard's two
-  halves where they can, so the causal mask can skip whole tiles.
+  Automatic blocks divide the length itself where they can (the largest divisor up to
+  the default tile that is a multiple of 8, not below MIN_EXACT_TILE): no padding, so
+  no mask arithmetic. Otherwise the length is rounded up to a multiple of 256 and the
+  blocks are the default tile, halved until they divide it.
+  Under the zigzag layout, blocks stay within one of the shard's two halves where they
+  can, so the causal mask can skip whole tiles.
   """
   if devices is None:
     mesh = jax.sharding.get_abstract_mesh()
     devices = 1 if mesh.empty else devices_here(mesh.size)
   auto_q, auto_kv = default_tiles(jax.default_backend(), devices)
+
+  halves = layout == "zigzag" and length % 2 == 0
+  unit = length // 2 if halves else length
+  exact = [
+    b if b is not None else _exact_block(unit, a) for b, a in ((bs.block_q, auto_q), (bs.block_kv, auto_kv))
+  ]
+  if None not in exact and length % exact[0] == 0 and length % exact[1] == 0:
+    return length, exact[0], exact[1]
 
   rounded = length if length <= MIN_AUTO_TILE else -(-length // MIN_AUTO_TILE) * MIN_AUTO_TILE
 
@@ -117,7 +150,7 @@ def local_blocks(
     if block is not None:
       return block
     auto = min(auto, rounded)
-    if layout == "zigzag" and length % 2 == 0 and rounded % (length // 2) == 0:
+    if halves and rounded % (length // 2) == 0:
       auto = min(auto, length // 2)
     while rounded % auto:
       auto //= 2
@@ -130,6 +163,21 @@ def local_blocks(
     if padded % bq == 0 and padded % bk == 0:
       return padded, bq, bk
     padded = -(-padded // math.lcm(bq, bk)) * math.lcm(bq, bk)
+
+
+def fit_tile_budget(bq: int, bk: int, rows: int, bs: BlockSizes) -> tuple[int, int]:
+  """(bq, bk), the automatic ones halved (the larger first, not below MIN_EXACT_TILE)
+  until a score tile of `rows` (batch x query heads per pass) x bq x bk elements is at
+  most TILE_ELEMENTS. Halves of a block still divide the length it divided."""
+  halvable = lambda block, given: given is None and block % 2 == 0 and block // 2 >= MIN_EXACT_TILE
+  while rows * bq * bk > TILE_ELEMENTS:
+    if halvable(bq, bs.block_q) and (bq >= bk or not halvable(bk, bs.block_kv)):
+      bq //= 2
+    elif halvable(bk, bs.block_kv):
+      bk //= 2
+    else:
+      break
+  return bq, bk
 
 
 def block_q(x, n):

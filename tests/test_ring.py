@@ -199,39 +199,60 @@ def test_heads_per_pass_chosen_by_shard_length():
 
 
 def test_tiles_chosen_by_devices_per_core():
-  from jax_ring._tiles import default_tiles, local_blocks
+  from jax_ring._tiles import default_tiles, fit_tile_budget, local_blocks
 
   assert default_tiles("cpu", 8, cores=2) == (256, 256)  # simulated devices share cores
   assert default_tiles("cpu", 2, cores=2) == default_tiles("gpu", 8, cores=2) == (1024, 512)
   bs = jax_ring.BlockSizes()
   fits = lambda length: local_blocks(length, bs, devices=1)  # a device has its own cores
+  # Blocks divide the shard where a multiple of 8 (at least 128) does: no padding.
   assert [fits(t) for t in (4096, 1536, 1000, 100)] == [
     (4096, 1024, 512),
-    (1536, 512, 512),
-    (1024, 1024, 512),
+    (1536, 768, 512),
+    (1000, 1000, 200),
     (100, 100, 100),
   ]
-  assert local_blocks(1000, jax_ring.BlockSizes(block_q=8), devices=1) == (1024, 8, 512)
-  assert local_blocks(700, bs, devices=1) == (768, 768, 256)
+  assert local_blocks(1000, jax_ring.BlockSizes(block_q=8), devices=1) == (1000, 8, 200)
+  assert local_blocks(700, bs, devices=1) == (768, 768, 256)  # no such divisor of 700: padded
   assert local_blocks(4096, bs, devices=10**6) == (4096, 256, 256)
   # zigzag: blocks within a half, so causal tiles can be skipped
   assert local_blocks(256, bs, devices=10**6, layout="zigzag") == (256, 128, 128)
   assert local_blocks(1024, bs, devices=1, layout="zigzag") == (1024, 512, 512)
-  assert local_blocks(600, bs, devices=1, layout="zigzag") == (768, 768, 256)  # halves unaligned
+  assert local_blocks(600, bs, devices=1, layout="zigzag") == (600, 300, 300)
+  assert local_blocks(1300, bs, devices=1, layout="zigzag") == (1536, 512, 512)  # halves unaligned
+  # The score tile budget: automatic blocks halve (not below 128) to fit it.
+  assert fit_tile_budget(1024, 512, 4, bs) == (512, 512)  # 4 heads x 512 x 512 = 2^20
+  assert fit_tile_budget(448, 448, 8, bs) == (224, 448)
+  assert fit_tile_budget(256, 256, 64, bs) == (128, 128)
+  assert fit_tile_budget(1024, 512, 4, jax_ring.BlockSizes(block_q=1024)) == (1024, 256)
 
 
 @pytest.mark.parametrize(
   "devices, length, options",
-  [(2, 2048, {}), (1, 1300, {"is_causal": True})],
-  ids=["2dev_1024x512_tiles", "1dev_causal_512_tiles_padded"],
+  [
+    (2, 2048, {}),
+    (1, 1300, {"is_causal": True}),
+    (1, 1200, {"is_causal": True}),
+    (2, 1200, {"is_causal": True}),
+  ],
+  ids=[
+    "2dev_1024x512_tiles",
+    "1dev_causal_512_tiles_padded",
+    "1dev_zigzag_exact_600x200",
+    "2dev_zigzag_exact_300",
+  ],
 )
 def test_default_tiles_when_devices_have_cores(devices, length, options):
   """Default BlockSizes on a mesh with no more devices than cores: the large tiles
-  (1024 x 512, or 512 x 512 where 1024 does not divide) against the reference."""
+  (1024 x 512 halved to the tile budget, or 512 x 512 where 1024 does not divide; exact
+  divisors of the shard where they exist) against the reference."""
   from jax_ring._tiles import local_blocks
 
-  local = local_blocks(length // devices, jax_ring.BlockSizes(), devices=devices)
-  assert local[1:] in ((1024, 512), (512, 512)) or devices > (os.cpu_count() or 1), local
+  layout = "zigzag" if options else "contiguous"
+  local = local_blocks(length // devices, jax_ring.BlockSizes(), devices=devices, layout=layout)
+  expected = {(2, 2048): (1024, 512), (1, 1300): (512, 512), (1, 1200): (600, 200), (2, 1200): (300, 300)}
+  expected = expected[devices, length]
+  assert local[1:] == expected or devices > (os.cpu_count() or 1), local
   mesh = make_mesh((devices,), ("seq",))
   args = qkv(1, length, 4, 2, 8)
   fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, **options)
