@@ -33,16 +33,37 @@ def _rows_right():
   return answered
 
 
+class _Bins:
+  """The examples of several depth bins as one batch: rows [j * rows, (j + 1) * rows)
+  are row 0..rows-1 of bin j's batch (`probes[j].batch(seed, j, rows)`), so a batch
+  of every bin is the bins' batches stacked, and a process builds only its rows."""
+
+  def __init__(self, probes, seed: int, rows: int):
+    self.probes, self.seed, self.rows = probes, seed, rows
+    self.seq_len = probes[0].seq_len
+
+  def batch(self, seed, step, batch_size, rows=None):
+    del seed, step, batch_size  # fixed by the bins
+    rows = range(len(self.probes) * self.rows) if rows is None else rows
+    parts = []
+    for j, probe in enumerate(self.probes):
+      mine = [r - j * self.rows for r in rows if j * self.rows <= r < (j + 1) * self.rows]
+      if mine:
+        parts.append(probe.batch(self.seed, j, self.rows, rows=mine))
+    return type(parts[0])(*(np.concatenate(x) for x in zip(*parts)))
+
+
 def accuracy_grid(model, task: NeedleTask, lengths, bins: int, rows: int, seed: int, mesh, spec):
   """Exact-answer accuracy [len(lengths), bins]: for each context length and depth bin,
   the fraction of `rows` fresh examples (seeds disjoint from training's) answered
-  right under teacher forcing."""
+  right under teacher forcing. One call per length evaluates every bin."""
   grid = np.zeros((len(lengths), bins))
   for i, length in enumerate(lengths):
-    for j, depth in enumerate(depth_bins(bins)):
-      probe = dataclasses.replace(task, seq_len=length, depth=depth)
-      batch = place_batch(probe, seed + 20_000 + i, j, rows, mesh, spec)
-      grid[i, j] = float(np.mean(np.asarray(_rows_right()(model, *batch))))
+    probes = [dataclasses.replace(task, seq_len=length, depth=depth) for depth in depth_bins(bins)]
+    stacked = _Bins(probes, seed + 20_000 + i, rows)
+    batch = place_batch(stacked, 0, 0, bins * rows, mesh, spec)
+    right = np.asarray(_rows_right()(model, *batch)).reshape(bins, rows)
+    grid[i] = right.mean(axis=1)
   return grid
 
 

@@ -52,16 +52,16 @@ def median_time(fn, *args, repeats: int = 3, warmup: bool = True) -> float:
   return float(np.median(run_times(fn, *args, repeats=repeats, warmup=warmup)))
 
 
-def matmul_rate(repeats: int, stat=None) -> float:
-  """FLOP/s of a 4096^3 float32 matmul on one device; `stat` of the run times
+def matmul_rate(repeats: int, stat=None, size: int = 4096) -> float:
+  """FLOP/s of a size^3 float32 matmul on one device; `stat` of the run times
   (default the median)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
-  a = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (4096, 4096), jnp.float32), jax.devices()[0])
+  a = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32), jax.devices()[0])
   samples = run_times(jax.jit(lambda x: x @ x), a, repeats=max(repeats, 3))
-  return 2 * 4096**3 / float((stat or np.median)(samples))
+  return 2 * size**3 / float((stat or np.median)(samples))
 
 
 def fwd_bwd(attend):

@@ -57,6 +57,9 @@ def parse_args(argv=None):
     "--budget-mib", type=float, default=1024.0, help="per-device budget of the max-length finder"
   )
   p.add_argument("--max-length-devices", default="1,2,4,8")
+  p.add_argument(
+    "--matmul-size", type=int, default=4096, help="side of the matmul the FLOP/s are compared with"
+  )
   p.add_argument("--no-max-length", action="store_true")
   p.add_argument("--no-sweep", action="store_true")
   p.add_argument("--out", default=None, help="Markdown file to hold the tables (default: see --quick)")
@@ -242,8 +245,9 @@ def main(argv=None):
   lines = header("bench.py", sys.argv[1:] if argv is None else argv, jax.device_count())
   # The ceiling is the faster of a measurement before and one after the sweep, so a
   # moment of contention on the host cannot inflate the fractions.
-  rate = matmul_rate(args.repeats)
-  print(f"4096^3 float32 matmul on one device: {rate / 1e9:.1f} GFLOP/s", flush=True)
+  mm = f"{args.matmul_size}^3 float32 matmul on one device"
+  rate = matmul_rate(args.repeats, size=args.matmul_size)
+  print(f"{mm}: {rate / 1e9:.1f} GFLOP/s", flush=True)
   if suite.ra is None:
     lines.append(f"ringattention rows skipped: the package is not importable ({suite.ra_missing}).\n")
     print(lines[-1].strip(), flush=True)
@@ -271,10 +275,10 @@ def main(argv=None):
               print(row, flush=True)
     # The ceiling is the faster of a measurement before and one after the sweep, so a
     # moment of contention on the host cannot inflate the fractions.
-    after = matmul_rate(args.repeats)
-    print(f"4096^3 float32 matmul on one device, after the sweep: {after / 1e9:.1f} GFLOP/s", flush=True)
+    after = matmul_rate(args.repeats, size=args.matmul_size)
+    print(f"{mm}, after the sweep: {after / 1e9:.1f} GFLOP/s", flush=True)
     lines.append(
-      f"\n4096^3 float32 matmul on one device: {rate / 1e9:.1f} GFLOP/s before the sweep, "
+      f"\n{mm}: {rate / 1e9:.1f} GFLOP/s before the sweep, "
       f"{after / 1e9:.1f} after; the fractions use the higher.\n"
     )
     rate = max(rate, after)
