@@ -73,3 +73,14 @@ def test_masks_benchmark_times_each_mask_against_full(tmp_path):
   ]
   assert float(rows[0][-1]) == 1.0 and all(float(r[-1]) > 0 for r in rows)
   assert "Causal work, layout=zigzag, T=64, p=2" in out.read_text()
+
+
+def test_memory_benchmark_writes_a_row_per_size(tmp_path):
+  import bench_memory
+
+  out = tmp_path / "bench.md"
+  bench_memory.main(["--lengths=256,384", "--devices=2", "--impls=jax_ring", f"--out={out}"])
+  rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 2 |")]
+  assert [r[1].strip() for r in rows] == ["256", "384"]
+  mib = [float(r[2]) for r in rows]
+  assert 0 < mib[0] < mib[1], mib  # memory grows with the length
