@@ -26,6 +26,8 @@ def work_report(
   when some query in it sees some key, which is exactly when `ring_attention` runs
   it; the others are skipped. Steps a windowed contiguous ring never runs are 0.
   Segment ids are data, not layout, and are left out: with them, fewer blocks run.
+  Blocks are `local_blocks`'s; on short shards the score-tile budget
+  (`fit_tile_budget`, which depends on batch and heads) may halve them in the call.
   """
   window = _validation.normalize_window(local_window_size)
   layout = layouts.resolve(layout, is_causal)
