@@ -84,3 +84,15 @@ def test_memory_benchmark_writes_a_row_per_size(tmp_path):
   assert [r[1].strip() for r in rows] == ["256", "384"]
   mib = [float(r[2]) for r in rows]
   assert 0 < mib[0] < mib[1], mib  # memory grows with the length
+
+
+def test_short_shard_benchmark_writes_both_masks(tmp_path):
+  import bench_short
+
+  out = tmp_path / "bench.md"
+  bench_short.main(
+    ["--lengths=256", "--devices=2", "--rounds=2", "--per-round=1", "--impls=jax_ring", f"--out={out}"]
+  )
+  rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 256 |")]
+  assert [r[1].strip() for r in rows] == ["full", "causal"]
+  assert all(float(r[2].split()[0]) > 0 for r in rows), rows

@@ -1,0 +1,75 @@
+"""Short shards, jax_ring against the reference, timed in interleaved rounds.
+
+On a shared or noisy machine two configurations timed one after the other can differ
+by 20% from the machine alone. Here every configuration (implementation x mask) of a
+length is compiled first, then each round runs every one of them `--per-round` times,
+and the medians are over all rounds: slow spells hit every configuration alike.
+Forward+backward, B=1, N=8, H=64, float32, `--devices` simulated devices.
+
+    python scripts/bench_short.py --out docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from _harness import fwd_bwd, header, inputs, run_times, simulate_devices
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--lengths", default="1024,2048")
+  p.add_argument("--devices", type=int, default=8)
+  p.add_argument("--rounds", type=int, default=6)
+  p.add_argument("--per-round", type=int, default=3)
+  p.add_argument("--impls", default="jax_ring,ringattention")
+  p.add_argument("--out", default=None, help="append the Markdown here (default: print only)")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  simulate_devices(args.devices)
+  import jax
+  import numpy as np
+  from bench import Suite
+  from bench import parse_args as bench_args
+
+  suite = Suite(bench_args([]))
+  impls = [i for i in args.impls.split(",") if i != "ringattention" or suite.ra is not None]
+  lines = header("bench_short.py", sys.argv[1:] if argv is None else argv, args.devices)
+  lines.append(
+    f"Forward+backward s, median (min) over {args.rounds} interleaved rounds of {args.per_round} runs, "
+    f"{args.devices} devices, B=1, N=8, H=64, float32.\n"
+  )
+  lines.append("| T | mask | " + " | ".join(impls) + " |")
+  lines.append("|---|---|" + "---|" * len(impls))
+  for length in (int(x) for x in args.lengths.split(",")):
+    programs = {}
+    for causal in (False, True):
+      for impl in impls:
+        if suite.supports(impl, length, args.devices):
+          attend, sharding = suite.attention(impl, length, args.devices, causal, "float32")
+          data = inputs([(1, length, 8, 64)] * 4, sharding)
+          programs[impl, causal] = (jax.jit(fwd_bwd(attend)).lower(*data).compile(), data)
+    times = {key: [] for key in programs}
+    for r in range(args.rounds):
+      for key, (compiled, data) in programs.items():
+        times[key] += run_times(compiled, *data, repeats=args.per_round, warmup=r == 0)
+    for causal in (False, True):
+      cells = [
+        f"{np.median(times[i, causal]):.4f} ({np.min(times[i, causal]):.4f})" if (i, causal) in times else "-"
+        for i in impls
+      ]
+      lines.append(f"| {length} | {'causal' if causal else 'full'} | " + " | ".join(cells) + " |")
+      print(lines[-1], flush=True)
+  text = "\n".join(lines) + "\n"
+  if args.out:
+    with open(args.out, "a") as f:
+      f.write(text)
+  print(text)
+
+
+if __name__ == "__main__":
+  main()
