@@ -206,10 +206,10 @@ def tile_class(spec: MaskSpec, q: Bounds, k: Bounds):
   return jnp.where(hidden, 0, jnp.where(whole, 2, 1)).astype(jnp.int32)
 
 
-def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, kv: KVBlocks, acc):
-  """Adds the keys of `kv` to the running state (o, m, l) of every query block."""
+def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, q_bounds: Bounds, kv: KVBlocks, acc):
+  """Adds the keys of `kv` to the running state (o, m, l) of every query block.
+  q_bounds: `block_bounds(q_pos, q_seg)`, the same at every ring step."""
   masked = spec.positional or q_seg is not None
-  qb = block_bounds(q_pos, q_seg)
   kb = block_bounds(kv.pos, kv.seg, spec.has_padding)
 
   def over_q(_, xs):
@@ -227,7 +227,7 @@ def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, kv: KVBlocks, acc):
     state, _ = lax.scan(over_k, state, (*kv, kb))
     return None, state
 
-  _, acc = lax.scan(over_q, None, (q, q_pos, q_seg, qb, acc))
+  _, acc = lax.scan(over_q, None, (q, q_pos, q_seg, q_bounds, acc))
   return acc
 
 
@@ -242,6 +242,7 @@ class QBlocks(NamedTuple):
   delta: jax.Array
   pos: jax.Array
   seg: jax.Array | None
+  bounds: Bounds  # block_bounds(pos, seg)
 
 
 def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, dv_t):
@@ -250,7 +251,6 @@ def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, 
   dk_t and dv_t are transposed, [nk, B, K, H, bk]; so are their updates.
   """
   masked = spec.positional or qb.seg is not None
-  q_bounds = block_bounds(qb.pos, qb.seg)
   k_bounds = block_bounds(kv.pos, kv.seg, spec.has_padding)
 
   def over_k(dq, xs):
@@ -276,7 +276,7 @@ def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, 
       partial = add(lambda: block_mask(spec, qp, kp, qs, ks))
       return lax.switch(tile_class(spec, q_bound, k_bound), (skip, partial, whole), *carry, dqb)
 
-    (dkb, dvb), dq = lax.scan(over_q, (dkb, dvb), (*qb, q_bounds, dq))
+    (dkb, dvb), dq = lax.scan(over_q, (dkb, dvb), (*qb, dq))
     return dq, (dkb, dvb)
 
   dq, (dk_t, dv_t) = lax.scan(over_k, dq, (*kv, k_bounds, dk_t, dv_t))

@@ -22,7 +22,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ring._kernel import KVBlocks, MaskSpec, QBlocks, chunk_backward, chunk_forward, finalize
+from jax_ring._kernel import (
+  KVBlocks,
+  MaskSpec,
+  QBlocks,
+  block_bounds,
+  chunk_backward,
+  chunk_forward,
+  finalize,
+)
 from jax_ring._policy import Policy
 from jax_ring._tiles import block_kv, block_q, block_rows, block_seg, unblock_kv, unblock_q, unblock_rows
 
@@ -152,9 +160,10 @@ def ring_forward_state(cfg: RingConfig, x: Inputs):
   o = zeros_like_both(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
   m = jnp.full_like(o, -jnp.inf, shape=x.q.shape[:-1])
   l = jnp.zeros_like(m)
+  q_bounds = block_bounds(x.q_pos, x.q_seg)  # once, outside the ring's loop
 
   def compute(kv, acc):
-    return chunk_forward(cfg.mask, pol, x.q, x.q_pos, x.q_seg, _as_compute(kv, pol), acc)
+    return chunk_forward(cfg.mask, pol, x.q, x.q_pos, x.q_seg, q_bounds, _as_compute(kv, pol), acc)
 
   acc = _pass_forward(cfg, compute, x.kv, (o, m, l), cfg.steps_back, +1)
   if cfg.steps_fwd:
@@ -172,7 +181,15 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   # [nq, B, K, G, bq, H] -> [nq, B, K, H, G, bq]: the layout the dK and dV products take.
   heads_first = lambda x: jnp.moveaxis(x, -1, -3)
   qb = QBlocks(
-    q=x.q, q_t=heads_first(x.q), do=do, do_t=heads_first(do), lse=lse, delta=delta, pos=x.q_pos, seg=x.q_seg
+    q=x.q,
+    q_t=heads_first(x.q),
+    do=do,
+    do_t=heads_first(do),
+    lse=lse,
+    delta=delta,
+    pos=x.q_pos,
+    seg=x.q_seg,
+    bounds=block_bounds(x.q_pos, x.q_seg),  # once, outside the ring's loop
   )
   dq = zeros_like_both(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
   shape_t = x.kv.k.shape[:-2] + x.kv.k.shape[:-3:-1]  # dK and dV travel transposed

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _harness import fwd_bwd, header, memory_mib, simulate_devices
+from _harness import fwd_bwd, header, memory_mib, simulate_devices, write_section
 
 
 def parse_args(argv=None):
@@ -21,7 +21,7 @@ def parse_args(argv=None):
   p.add_argument("--lengths", default="512,768,896,1024,1536,2048")
   p.add_argument("--devices", default="1,2,4")
   p.add_argument("--impls", default="jax_ring,ringattention")
-  p.add_argument("--out", default=None, help="append the Markdown here (default: print only)")
+  p.add_argument("--out", default=None, help="Markdown file for the table (its 'memory' section)")
   return p.parse_args(argv)
 
 
@@ -58,9 +58,10 @@ def main(argv=None):
       print(lines[-1], flush=True)
   text = "\n".join(lines) + "\n"
   if args.out:
-    with open(args.out, "a") as f:
-      f.write(text)
-  print(text)
+    write_section(args.out, "memory", text)
+    print(f"wrote {args.out}")
+  else:
+    print(text)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _harness import fwd_bwd, header, inputs, run_times, simulate_devices
+from _harness import fwd_bwd, header, inputs, run_times, simulate_devices, write_section
 
 
 def parse_args(argv=None):
@@ -24,7 +24,7 @@ def parse_args(argv=None):
   p.add_argument("--rounds", type=int, default=6)
   p.add_argument("--per-round", type=int, default=3)
   p.add_argument("--impls", default="jax_ring,ringattention")
-  p.add_argument("--out", default=None, help="append the Markdown here (default: print only)")
+  p.add_argument("--out", default=None, help="Markdown file for the table (its 'short' section)")
   return p.parse_args(argv)
 
 
@@ -66,9 +66,10 @@ def main(argv=None):
       print(lines[-1], flush=True)
   text = "\n".join(lines) + "\n"
   if args.out:
-    with open(args.out, "a") as f:
-      f.write(text)
-  print(text)
+    write_section(args.out, "short", text)
+    print(f"wrote {args.out}")
+  else:
+    print(text)
 
 
 if __name__ == "__main__":
