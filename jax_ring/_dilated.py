@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -242,22 +243,67 @@ class _Selected:
     return jnp.sum(_scatter(x, self.lay, self.t), axis=3)
 
 
-def _forward(cfg: DilatedConfig, q, k, v, seg):
-  """Merged output [B, T, N, H] and lse [B, T, N], both in the accumulation dtype."""
+def local_chunk(cfg: DilatedConfig, shard: int) -> tuple[int, tuple[Pattern, ...]]:
+  """(chunk length, the local patterns laid out on one chunk).
+
+  Local segments never cross a chunk made of whole segments of every local pattern,
+  so the local patterns run chunk after chunk (`lax.map`) and their copies (gathered,
+  folded and blocked q, k, v, scores) exist for one chunk at a time, not for the shard.
+  The chunk is the largest multiple of the local segments' lcm that divides the shard
+  and holds at most `block_sizes.pass_tokens` tokens x kv heads (at least the lcm);
+  the whole shard where no such multiple divides it (one device with padded pieces).
+  """
+  local = [p for p in cfg.patterns if p.ring == 1]
+  if not local:
+    return shard, ()
+  unit = math.lcm(*(p.segment for p in local))
+  if shard % unit:
+    return shard, tuple(local)
+  most = max(unit, cfg.block_sizes.pass_tokens // cfg.num_kv_heads)
+  chunk = max(c for c in range(unit, min(most, shard) + 1, unit) if shard % c == 0)
+  return chunk, tuple(dataclasses.replace(p, pieces=chunk // p.segment) for p in local)
+
+
+def _by_chunks(fn, chunk: int, *xs):
+  """fn over [B, chunk, ...] slices of [B, T, ...] arrays, one chunk after another;
+  its outputs are [B, chunk, ...] arrays, stitched back to [B, T, ...]."""
+  t = xs[0].shape[1]
+  if chunk == t:
+    return fn(*xs)
+  split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], t // chunk, chunk, *x.shape[2:]), 1, 0)
+  outs = lax.map(lambda args: fn(*args), tuple(split(x) for x in xs))
+  join = lambda y: jnp.moveaxis(y, 0, 1).reshape(y.shape[1], t, *y.shape[3:])
+  return jax.tree.map(join, outs)
+
+
+def _merge(out, lse, o, l):
+  """Two partial softmax results over disjoint keys -> one (accumulation dtype)."""
+  new = jnp.logaddexp(lse, l)
+  safe = jnp.where(jnp.isneginf(new), 0.0, new)
+  return out * jnp.exp(lse - safe)[..., None] + o * jnp.exp(l - safe)[..., None], new
+
+
+def _forward_patterns(cfg: DilatedConfig, patterns, q, k, v, seg, out=None, lse=None):
+  """Output and lse of `patterns` merged into (out, lse) (default: nothing seen yet)."""
   acc = cfg.policy.accum_dtype
-  out = jnp.zeros(q.shape, acc)
-  lse = jnp.full(q.shape[:3], -jnp.inf, acc)
-  for pat in cfg.patterns:
+  out = jnp.zeros(q.shape, acc) if out is None else out
+  lse = jnp.full(q.shape[:3], -jnp.inf, acc) if lse is None else lse
+  for pat in patterns:
     with jax.named_scope(f"pattern_w{pat.segment}_r{pat.rate}"):
       sel = _Selected(cfg, pat, q, k, v, seg)
       o, l = ring_forward_state(sel.ring, sel.inputs(sel.ring))
       o = sel.scatter_rows(unblock_q(o)[:, :, 0])
       l = sel.scatter_rows(unblock_rows(l)[:, :, 0], -jnp.inf)
-      new = jnp.logaddexp(lse, l)
-      safe = jnp.where(jnp.isneginf(new), 0.0, new)
-      out = out * jnp.exp(lse - safe)[..., None] + o * jnp.exp(l - safe)[..., None]
-      lse = new
+      out, lse = _merge(out, lse, o, l)
   return out, lse
+
+
+def _forward(cfg: DilatedConfig, q, k, v, seg):
+  """Merged output [B, T, N, H] and lse [B, T, N], both in the accumulation dtype."""
+  chunk, local = local_chunk(cfg, q.shape[1])
+  out, lse = _by_chunks(functools.partial(_forward_patterns, cfg, local), chunk, q, k, v, seg)
+  rings = tuple(p for p in cfg.patterns if p.ring > 1)
+  return _forward_patterns(cfg, rings, q, k, v, seg, out, lse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -272,15 +318,14 @@ def _dilated_fwd(cfg: DilatedConfig, q, k, v, seg):
   return out.astype(cfg.policy.out_dtype(q.dtype)), (q, k, v, seg, kept, lse)
 
 
-def _dilated_bwd(cfg: DilatedConfig, res, g):
-  q, k, v, seg, out, lse = res
+def _backward_patterns(cfg: DilatedConfig, patterns, q, k, v, seg, g, lse, delta):
+  """dq, dk, dv (accumulation dtype) of `patterns`, given the merged lse and delta."""
   pol = cfg.policy
   acc = pol.accum_dtype
-  delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)  # [B, T, N]
   dq = jnp.zeros(q.shape, acc)
   dk = jnp.zeros(k.shape, acc)
   dv = jnp.zeros(v.shape, acc)
-  for pat in cfg.patterns:
+  for pat in patterns:
     with jax.named_scope(f"pattern_w{pat.segment}_r{pat.rate}"):
       sel = _Selected(cfg, pat, q, k, v, seg)
       x = sel.inputs(sel.ring)
@@ -291,6 +336,20 @@ def _dilated_bwd(cfg: DilatedConfig, res, g):
       dq = dq + sel.scatter_rows(unblock_q(gq)[:, :, 0])
       dk = dk + sel.scatter_kv(unblock_kv(gk))
       dv = dv + sel.scatter_kv(unblock_kv(gv))
+  return dq, dk, dv
+
+
+def _dilated_bwd(cfg: DilatedConfig, res, g):
+  q, k, v, seg, out, lse = res
+  acc = cfg.policy.accum_dtype
+  delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)  # [B, T, N]
+  chunk, local = local_chunk(cfg, q.shape[1])
+  grads = _by_chunks(functools.partial(_backward_patterns, cfg, local), chunk, q, k, v, seg, g, lse, delta)
+  rings = tuple(p for p in cfg.patterns if p.ring > 1)
+  if rings:
+    more = _backward_patterns(cfg, rings, q, k, v, seg, g, lse, delta)
+    grads = tuple(a + b for a, b in zip(grads, more))
+  dq, dk, dv = grads
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 

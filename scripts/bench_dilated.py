@@ -1,9 +1,16 @@
 """Dilated attention (LongNet) at long lengths on simulated (or real) devices.
 
 For each length: forward+backward median time of --repeats runs of the compiled
-program (no warm-up run: compilation is timed apart) and per-device
-memory (temp and arguments from the compiler's memory_analysis()), with B=1, N=4,
-H=64, float32 and the LongNet patterns w=(2048, 4096, 8192, 16384), r=(1, 2, 4, 8).
+program (no warm-up run: compilation is timed apart), its useful FLOP rate, per-device
+memory (temp and arguments from the compiler's memory_analysis()) and the process's
+peak resident memory so far, with B=1, N=4, H=64, float32 and the LongNet patterns
+w=(2048, 4096, 8192, 16384), r=(1, 2, 4, 8). The first row is ring attention
+(non-causal) at --ring-length tokens with the same heads, whose useful FLOP rate the
+dilated rows are compared with.
+
+Useful FLOPs of forward+backward count the score and output products only, 3.5x the
+forward's: 3.5 x 4 x T x T x N x H for full attention, and 3.5 x 4 x T x sum_i(w_i / r_i^2)
+x N x H for the dilated patterns (a segment of w tokens keeps w / r of them per head).
 
     python scripts/bench_dilated.py --lengths 65536 131072 262144 524288 1048576 \\
         --out docs/benchmarks.md
@@ -12,10 +19,25 @@ H=64, float32 and the LongNet patterns w=(2048, 4096, 8192, 16384), r=(1, 2, 4, 
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 
-from _harness import header, inputs, median_time, simulate_devices
+from _harness import header, inputs, median_time, simulate_devices, write_section
+
+
+def peak_rss_gib() -> float:
+  """Peak resident memory of this process so far, GiB (Linux reports KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def useful_flops(length: int, heads: int, head_dim: int, segments=None, rates=None) -> float:
+  """Forward+backward FLOPs of the score and output products (see the module doc);
+  full attention when `segments` is None. Segments longer than the sequence count as it."""
+  if segments is None:
+    return 3.5 * 4 * length * length * heads * head_dim
+  per_token = sum(min(w, length) / r**2 for w, r in zip(segments, rates))
+  return 3.5 * 4 * length * per_token * heads * head_dim
 
 
 def parse_args(argv=None):
@@ -27,7 +49,8 @@ def parse_args(argv=None):
   p.add_argument("--segments", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
   p.add_argument("--rates", type=int, nargs="+", default=[1, 2, 4, 8])
   p.add_argument("--repeats", type=int, default=1)
-  p.add_argument("--out", default=None, help="append the Markdown here (default: print only)")
+  p.add_argument("--ring-length", type=int, default=8192, help="tokens of the ring attention row")
+  p.add_argument("--out", default=None, help="write the table into this Markdown file (default: print only)")
   return p.parse_args(argv)
 
 
@@ -49,31 +72,45 @@ def main(argv=None):
   def loss(q, k, v):
     return jnp.sum(jax_ring.dilated_attention(q, k, v, mesh=mesh, **pattern).astype(jnp.float32))
 
-  step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  def ring_loss(q, k, v):
+    return jnp.sum(jax_ring.ring_attention(q, k, v, mesh=mesh).astype(jnp.float32))
+
   lines = header("bench_dilated.py", sys.argv[1:], args.devices) + [
-    f"Dilated attention forward+backward, B=1, N={args.heads}, H={args.head_dim}, float32, "
-    f"w={tuple(args.segments)}, r={tuple(args.rates)}, sequence over {args.devices} devices.\n",
-    "| tokens | compile s | fwd+bwd s | s per 64K tokens | temp MiB/device | args MiB/device |",
-    "|---|---|---|---|---|---|",
+    f"Forward+backward, B=1, N={args.heads}, H={args.head_dim}, float32, sequence over "
+    f"{args.devices} devices; dilated w={tuple(args.segments)}, r={tuple(args.rates)}. "
+    "GFLOP/s counts useful FLOPs (module doc of the script); 'of ring' divides it by the "
+    "ring row's; peak RSS is the whole process's so far.\n",
+    "| attention | tokens | compile s | fwd+bwd s | s per 64K tokens | GFLOP/s | of ring "
+    "| temp MiB/device | args MiB/device | temp / args | peak RSS GiB |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   print("\n".join(lines), flush=True)
-  for length in args.lengths:
+  runs = [("ring", args.ring_length, ring_loss, None)]
+  runs += [("dilated", n, loss, (args.segments, args.rates)) for n in args.lengths]
+  ring_rate = None
+  for name, length, fn, pat in runs:
     q, k, v = inputs([(1, length, args.heads, args.head_dim)] * 3, sharding)
+    step = jax.jit(jax.grad(fn, argnums=(0, 1, 2)))
     start = time.perf_counter()
     compiled = step.lower(q, k, v).compile()
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
-    seconds = median_time(compiled, q, k, v, repeats=args.repeats, warmup=False)
+    ring = name == "ring"  # seconds per run: median of 3 after a warm-up
+    repeats = max(3, args.repeats) if ring else args.repeats
+    seconds = median_time(compiled, q, k, v, repeats=repeats, warmup=ring)
+    rate = useful_flops(length, args.heads, args.head_dim, *(pat or ())) / seconds
+    ring_rate = ring_rate or rate
+    temp, argb = mem.temp_size_in_bytes / 2**20, mem.argument_size_in_bytes / 2**20
     row = (
-      f"| {length:,} | {compile_s:.1f} | {seconds:.2f} | {seconds / (length / 65536):.2f} | "
-      f"{mem.temp_size_in_bytes / 2**20:.1f} | {mem.argument_size_in_bytes / 2**20:.1f} |"
+      f"| {name} | {length:,} | {compile_s:.1f} | {seconds:.2f} | {seconds / (length / 65536):.2f} | "
+      f"{rate / 1e9:.1f} | {rate / ring_rate:.2f} | {temp:.1f} | {argb:.1f} | {temp / argb:.2f} | "
+      f"{peak_rss_gib():.1f} |"
     )
     lines.append(row)
     print(row, flush=True)
     del q, k, v, compiled
   if args.out:
-    with open(args.out, "a") as f:
-      f.write("\n".join(lines) + "\n")
+    write_section(args.out, "dilated", "\n".join(lines))
 
 
 if __name__ == "__main__":

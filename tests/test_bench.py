@@ -1,6 +1,7 @@
 """scripts/bench.py --quick runs end to end on tiny sizes and writes its tables and plots."""
 
 import bench
+import pytest
 from _harness import write_section
 
 
@@ -96,3 +97,19 @@ def test_short_shard_benchmark_writes_both_masks(tmp_path):
   rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 256 |")]
   assert [r[1].strip() for r in rows] == ["full", "causal"]
   assert all(float(r[2].split()[0]) > 0 for r in rows), rows
+
+
+def test_dilated_benchmark_rates_against_the_ring(tmp_path):
+  import bench_dilated
+
+  out = tmp_path / "bench.md"
+  sizes = ["--lengths", "4096", "--ring-length=512", "--heads=2", "--head-dim=16"]
+  bench_dilated.main(["--devices=2", *sizes, "--segments", "256", "512", "--rates", "1", "2", f"--out={out}"])
+  rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| ring |")]
+  rows += [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| dilated |")]
+  assert [(r[0].strip(), r[1].strip()) for r in rows] == [("ring", "512"), ("dilated", "4,096")], rows
+  assert float(rows[0][6]) == 1.0
+  gflops, temp, args, ratio, rss = (float(rows[1][i]) for i in (5, 7, 8, 9, 10))
+  assert gflops > 0 and rss > 0
+  assert ratio == pytest.approx(temp / args, rel=0.1)  # of the rounded MiB
+  assert bench_dilated.useful_flops(4096, 2, 16, (256, 512), (1, 2)) == 3.5 * 4 * 4096 * (256 + 128) * 2 * 16

@@ -10,6 +10,7 @@ from conftest import compare_with_reference, make_mesh, padded_segments, qkv
 
 import jax_ring
 from jax_ring import dilated_attention, reference_dilated_attention
+from jax_ring._dilated import DilatedConfig, local_chunk, plan
 from jax_ring.hlo import collective_bytes
 
 TOL = 1e-5
@@ -66,6 +67,48 @@ def test_shard_length_not_dividing_rate_on_a_ring():
   fn = lambda q, k, v: dilated_attention(q, k, v, mesh=mesh, block_sizes=SMALL_BLOCKS, **options)
   ref = lambda q, k, v: reference_dilated_attention(q, k, v, **options)
   compare_with_reference(fn, ref, args, TOL)
+
+
+# Local patterns run chunk by chunk; pass_tokens=2 makes each chunk the lcm of the
+# local segments (32 tokens, 8 on 8 devices): 128 tokens give 4 chunks on 1 device, 2 on
+# 3 (shards of 64 there, the last one all padding) and 2 on 8 devices, where the
+# 32-token segments span 2 devices and run as a sub-ring beside the chunks.
+CHUNKED = dict(
+  segment_lengths=(4, 8, 32), dilation_rates=(1, 2, 4), is_causal=True, segment_ids=padded_segments(2, 128)
+)
+CHUNKED_BLOCKS = jax_ring.BlockSizes(block_q=8, block_kv=8, pass_tokens=2)
+CHUNKED_REFERENCE = functools.partial(reference_dilated_attention, **CHUNKED)
+
+
+@pytest.mark.parametrize("devices, chunks", [(None, 4), (3, 2), (8, 2)])
+def test_local_patterns_chunk_by_chunk(devices, chunks):
+  mesh = None if devices is None else make_mesh((devices,), ("seq",))
+  length, kv_heads = 128, 2
+  shard, patterns = plan(length, devices or 1, CHUNKED["segment_lengths"], CHUNKED["dilation_rates"])
+  cfg = DilatedConfig(None, devices or 1, patterns, True, 1.0, None, CHUNKED_BLOCKS, kv_heads, 4)
+  chunk, local = local_chunk(cfg, shard)
+  assert (shard // chunk, len(local)) == (chunks, 2 if devices == 8 else 3)
+  args = qkv(2, length, 8, kv_heads, 8, seed=4)
+  fn = lambda q, k, v: dilated_attention(q, k, v, mesh=mesh, block_sizes=CHUNKED_BLOCKS, **CHUNKED)
+  compare_with_reference(fn, CHUNKED_REFERENCE, args, TOL)
+
+
+def test_chunks_bound_the_memory_of_local_patterns():
+  # 8 devices x 8192 tokens, two local patterns: chunks of 1024 tokens (pass_tokens
+  # 4096 / 4 kv heads) against the whole shard at once (a pass_tokens no chunk reaches).
+  mesh = make_mesh((8,), ("seq",))
+  q, k, v = qkv(1, 65536, 4, 4, 32)
+  temp = {}
+  for name, blocks in (("chunks", None), ("shard", jax_ring.BlockSizes(pass_tokens=1 << 30))):
+    fn = lambda q, k, v, blocks=blocks: dilated_attention(
+      q, k, v, segment_lengths=(256, 512), dilation_rates=(1, 2), mesh=mesh, block_sizes=blocks
+    )
+    loss = lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v))
+    mem = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().memory_analysis()
+    temp[name] = mem.temp_size_in_bytes
+    args = mem.argument_size_in_bytes
+  assert temp["chunks"] <= 3 * args, (temp, args)
+  assert temp["chunks"] < temp["shard"] / 2, temp
 
 
 EXPECTED_T8_W4_R2 = {
