@@ -265,15 +265,25 @@ def local_chunk(cfg: DilatedConfig, shard: int) -> tuple[int, tuple[Pattern, ...
 
 
 def _by_chunks(fn, chunk: int, *xs):
-  """fn over [B, chunk, ...] slices of [B, T, ...] arrays, one chunk after another;
-  its outputs are [B, chunk, ...] arrays, stitched back to [B, T, ...]."""
+  """fn over [B, chunk, ...] slices of [B, T, ...] arrays, one chunk after another; fn
+  returns a tuple of [B, chunk, ...] arrays, written in place into [B, T, ...] ones.
+  (A loop over indices rather than `lax.map` over split inputs: the loop reads the
+  inputs where they are, where `lax.map` copied each into its loop state.)"""
   t = xs[0].shape[1]
   if chunk == t:
     return fn(*xs)
-  split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], t // chunk, chunk, *x.shape[2:]), 1, 0)
-  outs = lax.map(lambda args: fn(*args), tuple(split(x) for x in xs))
-  join = lambda y: jnp.moveaxis(y, 0, 1).reshape(y.shape[1], t, *y.shape[3:])
-  return jax.tree.map(join, outs)
+  parts = lambda i: tuple(lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=1) for x in xs)
+  shapes = jax.eval_shape(lambda: fn(*parts(0)))
+
+  def body(i, outs):
+    return tuple(
+      lax.dynamic_update_slice_in_dim(o, y, i * chunk, axis=1) for o, y in zip(outs, fn(*parts(i)))
+    )
+
+  # Zeros that vary over the mesh axes the inputs vary over, as the outputs do.
+  zero = lambda dtype: sum(jnp.zeros_like(x, shape=(), dtype=dtype) for x in xs)
+  init = tuple(jnp.broadcast_to(zero(y.dtype), (y.shape[0], t, *y.shape[2:])) for y in shapes)
+  return lax.fori_loop(0, t // chunk, body, init)
 
 
 def _merge(out, lse, o, l):
