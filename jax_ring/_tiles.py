@@ -67,6 +67,8 @@ class BlockSizes:
   # accumulators) by the same factor; more amortize the fixed cost of each ring step,
   # which dominates short shards. None picks per call: the most heads (a divisor of the
   # local kv heads, at least 1) whose local length x heads is at most `pass_tokens`.
+  # Dilated attention's local patterns run in chunks of at most `pass_tokens` tokens x
+  # kv heads (at least one segment of each; `_dilated.local_chunk`).
   kv_heads: int | None = None
   pass_tokens: int = 4096
 
