@@ -438,7 +438,7 @@ def ring_attention(
   _validation.check_divides(k, nh, "num_kv_heads", "head_axis", head_axis)
   if ulysses_axis is not None:
     _ulysses.check_heads(n // nh, nu, ulysses_axis)
-  layout = layouts.resolve(layout, is_causal)
+  layout = layouts.resolve(layout, is_causal, shard_len=-(-t // mesh.shape[seq_axis]))
   policy = get_policy(policy, mesh.devices.flat[0])
   gc = GlobalConfig(
     mesh,

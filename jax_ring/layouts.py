@@ -7,7 +7,9 @@ in how evenly causal work is spread over the devices.
 - "contiguous": device i holds [i*c, (i+1)*c), c = T/p.
 - "striped": device i holds positions t with t mod p == i (T divisible by p*p internally).
 - "zigzag": the sequence is cut into 2p chunks; device i holds chunks i and 2p-1-i.
-- "auto": zigzag for causal attention, contiguous otherwise.
+- "auto": zigzag for causal attention, contiguous otherwise; contiguous also for causal
+  attention over short shards (at most SHORT_CAUSAL_SHARD tokens a device) where the
+  caller gives the shard length (`ring_attention`, `work_report`).
 
 A model that keeps its activations in one layout through every layer calls
 `permutation` once at the input (and `inverse_permutation` at the output) and passes
@@ -22,12 +24,22 @@ from jax import lax
 
 LAYOUTS = ("contiguous", "striped", "zigzag")
 
+# Under "auto", causal shards of at most this many tokens stay contiguous. Zigzag's
+# balance saves at most half a shard's tiles per ring step, while its relayout costs
+# two ppermutes of half a shard each way and its tiles are half as long; at 128 and
+# 256 tokens a device the relayout and the smaller tiles cost more than the balance
+# saves (docs/benchmarks.md, issue 19 session 10: causal forward+backward on 8 devices,
+# 0.107 vs 0.152 s at T=1024 and 0.283 vs 0.345 s at T=2048, level at T=4096).
+SHORT_CAUSAL_SHARD = 256
 
-def resolve(layout: str, is_causal: bool) -> str:
-  """Maps "auto" to the concrete layout; checks the name."""
+
+def resolve(layout: str, is_causal: bool, shard_len: int | None = None) -> str:
+  """Maps "auto" to the concrete layout (see the module doc); checks the name.
+  `shard_len` (tokens a device) lets "auto" keep short causal shards contiguous."""
   match layout:
     case "auto":
-      return "zigzag" if is_causal else "contiguous"
+      short = shard_len is not None and shard_len <= SHORT_CAUSAL_SHARD
+      return "zigzag" if is_causal and not short else "contiguous"
     case "contiguous" | "striped" | "zigzag":
       return layout
     case _:

@@ -83,7 +83,7 @@ def main():
   for label, mesh in (("explicit", explicit), ("auto", auto)):
     check(
       f"ring_causal_zigzag_segments_gqa_{label}",
-      lambda q, k, v, mesh=mesh: jax_ring.ring_attention(q, k, v, mesh=mesh, **opts),
+      lambda q, k, v, mesh=mesh: jax_ring.ring_attention(q, k, v, mesh=mesh, layout="zigzag", **opts),
       lambda q, k, v: jax_ring.reference_attention(q, k, v, **opts),
       host_inputs(61, 4, 2, 8, seed=0),
       mesh,

@@ -77,6 +77,23 @@ def test_every_layout_and_mask_matches_reference(p, layout, mask):
   compare_with_reference(fn, lambda q, k, v: reference_attention(q, k, v, **options), args, 1e-5)
 
 
+def test_auto_layout_keeps_short_causal_shards_contiguous():
+  short = layouts.SHORT_CAUSAL_SHARD
+  assert layouts.resolve("auto", True, short) == "contiguous"
+  assert layouts.resolve("auto", True, short + 1) == "zigzag"
+  assert layouts.resolve("auto", True) == "zigzag"  # no shard length given (shard functions)
+  assert layouts.resolve("auto", False, 10**6) == "contiguous"
+  assert layouts.resolve("zigzag", True, 8) == "zigzag"  # a named layout is kept
+  # work_report applies the same rule: 8 devices x 128 tokens is the contiguous table.
+  blocks = jax_ring.BlockSizes(64, 64)
+  report = lambda layout, n: work_report(
+    layout=layout, num_devices=8, seq_len=n, is_causal=True, block_sizes=blocks
+  )
+  np.testing.assert_array_equal(report("auto", 8 * short), report("contiguous", 8 * short))
+  np.testing.assert_array_equal(report("auto", 8 * 2 * short), report("zigzag", 8 * 2 * short))
+  assert not np.array_equal(report("contiguous", 8 * short), report("zigzag", 8 * short))
+
+
 def test_work_report_without_mask_counts_every_block_pair():
   got = work_report(layout="contiguous", num_devices=4, seq_len=64, block_sizes=jax_ring.BlockSizes(4, 8))
   np.testing.assert_array_equal(got, np.full((4, 4), (16 // 4) * (16 // 8)))

@@ -153,7 +153,10 @@ def _compiled_fwd_bwd(mesh, length, heads=8, head_dim=64, **options):
   return jax.jit(fwd_bwd).lower(sds, sds, sds, sds).compile()
 
 
-@pytest.mark.parametrize("options", [{}, {"is_causal": True}], ids=["full", "causal_zigzag"])
+ZIGZAG = {"is_causal": True, "layout": "zigzag"}
+
+
+@pytest.mark.parametrize("options", [{}, ZIGZAG], ids=["full", "causal_zigzag"])
 def test_hlo_uses_only_collective_permute(options):
   text = _compiled_fwd_bwd(make_mesh((8,), ("seq",)), 1024, **options).as_text()
   assert "collective-permute" in text
