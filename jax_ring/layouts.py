@@ -28,8 +28,9 @@ LAYOUTS = ("contiguous", "striped", "zigzag")
 # balance saves at most half a shard's tiles per ring step, while its relayout costs
 # two ppermutes of half a shard each way and its tiles are half as long; at 128 and
 # 256 tokens a device the relayout and the smaller tiles cost more than the balance
-# saves (docs/benchmarks.md, issue 19 session 10: causal forward+backward on 8 devices,
-# 0.107 vs 0.152 s at T=1024 and 0.283 vs 0.345 s at T=2048, level at T=4096).
+# saves (docs/benchmarks.md, "Short causal shards stay contiguous": causal forward+
+# backward on 8 devices, contiguous 0.106 vs zigzag 0.143 s at T=1024, 0.267 vs 0.312 s
+# at T=2048, level at T=4096).
 SHORT_CAUSAL_SHARD = 256
 
 

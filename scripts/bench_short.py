@@ -24,6 +24,9 @@ def parse_args(argv=None):
   p.add_argument("--rounds", type=int, default=6)
   p.add_argument("--per-round", type=int, default=3)
   p.add_argument("--impls", default="jax_ring,ringattention")
+  p.add_argument(
+    "--layouts", default="", help="extra jax_ring columns with these layouts forced, e.g. zigzag,contiguous"
+  )
   p.add_argument("--out", default=None, help="Markdown file for the table (its 'short' section)")
   return p.parse_args(argv)
 
@@ -36,8 +39,12 @@ def main(argv=None):
   from bench import Suite
   from bench import parse_args as bench_args
 
+  import jax_ring
+
   suite = Suite(bench_args([]))
   impls = [i for i in args.impls.split(",") if i != "ringattention" or suite.ra is not None]
+  forced = [x for x in args.layouts.split(",") if x]
+  impls += [f"jax_ring {x}" for x in forced]
   lines = header("bench_short.py", sys.argv[1:] if argv is None else argv, args.devices)
   lines.append(
     f"Forward+backward s, median (min) over {args.rounds} interleaved rounds of {args.per_round} runs, "
@@ -49,10 +56,18 @@ def main(argv=None):
     programs = {}
     for causal in (False, True):
       for impl in impls:
-        if suite.supports(impl, length, args.devices):
+        if impl.startswith("jax_ring "):  # a forced layout
+          _, sharding = suite.attention("jax_ring", length, args.devices, causal, "float32")
+          mesh, layout = sharding.mesh, impl.split()[1]
+          attend = lambda q, k, v, c=causal, m=mesh, x=layout: jax_ring.ring_attention(
+            q, k, v, mesh=m, is_causal=c, layout=x
+          )
+        elif suite.supports(impl, length, args.devices):
           attend, sharding = suite.attention(impl, length, args.devices, causal, "float32")
-          data = inputs([(1, length, 8, 64)] * 4, sharding)
-          programs[impl, causal] = (jax.jit(fwd_bwd(attend)).lower(*data).compile(), data)
+        else:
+          continue
+        data = inputs([(1, length, 8, 64)] * 4, sharding)
+        programs[impl, causal] = (jax.jit(fwd_bwd(attend)).lower(*data).compile(), data)
     times = {key: [] for key in programs}
     for r in range(args.rounds):
       for key, (compiled, data) in programs.items():

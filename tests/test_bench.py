@@ -91,12 +91,14 @@ def test_short_shard_benchmark_writes_both_masks(tmp_path):
   import bench_short
 
   out = tmp_path / "bench.md"
-  bench_short.main(
-    ["--lengths=256", "--devices=2", "--rounds=2", "--per-round=1", "--impls=jax_ring", f"--out={out}"]
-  )
-  rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 256 |")]
+  argv = ["--lengths=256", "--devices=2", "--rounds=2", "--per-round=1", "--impls=jax_ring"]
+  argv.append("--layouts=zigzag")
+  bench_short.main([*argv, f"--out={out}"])
+  text = out.read_text()
+  assert "| T | mask | jax_ring | jax_ring zigzag |" in text
+  rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| 256 |")]
   assert [r[1].strip() for r in rows] == ["full", "causal"]
-  assert all(float(r[2].split()[0]) > 0 for r in rows), rows
+  assert all(float(cell.split()[0]) > 0 for r in rows for cell in r[2:]), rows
 
 
 def test_dilated_benchmark_rates_against_the_ring(tmp_path):
