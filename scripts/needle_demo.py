@@ -57,7 +57,9 @@ def parse_args(argv=None):
   p.add_argument("--answers", type=int, default=4, help="questions answered by generation")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="results/demo")
-  p.add_argument("--quick", action="store_true", help="tiny run for tests: T=512, 4 steps, 2 rows per cell")
+  p.add_argument(
+    "--quick", action="store_true", help="tiny run for tests: T=512, 4 steps, 2 rows a cell, no held-out loss"
+  )
   p.add_argument("--no-progress", action="store_true")
   runtime.add_flags(p)
   args = p.parse_args(argv)
@@ -116,7 +118,7 @@ def run(args, log=print):
       seed=args.seed,
       init=init,
       eval_every=max(args.steps, 1),
-      eval_batches=1,
+      eval_batches=0 if args.quick else 1,  # the grid below is the evaluation that counts
       time_budget=args.time_budget,
       out=None,
       progress=not args.no_progress,
