@@ -17,6 +17,8 @@ How a pattern runs (legend: B batch, T local length, K kv heads, G = N // K):
   sees plain (dense) attention over the selected tokens.
 - local: the segment fits in a shard. The shard splits into whole segments, each
   gathered to ceil(w / r) slots and attended independently: no communication.
+  Local patterns run chunk by chunk over the shard (`local_chunk`, `_by_chunks`), so
+  their copies exist for one chunk at a time.
 - ring: a segment spans g devices. Each device gathers its part of the segment and
   the selected K/V rotate around a sub-ring of those g devices, so only 1/r of the
   tokens (per head) cross the wire.
@@ -247,7 +249,7 @@ def local_chunk(cfg: DilatedConfig, shard: int) -> tuple[int, tuple[Pattern, ...
   """(chunk length, the local patterns laid out on one chunk).
 
   Local segments never cross a chunk made of whole segments of every local pattern,
-  so the local patterns run chunk after chunk (`lax.map`) and their copies (gathered,
+  so the local patterns run chunk after chunk (`_by_chunks`) and their copies (gathered,
   folded and blocked q, k, v, scores) exist for one chunk at a time, not for the shard.
   The chunk is the largest multiple of the local segments' lcm that divides the shard
   and holds at most `block_sizes.pass_tokens` tokens x kv heads (at least the lcm);
