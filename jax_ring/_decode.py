@@ -40,7 +40,7 @@ from jax_ring._kernel import block_update, finalize
 from jax_ring._merge import merge_local, merge_partials
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, place, place_on_mesh
 from jax_ring._policy import Policy, get_policy
-from jax_ring._ring import zeros_like_both
+from jax_ring._ring import zeros_varying_like
 from jax_ring._tiles import BlockSizes
 
 # Key tiles of the cache a device visits per loop step, at most (the local capacity
@@ -303,7 +303,7 @@ def local_partial(
   acc = policy.accum_dtype
   qs = (q.astype(acc) * jnp.asarray(scale, acc)).astype(policy.compute_dtype)
   qs = qs.reshape(b, tq, kh, n // kh, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, Tq, H]
-  o = zeros_like_both(qs.shape, acc, qs, cache.k)  # varies over the mesh axes the loop does
+  o = zeros_varying_like(qs.shape, acc, qs, cache.k)  # varies over the mesh axes the loop does
   m = jnp.full_like(o, -jnp.inf, shape=qs.shape[:-1])
   l = jnp.zeros_like(m)
 

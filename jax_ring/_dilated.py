@@ -44,7 +44,7 @@ from jax_ring import _validation
 from jax_ring._kernel import MaskSpec
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_on_mesh
 from jax_ring._policy import Policy, get_policy
-from jax_ring._ring import RingConfig, prepare, ring_backward_state, ring_forward_state
+from jax_ring._ring import RingConfig, prepare, ring_backward_state, ring_forward_state, zeros_varying_like
 from jax_ring._tiles import (
   BlockSizes,
   block_q,
@@ -282,9 +282,7 @@ def _by_chunks(fn, chunk: int, *xs):
       lax.dynamic_update_slice_in_dim(o, y, i * chunk, axis=1) for o, y in zip(outs, fn(*parts(i)))
     )
 
-  # Zeros that vary over the mesh axes the inputs vary over, as the outputs do.
-  zero = lambda dtype: sum(jnp.zeros_like(x, shape=(), dtype=dtype) for x in xs)
-  init = tuple(jnp.broadcast_to(zero(y.dtype), (y.shape[0], t, *y.shape[2:])) for y in shapes)
+  init = tuple(zeros_varying_like((y.shape[0], t, *y.shape[2:]), y.dtype, *xs) for y in shapes)
   return lax.fori_loop(0, t // chunk, body, init)
 
 

@@ -118,9 +118,9 @@ def _pass_backward(cfg: RingConfig, compute, kv, dkv, dq, transfers: int, shift:
   return dkv, dq
 
 
-def zeros_like_both(shape, dtype, a, b):
-  """Zeros that vary over the mesh axes of both a and b (keeps scan carries typed)."""
-  zero = jnp.zeros_like(a, shape=(), dtype=dtype) + jnp.zeros_like(b, shape=(), dtype=dtype)
+def zeros_varying_like(shape, dtype, *like):
+  """Zeros that vary over the mesh axes of every array in `like` (keeps loop carries typed)."""
+  zero = sum(jnp.zeros_like(x, shape=(), dtype=dtype) for x in like)
   return jnp.broadcast_to(zero, shape)
 
 
@@ -157,7 +157,7 @@ def _as_compute(kv: KVBlocks, policy: Policy) -> KVBlocks:
 def ring_forward_state(cfg: RingConfig, x: Inputs):
   """(out, lse) in accumulation dtype, blocked: [nq, B, K, G, bq, H], [nq, B, K, G, bq]."""
   pol = cfg.policy
-  o = zeros_like_both(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
+  o = zeros_varying_like(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
   m = jnp.full_like(o, -jnp.inf, shape=x.q.shape[:-1])
   l = jnp.zeros_like(m)
   q_bounds = block_bounds(x.q_pos, x.q_seg)  # once, outside the ring's loop
@@ -191,11 +191,11 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
     seg=x.q_seg,
     bounds=block_bounds(x.q_pos, x.q_seg),  # once, outside the ring's loop
   )
-  dq = zeros_like_both(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
+  dq = zeros_varying_like(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
   shape_t = x.kv.k.shape[:-2] + x.kv.k.shape[:-3:-1]  # dK and dV travel transposed
   zeros_kv = lambda: (
-    zeros_like_both(shape_t, pol.accum_dtype, x.q, x.kv.k),
-    zeros_like_both(shape_t, pol.accum_dtype, x.q, x.kv.v),
+    zeros_varying_like(shape_t, pol.accum_dtype, x.q, x.kv.k),
+    zeros_varying_like(shape_t, pol.accum_dtype, x.q, x.kv.v),
   )
 
   def compute(kv, dkv, dq):
@@ -266,8 +266,8 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg):
 
   # The output is kept in the dtype the backward's delta wants (see Policy.exact_delta)
   # and cast once for the caller.
-  kept = zeros_like_both(q.shape, pol.delta_dtype(q.dtype), q, k)
-  lse = zeros_like_both(q.shape[:3], pol.accum_dtype, q, k)
+  kept = zeros_varying_like(q.shape, pol.delta_dtype(q.dtype), q, k)
+  lse = zeros_varying_like(q.shape[:3], pol.accum_dtype, q, k)
   (kept, lse), _ = lax.scan(group, (kept, lse), jnp.arange(groups))
   out = kept.astype(pol.out_dtype(q.dtype))
   return (out, lse), _Residuals(q, k, v, kept, lse, q_pos, k_pos, q_seg, k_seg)
@@ -296,7 +296,7 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
       for a, n, w in zip(grads, new, widths)
     ), None
 
-  zeros = tuple(zeros_like_both(x.shape, x.dtype, x, res.k) for x in (res.q, res.k, res.v))
+  zeros = tuple(zeros_varying_like(x.shape, x.dtype, x, res.k) for x in (res.q, res.k, res.v))
   (dq, dk, dv), _ = lax.scan(group, zeros, jnp.arange(groups))
   return dq, dk, dv, None, None, None, None
 

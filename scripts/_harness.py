@@ -24,6 +24,7 @@ __all__ = [
   "measure",
   "median_time",
   "memory_mib",
+  "publish",
   "run_times",
   "simulate_devices",
   "write_section",
@@ -140,3 +141,15 @@ def write_section(path: str, tag: str, text: str) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
     f.write(new)
+
+
+def publish(lines, out: str | None, tag: str, echo: bool = False) -> str:
+  """The table's lines as Markdown text: printed whole when `echo` (scripts that do not
+  print rows as they go), written as section `tag` of `out` when given; returns it."""
+  text = "\n".join(lines) + "\n"
+  if echo:
+    print(text)
+  if out:
+    write_section(out, tag, text)
+    print(f"wrote {out}")
+  return text

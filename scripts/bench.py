@@ -32,8 +32,8 @@ from _harness import (
   matmul_rate,
   measure,
   memory_mib,
+  publish,
   simulate_devices,
-  write_section,
 )
 
 QUICK = dict(lengths="1024,2048", devices="1,8", causal="both", dtypes="float32", repeats=2, budget_mib=32)
@@ -316,10 +316,7 @@ def main(argv=None):
       lines.append(f"| {d} | " + " | ".join(f"{n:,}" for n in found) + " |")
       print(lines[-1], flush=True)
   lines.append(f"\nWhole run: {time.perf_counter() - t_start:.0f} s.")
-  text = "\n".join(lines) + "\n"
-  print(text)
-  write_section(args.out, "quick" if args.quick else "full", text)
-  print(f"wrote {args.out}")
+  publish(lines, args.out, "quick" if args.quick else "full", echo=True)
 
 
 if __name__ == "__main__":

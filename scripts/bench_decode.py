@@ -27,7 +27,7 @@ import functools
 import sys
 import time
 
-from _harness import header, median_time, simulate_devices, write_section
+from _harness import header, median_time, publish, simulate_devices
 
 
 def parse_args(argv):
@@ -239,11 +239,7 @@ def main(argv=None):
         secs = median_time(run, q, k, v, cache, repeats=max(1, args.repeats // 2))
         lines.append(f"| {b} | {t // 1024}K | {secs:.2f} | {b * t / secs:.0f} |")
         print(lines[-1], flush=True)
-  text = "\n".join(lines) + "\n"
-  if args.out:
-    write_section(args.out, args.section, text)
-    print(f"wrote {args.out}")
-  return text
+  return publish(lines, args.out, args.section)
 
 
 if __name__ == "__main__":

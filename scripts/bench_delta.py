@@ -19,7 +19,7 @@ import argparse
 import functools
 import sys
 
-from _harness import header, simulate_devices, write_section
+from _harness import header, publish, simulate_devices
 
 # (name, B, T, N, K, H, devices, options): the first is JAX's test_sdpa_large_head_size.
 SHAPES = [
@@ -132,12 +132,7 @@ def main(argv=None):
   simulate_devices(max(s[6] for s in SHAPES))
   lines = header("bench_delta.py", sys.argv[1:] if argv is None else argv, max(s[6] for s in SHAPES))
   lines += table_lines()
-  text = "\n".join(lines) + "\n"
-  print(text)
-  if args.out:
-    write_section(args.out, "delta", text)
-    print(f"wrote {args.out}")
-  return text
+  return publish(lines, args.out, "delta", echo=True)
 
 
 if __name__ == "__main__":

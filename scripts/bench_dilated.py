@@ -23,7 +23,7 @@ import resource
 import sys
 import time
 
-from _harness import header, inputs, median_time, simulate_devices, write_section
+from _harness import header, inputs, median_time, publish, simulate_devices
 
 
 def peak_rss_gib() -> float:
@@ -109,8 +109,7 @@ def main(argv=None):
     lines.append(row)
     print(row, flush=True)
     del q, k, v, compiled
-  if args.out:
-    write_section(args.out, "dilated", "\n".join(lines))
+  publish(lines, args.out, "dilated")
 
 
 if __name__ == "__main__":

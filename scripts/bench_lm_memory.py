@@ -16,7 +16,7 @@ import argparse
 import sys
 import time
 
-from _harness import header, memory_mib, simulate_devices, write_section
+from _harness import header, memory_mib, publish, simulate_devices
 
 
 def parse_args(argv):
@@ -142,11 +142,7 @@ def main(argv=None):
     )
     print(lines[-1], flush=True)
   lines += ["", EXPLAINED]
-  text = "\n".join(lines) + "\n"
-  if args.out:
-    write_section(args.out, "lm-memory", text)
-    print(f"wrote {args.out}")
-  return text
+  return publish(lines, args.out, "lm-memory")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _harness import header, inputs, measure, simulate_devices, write_section
+from _harness import header, inputs, measure, publish, simulate_devices
 
 
 def parse_args(argv=None):
@@ -91,12 +91,7 @@ def main(argv=None):
     lines += timing_lines(args)
   if args.suite in ("work", "all"):
     lines += work_lines(args)
-  text = "\n".join(lines) + "\n"
-  print(text)
-  if args.out:
-    write_section(args.out, "masks", text)
-    print(f"wrote {args.out}")
-  return text
+  return publish(lines, args.out, "masks", echo=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _harness import fwd_bwd, header, memory_mib, simulate_devices, write_section
+from _harness import fwd_bwd, header, memory_mib, publish, simulate_devices
 
 
 def parse_args(argv=None):
@@ -56,12 +56,7 @@ def main(argv=None):
         cells.append(f"{memory_mib(compiled):.1f}")
       lines.append(f"| {d} | {length} | " + " | ".join(cells) + " |")
       print(lines[-1], flush=True)
-  text = "\n".join(lines) + "\n"
-  if args.out:
-    write_section(args.out, "memory", text)
-    print(f"wrote {args.out}")
-  else:
-    print(text)
+  publish(lines, args.out, "memory", echo=not args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from _harness import header, write_section
+from _harness import header, publish
 from launch import free_port, process_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,11 +137,7 @@ def main(argv=None):
     lines.append(f"| process {victim} | {seconds:.1f} | {code} |")
     print(lines[-1], flush=True)
   lines += ["", EXPLAINED]
-  text = "\n".join(lines) + "\n"
-  if args.out:
-    write_section(args.out, "multihost", text)
-    print(f"wrote {args.out}")
-  return text
+  return publish(lines, args.out, "multihost")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _harness import fwd_bwd, header, inputs, run_times, simulate_devices, write_section
+from _harness import fwd_bwd, header, inputs, publish, run_times, simulate_devices
 
 
 def parse_args(argv=None):
@@ -79,12 +79,7 @@ def main(argv=None):
       ]
       lines.append(f"| {length} | {'causal' if causal else 'full'} | " + " | ".join(cells) + " |")
       print(lines[-1], flush=True)
-  text = "\n".join(lines) + "\n"
-  if args.out:
-    write_section(args.out, "short", text)
-    print(f"wrote {args.out}")
-  else:
-    print(text)
+  publish(lines, args.out, "short", echo=not args.out)
 
 
 if __name__ == "__main__":

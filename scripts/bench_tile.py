@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _harness import header, matmul_rate, run_times, simulate_devices, write_section
+from _harness import header, matmul_rate, publish, run_times, simulate_devices
 
 # name -> (einsum over [heads, ...] operands, lhs dims, rhs dims); s: score rows or
 # columns (block), h: head dim.
@@ -87,11 +87,7 @@ def main(argv=None):
   rate = matmul_rate(args.repeats, stat=min, size=args.matmul_size)
   lines.append(f"| {args.matmul_size}^3 matmul, one device | {rate / 1e9:.3g} |")
   print(lines[-1], flush=True)
-  text = "\n".join(lines) + "\n"
-  if args.out:
-    write_section(args.out, "tile", text)
-    print(f"wrote {args.out}")
-  return text
+  return publish(lines, args.out, "tile")
 
 
 if __name__ == "__main__":

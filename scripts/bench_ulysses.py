@@ -16,7 +16,7 @@ import argparse
 import sys
 import time
 
-from _harness import fwd_bwd, header, measure, simulate_devices, write_section
+from _harness import fwd_bwd, header, measure, publish, simulate_devices
 
 
 def parse_args(argv=None):
@@ -94,10 +94,7 @@ def main(argv=None):
   lines = header("bench_ulysses.py", sys.argv[1:] if argv is None else argv, args.devices)
   lines += table_lines(args)
   lines.append(f"\nWhole run: {time.perf_counter() - start:.0f} s.")
-  text = "\n".join(lines)
-  print(text)
-  if args.out:
-    write_section(args.out, "ulysses", text)
+  publish(lines, args.out, "ulysses", echo=True)
 
 
 if __name__ == "__main__":
