@@ -15,6 +15,29 @@ if "xla_backend_optimization_level" not in flags:
   flags = f"{flags} --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags.strip()
 
+
+def _compile_faster(flags: str) -> str:
+  """Adds `--xla_cpu_use_fusion_emitters=false` when this jaxlib knows the flag: XLA's
+  older CPU emitters compile the tests' programs in about half the time (the ring's
+  fwd+bwd at 4 devices: 1.3 -> 0.75 s; tests/test_ring.py + test_layouts.py 195 -> 127 s)
+  with the same results. XLA aborts on a flag it does not know, so a newer jaxlib that
+  dropped it is probed once (in a child process) and simply runs without it. The
+  verdict travels in the environment to pytest-xdist workers and launched processes."""
+  flag = "--xla_cpu_use_fusion_emitters=false"
+  if "xla_cpu_use_fusion_emitters" in flags or os.environ.get("JAX_RING_TEST_FLAG_PROBED"):
+    return flags
+  import subprocess
+  import sys
+
+  probe = "import jax; jax.devices()"
+  env = dict(os.environ, XLA_FLAGS=f"{flags} {flag}", JAX_PLATFORMS="cpu")
+  known = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=120)
+  os.environ["JAX_RING_TEST_FLAG_PROBED"] = "1"
+  return f"{flags} {flag}" if known.returncode == 0 else flags
+
+
+os.environ["XLA_FLAGS"] = _compile_faster(os.environ["XLA_FLAGS"])
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
