@@ -208,27 +208,59 @@ def tile_class(spec: MaskSpec, q: Bounds, k: Bounds):
 
 def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, q_bounds: Bounds, kv: KVBlocks, acc):
   """Adds the keys of `kv` to the running state (o, m, l) of every query block.
-  q_bounds: `block_bounds(q_pos, q_seg)`, the same at every ring step."""
+  q_bounds: `block_bounds(q_pos, q_seg)`, the same at every ring step.
+
+  Under masks, only the key blocks from the first to the last visible one are visited
+  (`_visible_range`), and each tile's branch reads its key block itself: a tile the
+  masks hide costs neither a matmul nor a copy of its blocks."""
   masked = spec.positional or q_seg is not None
   kb = block_bounds(kv.pos, kv.seg, spec.has_padding)
 
   def over_q(_, xs):
-    q, qp, qs, q_bounds, state = xs
+    q, qp, qs, q_bound, state = xs
+    if not masked:
 
-    def over_k(state, ys):
-      k, v, kp, ks, k_bounds = ys
-      update = lambda mask: lambda st: block_update(q, k, v, mask, policy, *st)
-      if not masked:
-        return update(None)(state), None
-      partial = lambda st: update(block_mask(spec, qp, kp, qs, ks))(st)
-      branches = (lambda st: st, partial, update(None))
-      return lax.switch(tile_class(spec, q_bounds, k_bounds), branches, state), None
+      def over_k(state, ys):
+        k, v = ys
+        return block_update(q, k, v, None, policy, *state), None
 
-    state, _ = lax.scan(over_k, state, (*kv, kb))
-    return None, state
+      state, _ = lax.scan(over_k, state, (kv.k, kv.v))
+      return None, state
+
+    classes = jax.vmap(lambda b: tile_class(spec, q_bound, b))(kb)
+
+    def update(with_mask):
+      def compute(j, state):
+        k, v, kp, ks = _index(kv, j)
+        mask = block_mask(spec, qp, kp, qs, ks) if with_mask else None
+        return block_update(q, k, v, mask, policy, *state)
+
+      return compute
+
+    def body(j, state):
+      return lax.switch(classes[j], (lambda j, st: st, update(True), update(False)), j, state)
+
+    lo, hi = _visible_range(classes)
+    return None, lax.fori_loop(lo, hi, body, state)
 
   _, acc = lax.scan(over_q, None, (q, q_pos, q_seg, q_bounds, acc))
   return acc
+
+
+def _index(tree, i):
+  """Block i of every array of `tree` (None stays None)."""
+  return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _visible_range(classes):
+  """(lo, hi): the blocks from the first to the last whose class is not 0 (hi = lo = 0
+  when none is). Tiles outside are never visited; hidden ones inside still skip."""
+  visible = classes > 0
+  n = classes.shape[0]
+  lo = jnp.argmax(visible).astype(jnp.int32)
+  hi = (n - jnp.argmax(visible[::-1])).astype(jnp.int32)
+  anything = jnp.any(visible)
+  return jnp.where(anything, lo, 0), jnp.where(anything, hi, 0)
 
 
 class QBlocks(NamedTuple):
@@ -253,30 +285,49 @@ def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, 
   masked = spec.positional or qb.seg is not None
   k_bounds = block_bounds(kv.pos, kv.seg, spec.has_padding)
 
+  if not masked:
+
+    def over_k(dq, xs):
+      kb, vb, kp, ks, k_bound, dkb, dvb = xs
+
+      def over_q(carry, ys):
+        q, q_t, do, do_t, l, delta, qp, qs, q_bound, dqb = ys
+        g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, None, policy)
+        return (carry[0] + g_k, carry[1] + g_v), dqb + g_q
+
+      (dkb, dvb), dq = lax.scan(over_q, (dkb, dvb), (*qb, dq))
+      return dq, (dkb, dvb)
+
+    dq, (dk_t, dv_t) = lax.scan(over_k, dq, (*kv, k_bounds, dk_t, dv_t))
+    return dq, dk_t, dv_t
+
+  # Masked: only the query blocks from the first to the last visible one are visited
+  # (`_visible_range`); each tile's class picks skip / masked / whole, and the branch
+  # reads its blocks itself, so a skipped tile copies nothing.
   def over_k(dq, xs):
     kb, vb, kp, ks, k_bound, dkb, dvb = xs
+    classes = jax.vmap(lambda b: tile_class(spec, b, k_bound))(qb.bounds)
 
-    def over_q(carry, ys):
-      q, q_t, do, do_t, l, delta, qp, qs, q_bound, dqb = ys
+    def add(with_mask):
+      def compute(i, dkb, dvb, dqb):
+        q, q_t, do, do_t, l, delta, qp, qs, _ = _index(qb, i)
+        mask = block_mask(spec, qp, kp, qs, ks) if with_mask else None
+        g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, mask, policy)
+        return dkb + g_k, dvb + g_v, dqb + g_q
 
-      def add(mask_fn):
-        def compute(dkb, dvb, dqb):
-          mask = mask_fn()
-          g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, mask, policy)
-          return (dkb + g_k, dvb + g_v), dqb + g_q
+      return compute
 
-        return compute
+    def skip(i, dkb, dvb, dqb):
+      return dkb, dvb, dqb
 
-      def skip(dkb, dvb, dqb):
-        return (dkb, dvb), dqb
+    def body(i, carry):
+      dkb, dvb, dq = carry
+      dqb = lax.dynamic_index_in_dim(dq, i, keepdims=False)
+      dkb, dvb, dqb = lax.switch(classes[i], (skip, add(True), add(False)), i, dkb, dvb, dqb)
+      return dkb, dvb, lax.dynamic_update_index_in_dim(dq, dqb, i, 0)
 
-      whole = add(lambda: None)
-      if not masked:
-        return whole(*carry, dqb)
-      partial = add(lambda: block_mask(spec, qp, kp, qs, ks))
-      return lax.switch(tile_class(spec, q_bound, k_bound), (skip, partial, whole), *carry, dqb)
-
-    (dkb, dvb), dq = lax.scan(over_q, (dkb, dvb), (*qb, dq))
+    lo, hi = _visible_range(classes)
+    dkb, dvb, dq = lax.fori_loop(lo, hi, body, (dkb, dvb, dq))
     return dq, (dkb, dvb)
 
   dq, (dk_t, dv_t) = lax.scan(over_k, dq, (*kv, k_bounds, dk_t, dv_t))
