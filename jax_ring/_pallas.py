@@ -1,0 +1,345 @@
+"""jax_ring's position-aware block kernels in Pallas, GPU (Triton) style.
+
+One contract, the one the ring's XLA tiles (`_kernel`) follow, for a query shard
+against one K/V shard:
+
+    q        [B, N, Tq, H]   pre-scaled queries; head n reads kv head n // (N // K)
+    k, v     [B, K, Tk, H]   no repeat for GQA: the index map picks the kv head
+    q_pos    [Tq] int32      global positions;  k_pos [Tk] int32, -1 = padding
+    q_seg    [B, Tq] int32   segment ids or None; k_seg [B, Tk] (separate from q's)
+
+`forward` returns the block's output [B, N, Tq, H] (float32) and its natural-log
+lse [B, N, Tq] (float32); a row that sees no key gets 0 and -inf, never the mean of V.
+`backward` takes the global lse and delta = sum(dO * O, -1) (both [B, N, Tq]) and
+returns dq (still lacking the softmax scale, as `_kernel.block_backward`'s), dk, dv.
+
+A tile whose position (and segment id) bounds rule it out entirely is skipped with a
+branch inside the kernel's loop over tiles, the same test as `_kernel.tile_class`.
+The kernels run on CPU in interpret mode (`interpret=True`), which is how they are
+tested here; `jax.export` with `platforms=("cuda",)` lowers them to Triton without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from jax_ring._kernel import MaskSpec
+
+# Triton wants power-of-two tiles of at least 16 rows for its dot.
+MIN_BLOCK = 16
+
+
+def check_blocks(tq: int, tk: int, head_dim: int, block_q: int, block_k: int) -> None:
+  """ValueError unless the blocks tile the shard the way Triton needs."""
+  for name, block, length in (("block_q", block_q, tq), ("block_k", block_k, tk)):
+    if block < MIN_BLOCK or block & (block - 1) or length % block:
+      raise ValueError(
+        f"{name}={block}: the Pallas kernel needs a power of two >= {MIN_BLOCK} that divides the "
+        f"shard length {length}"
+      )
+  if head_dim < MIN_BLOCK or head_dim & (head_dim - 1):
+    raise ValueError(f"head_dim={head_dim}: the Pallas kernel needs a power of two >= {MIN_BLOCK}")
+
+
+def _hidden(spec: MaskSpec, q_lo, q_hi, k_lo, k_hi, seg):
+  """True when the masks hide the whole tile (`_kernel.tile_class` == 0), from bounds;
+  None when no mask can hide a tile. k_lo is over valid (>= 0) key positions; seg:
+  (q lo, q hi, k lo, k hi) segment ids or None."""
+  hidden = None
+  either = lambda a, b: b if a is None else a | b
+  if spec.has_padding:
+    hidden = either(hidden, k_hi < 0)
+  if spec.is_causal:
+    hidden = either(hidden, k_lo > q_hi)
+  if spec.window is not None:
+    left, right = spec.window
+    hidden = either(hidden, (k_lo > q_hi + right) | (k_hi < q_lo - left))
+  if seg is not None:
+    qs_lo, qs_hi, ks_lo, ks_hi = seg
+    hidden = either(hidden, (qs_hi < 0) | (qs_hi < ks_lo) | (ks_hi < qs_lo))
+  return hidden
+
+
+def _unless(hidden, visit, carry):
+  """visit(carry), skipped (a branch in the kernel) where the tile is hidden."""
+  return visit(carry) if hidden is None else lax.cond(hidden, lambda c: c, visit, carry)
+
+
+def _mask(spec: MaskSpec, qp, kp, qs, ks):
+  """bool [bq, bk]: which keys each query sees (positions, padding, segment ids)."""
+  qp, kp = qp[:, None], kp[None, :]
+  mask = kp >= 0
+  if spec.is_causal:
+    mask = mask & (kp <= qp)
+  if spec.window is not None:
+    left, right = spec.window
+    mask = mask & (kp >= qp - left) & (kp <= qp + right)
+  if qs is not None:
+    mask = mask & (qs[:, None] == ks[None, :]) & (qs[:, None] >= 0)
+  return mask
+
+
+_BIG = jnp.iinfo(jnp.int32).max
+# Triton, not Mosaic GPU (pallas_call's default GPU lowering in jax 0.10).
+_TRITON = pl_triton.CompilerParams(num_warps=4, num_stages=2)
+
+
+def _key_bounds(kp, ks):
+  """(lo over valid positions, hi, hi, segment lo, segment hi) of one key block."""
+  lo = jnp.min(jnp.where(kp >= 0, kp, _BIG))
+  hi = jnp.max(kp)
+  seg = None if ks is None else (jnp.min(ks), jnp.max(ks))
+  return lo, hi, seg
+
+
+def _scores(q, k, mask):
+  s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  return jnp.where(mask, s, -jnp.inf)
+
+
+def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool):
+  if has_seg:
+    q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, o_ref, lse_ref = refs
+  else:
+    q_ref, k_ref, v_ref, qp_ref, kp_ref, o_ref, lse_ref = refs
+    qs_ref = ks_ref = None
+  q = q_ref[...]
+  qp = qp_ref[...]
+  qs = None if qs_ref is None else qs_ref[...]
+  q_lo, q_hi = jnp.min(qp), jnp.max(qp)
+  qseg = None if qs is None else (jnp.min(qs), jnp.max(qs))
+  bq, h = q.shape
+
+  def body(j, carry):
+    window = pl.ds(j * block_k, block_k)
+    kp = kp_ref[window]
+    ks = None if ks_ref is None else ks_ref[window]
+    k_lo, k_hi, kseg = _key_bounds(kp, ks)
+    seg = None if qseg is None else (*qseg, *kseg)
+
+    def visit(carry):
+      o, m, l = carry
+      s = _scores(q, k_ref[window, :], _mask(spec, qp, kp, qs, ks))
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp(s - m_safe[:, None])
+      alpha = jnp.exp(m - m_safe)
+      v = v_ref[window, :]
+      pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+      return o * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    return _unless(_hidden(spec, q_lo, q_hi, k_lo, k_hi, seg), visit, carry)
+
+  init = (
+    jnp.zeros((bq, h), jnp.float32),
+    jnp.full((bq,), -jnp.inf, jnp.float32),
+    jnp.zeros((bq,), jnp.float32),
+  )
+  o, m, l = lax.fori_loop(0, nk, body, init)
+  seen = l > 0
+  safe_l = jnp.where(seen, l, 1.0)
+  o_ref[...] = jnp.where(seen[:, None], o / safe_l[:, None], 0.0).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
+
+
+def _segment_specs(has_seg: bool, q_map, k_map, q_len: int, k_len: int):
+  """BlockSpecs of the query and key segment ids ([B, Tq], [B, Tk]), or none."""
+  if not has_seg:
+    return []
+  return [pl.BlockSpec((None, q_len), q_map), pl.BlockSpec((None, k_len), k_map)]
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret"))
+def forward(
+  q, k, v, q_pos, k_pos, q_seg, k_seg, *, spec: MaskSpec, block_q: int, block_k: int, interpret=False
+):
+  """(out [B, N, Tq, H] float32, lse [B, N, Tq] float32) of pre-scaled q against k, v."""
+  b, n, tq, h = q.shape
+  kh, tk = k.shape[1], k.shape[2]
+  check_blocks(tq, tk, h, block_q, block_k)
+  g = n // kh
+  has_seg = q_seg is not None
+  kernel = functools.partial(_forward_kernel, spec=spec, block_k=block_k, nk=tk // block_k, has_seg=has_seg)
+  in_specs = [
+    pl.BlockSpec((None, None, block_q, h), lambda i, bi, ni: (bi, ni, i, 0)),
+    pl.BlockSpec((None, None, tk, h), lambda i, bi, ni: (bi, ni // g, 0, 0)),
+    pl.BlockSpec((None, None, tk, h), lambda i, bi, ni: (bi, ni // g, 0, 0)),
+    pl.BlockSpec((block_q,), lambda i, bi, ni: (i,)),
+    pl.BlockSpec((tk,), lambda i, bi, ni: (0,)),
+    *_segment_specs(has_seg, lambda i, bi, ni: (bi, i), lambda i, bi, ni: (bi, 0), block_q, tk),
+  ]
+  out_specs = [
+    pl.BlockSpec((None, None, block_q, h), lambda i, bi, ni: (bi, ni, i, 0)),
+    pl.BlockSpec((None, None, block_q), lambda i, bi, ni: (bi, ni, i)),
+  ]
+  out_shape = [
+    jax.ShapeDtypeStruct((b, n, tq, h), jnp.float32),
+    jax.ShapeDtypeStruct((b, n, tq), jnp.float32),
+  ]
+  args = (q, k, v, q_pos, k_pos) + ((q_seg, k_seg) if has_seg else ())
+  return pl.pallas_call(
+    kernel,
+    grid=(tq // block_q, b, n),
+    in_specs=in_specs,
+    out_specs=out_specs,
+    out_shape=out_shape,
+    interpret=interpret,
+    compiler_params=_TRITON,
+    name="jax_ring_forward",
+  )(*args)
+
+
+def _dot(a, b, contract):
+  """2-d dot in float32: contract = (axis of a, axis of b)."""
+  return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _tile_grads(spec, q, do, lse, delta, qp, qs, k, v, kp, ks):
+  """(p, ds) of one tile from the global lse and delta: p = exp(s - lse), masked."""
+  s = _scores(q, k, _mask(spec, qp, kp, qs, ks))
+  p = jnp.exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None])
+  dp = _dot(do, v, (1, 1))
+  return p, p * (dp - delta[:, None])
+
+
+def _query_bounds(qp, qs):
+  return jnp.min(qp), jnp.max(qp), None if qs is None else (jnp.min(qs), jnp.max(qs))
+
+
+def _dq_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool):
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest = refs
+  qs_ref, ks_ref, dq_ref = rest if has_seg else (None, None, *rest)
+  q, do, lse, delta, qp = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qp_ref[...]
+  qs = None if qs_ref is None else qs_ref[...]
+  q_lo, q_hi, qseg = _query_bounds(qp, qs)
+
+  def body(j, dq):
+    window = pl.ds(j * block_k, block_k)
+    kp = kp_ref[window]
+    ks = None if ks_ref is None else ks_ref[window]
+    k_lo, k_hi, kseg = _key_bounds(kp, ks)
+    seg = None if qseg is None else (*qseg, *kseg)
+
+    def visit(dq):
+      k = k_ref[window, :]
+      _, ds = _tile_grads(spec, q, do, lse, delta, qp, qs, k, v_ref[window, :], kp, ks)
+      return dq + _dot(ds.astype(k.dtype), k, (1, 0))
+
+    return _unless(_hidden(spec, q_lo, q_hi, k_lo, k_hi, seg), visit, dq)
+
+  dq_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros(q.shape, jnp.float32))
+
+
+def _dkv_kernel(*refs, spec: MaskSpec, block_q: int, nq: int, groups: int, has_seg: bool):
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest = refs
+  qs_ref, ks_ref, dk_ref, dv_ref = rest if has_seg else (None, None, *rest)
+  k, v, kp = k_ref[...], v_ref[...], kp_ref[...]
+  ks = None if ks_ref is None else ks_ref[...]
+  k_lo, k_hi, kseg = _key_bounds(kp, ks)
+
+  def body(t, carry):
+    g, i = lax.div(t, jnp.int32(nq)), lax.rem(t, jnp.int32(nq))  # Triton: plain int32 ops
+    window = pl.ds(i * block_q, block_q)
+    qp = qp_ref[window]
+    qs = None if qs_ref is None else qs_ref[window]
+    q_lo, q_hi, qseg = _query_bounds(qp, qs)
+    seg = None if qseg is None else (*qseg, *kseg)
+
+    def visit(carry):
+      dk, dv = carry
+      q, do = q_ref[g, window, :], do_ref[g, window, :]
+      p, ds = _tile_grads(spec, q, do, lse_ref[g, window], delta_ref[g, window], qp, qs, k, v, kp, ks)
+      return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv + _dot(p.astype(do.dtype), do, (0, 0))
+
+    return _unless(_hidden(spec, q_lo, q_hi, k_lo, k_hi, seg), visit, carry)
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = lax.fori_loop(0, groups * nq, body, (zeros, zeros))
+  dk_ref[...], dv_ref[...] = dk, dv
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret"))
+def backward(
+  q,
+  k,
+  v,
+  do,
+  lse,
+  delta,
+  q_pos,
+  k_pos,
+  q_seg,
+  k_seg,
+  *,
+  spec: MaskSpec,
+  block_q: int,
+  block_k: int,
+  interpret=False,
+):
+  """(dq [B, N, Tq, H], dk, dv [B, K, Tk, H]), float32, from the global lse and delta
+  [B, N, Tq]; dq lacks the softmax scale (q came pre-scaled)."""
+  b, n, tq, h = q.shape
+  kh, tk = k.shape[1], k.shape[2]
+  check_blocks(tq, tk, h, block_q, block_k)
+  g = n // kh
+  has_seg = q_seg is not None
+  seg_args = (q_seg, k_seg) if has_seg else ()
+  args = (q, k, v, do, lse, delta, q_pos, k_pos, *seg_args)
+
+  # dq: a program per (query block, batch row, query head), looping over key blocks.
+  row = lambda i, bi, ni: (bi, ni, i, 0)
+  kv_of_head = lambda i, bi, ni: (bi, ni // g, 0, 0)
+  stat = lambda i, bi, ni: (bi, ni, i)
+  dq = pl.pallas_call(
+    functools.partial(_dq_kernel, spec=spec, block_k=block_k, nk=tk // block_k, has_seg=has_seg),
+    grid=(tq // block_q, b, n),
+    in_specs=[
+      pl.BlockSpec((None, None, block_q, h), row),
+      pl.BlockSpec((None, None, tk, h), kv_of_head),
+      pl.BlockSpec((None, None, tk, h), kv_of_head),
+      pl.BlockSpec((None, None, block_q, h), row),
+      pl.BlockSpec((None, None, block_q), stat),
+      pl.BlockSpec((None, None, block_q), stat),
+      pl.BlockSpec((block_q,), lambda i, bi, ni: (i,)),
+      pl.BlockSpec((tk,), lambda i, bi, ni: (0,)),
+      *_segment_specs(has_seg, lambda i, bi, ni: (bi, i), lambda i, bi, ni: (bi, 0), block_q, tk),
+    ],
+    out_specs=pl.BlockSpec((None, None, block_q, h), row),
+    out_shape=jax.ShapeDtypeStruct((b, n, tq, h), jnp.float32),
+    interpret=interpret,
+    compiler_params=_TRITON,
+    name="jax_ring_backward_dq",
+  )(*args)
+
+  # dk, dv: a program per (key block, batch row, kv head), looping over the query
+  # blocks of the kv head's `g` query heads (GQA sums there, without repeating K/V).
+  heads_of_kv = lambda j, bi, ki: (bi, ki, 0, 0)
+  stats_of_kv = lambda j, bi, ki: (bi, ki, 0)
+  key = lambda j, bi, ki: (bi, ki, j, 0)
+  dk, dv = pl.pallas_call(
+    functools.partial(_dkv_kernel, spec=spec, block_q=block_q, nq=tq // block_q, groups=g, has_seg=has_seg),
+    grid=(tk // block_k, b, kh),
+    in_specs=[
+      pl.BlockSpec((None, g, tq, h), heads_of_kv),
+      pl.BlockSpec((None, None, block_k, h), key),
+      pl.BlockSpec((None, None, block_k, h), key),
+      pl.BlockSpec((None, g, tq, h), heads_of_kv),
+      pl.BlockSpec((None, g, tq), stats_of_kv),
+      pl.BlockSpec((None, g, tq), stats_of_kv),
+      pl.BlockSpec((tq,), lambda j, bi, ki: (0,)),
+      pl.BlockSpec((block_k,), lambda j, bi, ki: (j,)),
+      *_segment_specs(has_seg, lambda j, bi, ki: (bi, 0), lambda j, bi, ki: (bi, j), tq, block_k),
+    ],
+    out_specs=[pl.BlockSpec((None, None, block_k, h), key)] * 2,
+    out_shape=[jax.ShapeDtypeStruct((b, kh, tk, h), jnp.float32)] * 2,
+    interpret=interpret,
+    compiler_params=_TRITON,
+    name="jax_ring_backward_dkv",
+  )(*args)
+  return dq, dk, dv
