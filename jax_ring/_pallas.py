@@ -47,10 +47,10 @@ def check_blocks(tq: int, tk: int, head_dim: int, block_q: int, block_k: int) ->
     raise ValueError(f"head_dim={head_dim}: the Pallas kernel needs a power of two >= {MIN_BLOCK}")
 
 
-def _hidden(spec: MaskSpec, q_lo, q_hi, k_lo, k_hi, seg):
-  """True when the masks hide the whole tile (`_kernel.tile_class` == 0), from bounds;
-  None when no mask can hide a tile. k_lo is over valid (>= 0) key positions; seg:
-  (q lo, q hi, k lo, k hi) segment ids or None."""
+def _hidden(spec: MaskSpec, q_bounds, k_bounds):
+  """True when the masks hide the whole tile (`_kernel.tile_class` == 0), from the
+  blocks' bounds (`_query_bounds`, `_key_bounds`); None when no mask can hide a tile."""
+  (q_lo, q_hi, q_seg), (k_lo, k_hi, k_seg) = q_bounds, k_bounds
   hidden = None
   either = lambda a, b: b if a is None else a | b
   if spec.has_padding:
@@ -60,8 +60,8 @@ def _hidden(spec: MaskSpec, q_lo, q_hi, k_lo, k_hi, seg):
   if spec.window is not None:
     left, right = spec.window
     hidden = either(hidden, (k_lo > q_hi + right) | (k_hi < q_lo - left))
-  if seg is not None:
-    qs_lo, qs_hi, ks_lo, ks_hi = seg
+  if q_seg is not None:
+    (qs_lo, qs_hi), (ks_lo, ks_hi) = q_seg, k_seg
     hidden = either(hidden, (qs_hi < 0) | (qs_hi < ks_lo) | (ks_hi < qs_lo))
   return hidden
 
@@ -91,37 +91,43 @@ _TRITON = pl_triton.CompilerParams(num_warps=4, num_stages=2)
 
 
 def _key_bounds(kp, ks):
-  """(lo over valid positions, hi, hi, segment lo, segment hi) of one key block."""
-  lo = jnp.min(jnp.where(kp >= 0, kp, _BIG))
-  hi = jnp.max(kp)
+  """(lowest valid position, highest position, (lowest, highest) segment id or None)
+  of one key block."""
   seg = None if ks is None else (jnp.min(ks), jnp.max(ks))
-  return lo, hi, seg
+  return jnp.min(jnp.where(kp >= 0, kp, _BIG)), jnp.max(kp), seg
+
+
+def _query_bounds(qp, qs):
+  """The same for a query block (every position counts)."""
+  return jnp.min(qp), jnp.max(qp), None if qs is None else (jnp.min(qs), jnp.max(qs))
+
+
+def _ids(pos_ref, seg_ref, window):
+  """Positions and segment ids (or None) of the block `window`."""
+  return pos_ref[window], None if seg_ref is None else seg_ref[window]
+
+
+def _dot(a, b, contract):
+  """2-d dot in float32: contract = (axis of a, axis of b)."""
+  return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _scores(q, k, mask):
-  s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  s = _dot(q, k, (1, 1))
   return jnp.where(mask, s, -jnp.inf)
 
 
 def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool):
-  if has_seg:
-    q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, o_ref, lse_ref = refs
-  else:
-    q_ref, k_ref, v_ref, qp_ref, kp_ref, o_ref, lse_ref = refs
-    qs_ref = ks_ref = None
+  q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest = refs
+  qs_ref, ks_ref, o_ref, lse_ref = rest if has_seg else (None, None, *rest)
   q = q_ref[...]
-  qp = qp_ref[...]
-  qs = None if qs_ref is None else qs_ref[...]
-  q_lo, q_hi = jnp.min(qp), jnp.max(qp)
-  qseg = None if qs is None else (jnp.min(qs), jnp.max(qs))
+  qp, qs = _ids(qp_ref, qs_ref, slice(None))
+  q_bounds = _query_bounds(qp, qs)
   bq, h = q.shape
 
   def body(j, carry):
     window = pl.ds(j * block_k, block_k)
-    kp = kp_ref[window]
-    ks = None if ks_ref is None else ks_ref[window]
-    k_lo, k_hi, kseg = _key_bounds(kp, ks)
-    seg = None if qseg is None else (*qseg, *kseg)
+    kp, ks = _ids(kp_ref, ks_ref, window)
 
     def visit(carry):
       o, m, l = carry
@@ -131,10 +137,9 @@ def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool)
       p = jnp.exp(s - m_safe[:, None])
       alpha = jnp.exp(m - m_safe)
       v = v_ref[window, :]
-      pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-      return o * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+      return o * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0)), m_new, l * alpha + jnp.sum(p, axis=1)
 
-    return _unless(_hidden(spec, q_lo, q_hi, k_lo, k_hi, seg), visit, carry)
+    return _unless(_hidden(spec, q_bounds, _key_bounds(kp, ks)), visit, carry)
 
   init = (
     jnp.zeros((bq, h), jnp.float32),
@@ -195,11 +200,6 @@ def forward(
   )(*args)
 
 
-def _dot(a, b, contract):
-  """2-d dot in float32: contract = (axis of a, axis of b)."""
-  return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())), preferred_element_type=jnp.float32)
-
-
 def _tile_grads(spec, q, do, lse, delta, qp, qs, k, v, kp, ks):
   """(p, ds) of one tile from the global lse and delta: p = exp(s - lse), masked."""
   s = _scores(q, k, _mask(spec, qp, kp, qs, ks))
@@ -208,30 +208,23 @@ def _tile_grads(spec, q, do, lse, delta, qp, qs, k, v, kp, ks):
   return p, p * (dp - delta[:, None])
 
 
-def _query_bounds(qp, qs):
-  return jnp.min(qp), jnp.max(qp), None if qs is None else (jnp.min(qs), jnp.max(qs))
-
-
 def _dq_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest = refs
   qs_ref, ks_ref, dq_ref = rest if has_seg else (None, None, *rest)
-  q, do, lse, delta, qp = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qp_ref[...]
-  qs = None if qs_ref is None else qs_ref[...]
-  q_lo, q_hi, qseg = _query_bounds(qp, qs)
+  q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+  qp, qs = _ids(qp_ref, qs_ref, slice(None))
+  q_bounds = _query_bounds(qp, qs)
 
   def body(j, dq):
     window = pl.ds(j * block_k, block_k)
-    kp = kp_ref[window]
-    ks = None if ks_ref is None else ks_ref[window]
-    k_lo, k_hi, kseg = _key_bounds(kp, ks)
-    seg = None if qseg is None else (*qseg, *kseg)
+    kp, ks = _ids(kp_ref, ks_ref, window)
 
     def visit(dq):
       k = k_ref[window, :]
       _, ds = _tile_grads(spec, q, do, lse, delta, qp, qs, k, v_ref[window, :], kp, ks)
       return dq + _dot(ds.astype(k.dtype), k, (1, 0))
 
-    return _unless(_hidden(spec, q_lo, q_hi, k_lo, k_hi, seg), visit, dq)
+    return _unless(_hidden(spec, q_bounds, _key_bounds(kp, ks)), visit, dq)
 
   dq_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros(q.shape, jnp.float32))
 
@@ -239,17 +232,14 @@ def _dq_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool):
 def _dkv_kernel(*refs, spec: MaskSpec, block_q: int, nq: int, groups: int, has_seg: bool):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest = refs
   qs_ref, ks_ref, dk_ref, dv_ref = rest if has_seg else (None, None, *rest)
-  k, v, kp = k_ref[...], v_ref[...], kp_ref[...]
-  ks = None if ks_ref is None else ks_ref[...]
-  k_lo, k_hi, kseg = _key_bounds(kp, ks)
+  k, v = k_ref[...], v_ref[...]
+  kp, ks = _ids(kp_ref, ks_ref, slice(None))
+  k_bounds = _key_bounds(kp, ks)  # the same for every query block
 
   def body(t, carry):
     g, i = lax.div(t, jnp.int32(nq)), lax.rem(t, jnp.int32(nq))  # Triton: plain int32 ops
     window = pl.ds(i * block_q, block_q)
-    qp = qp_ref[window]
-    qs = None if qs_ref is None else qs_ref[window]
-    q_lo, q_hi, qseg = _query_bounds(qp, qs)
-    seg = None if qseg is None else (*qseg, *kseg)
+    qp, qs = _ids(qp_ref, qs_ref, window)
 
     def visit(carry):
       dk, dv = carry
@@ -257,7 +247,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, block_q: int, nq: int, groups: int, has_s
       p, ds = _tile_grads(spec, q, do, lse_ref[g, window], delta_ref[g, window], qp, qs, k, v, kp, ks)
       return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv + _dot(p.astype(do.dtype), do, (0, 0))
 
-    return _unless(_hidden(spec, q_lo, q_hi, k_lo, k_hi, seg), visit, carry)
+    return _unless(_hidden(spec, _query_bounds(qp, qs), k_bounds), visit, carry)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, groups * nq, body, (zeros, zeros))
