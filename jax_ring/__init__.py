@@ -16,6 +16,7 @@ from jax_ring._decode import (
 )
 from jax_ring._dilated import dilated_attention
 from jax_ring._merge import merge_attention
+from jax_ring._pallas import KernelChoice, choose_kernel
 from jax_ring._policy import PRESETS, Policy, policy_for
 from jax_ring._reference import reference_attention, reference_dilated_attention
 from jax_ring._tiles import BlockSizes
@@ -30,7 +31,9 @@ __all__ = [
   "update_cache",
   "PRESETS",
   "BlockSizes",
+  "KernelChoice",
   "Policy",
+  "choose_kernel",
   "dilated_attention",
   "hlo",
   "layouts",

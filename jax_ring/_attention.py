@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_ring import _ulysses, _validation, layouts
+from jax_ring import _pallas, _ulysses, _validation, layouts
 from jax_ring._kernel import MaskSpec
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_attention_inputs
 from jax_ring._policy import Policy, get_policy
@@ -62,6 +62,7 @@ def ring_attention_shard(
   key_value_seq_lengths=None,
   return_residual: bool = False,
   ulysses_axis=None,
+  kernel: str = "auto",
   _valid_lengths: tuple[int, int] | None = None,
 ):
   """Ring attention for code already inside `jax.shard_map`: shards in, shard out.
@@ -91,6 +92,8 @@ def ring_attention_shard(
       that position's ring shard (which is in `layout`); every argument above is this
       device's piece. An all-to-all over it trades the pieces for heads around the ring
       (N must divide by u), and the output comes back as this device's piece.
+    kernel: the block kernel, as in `ring_attention`; the platform is JAX's default
+      backend.
 
   Returns:
     [B, T, N, H] output shard in the policy's output dtype; with `return_residual`,
@@ -108,6 +111,10 @@ def ring_attention_shard(
   if ulysses_axis is not None:
     group = lax.axis_size(ulysses_axis)
     _ulysses.check_heads(n, group, ulysses_axis)
+  policy = get_policy(policy)
+  choice = _pallas.choose_kernel(kernel, jax.default_backend(), query.shape[-1], policy)
+  if choice.interpret:
+    _pallas.check_vma_off(query, "ring_attention_shard")
   with jax.named_scope("jax_ring.ring_attention_shard"):
     if group > 1:
       (query, key, value), (q_seg, kv_seg), (q_pos, k_pos) = _ulysses.enter(
@@ -128,8 +135,9 @@ def ring_attention_shard(
       window=window,
       scale=scale,
       layout=layouts.resolve(layout, is_causal),
-      policy=get_policy(policy),
+      policy=policy,
       block_sizes=block_sizes,
+      kernel=choice,
       unbatched=unbatched,
       valid_lengths=_valid_lengths,
     )
@@ -160,6 +168,7 @@ def _ring_shard(
   block_sizes,
   unbatched,
   valid_lengths,
+  kernel: _pallas.KernelChoice,
 ):
   """The ring on checked rank-4 shards: positions (None: the layout's) to masks, the
   tiles padded, and (output, lse) of the T local queries."""
@@ -178,9 +187,14 @@ def _ring_shard(
     q_pos = jnp.where(q_pos < valid_lengths[0], q_pos, -1)
     k_pos = jnp.where(k_pos < valid_lengths[1], k_pos, -1)
   q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, q_pos, k_pos)
-  tile_layout = None if custom else layout
-  padded_t, bq, _ = local_blocks(t, block_sizes, layout=tile_layout)
-  padded_s, _, bk = local_blocks(s, block_sizes, layout=tile_layout)
+  if kernel.kernel == "pallas":
+    bq = block_sizes.block_q or _pallas.block_for(t)
+    bk = block_sizes.block_kv or _pallas.block_for(s)
+    padded_t, padded_s = -(-t // bq) * bq, -(-s // bk) * bk
+  else:
+    tile_layout = None if custom else layout
+    padded_t, bq, _ = local_blocks(t, block_sizes, layout=tile_layout)
+    padded_s, _, bk = local_blocks(s, block_sizes, layout=tile_layout)
   if padded_t != t:
     has_padding = True
     query = pad_seq(query, padded_t - t)
@@ -193,7 +207,10 @@ def _ring_shard(
     kv_seg = None if kv_seg is None else pad_seq(kv_seg, padded_s - s, -1)
   back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
   groups = block_sizes.head_groups(key.shape[2], max(padded_t, padded_s))
-  bq, bk = fit_tile_budget(bq, bk, b * query.shape[2] // groups, block_sizes)
+  if kernel.kernel == "pallas":
+    _pallas.check_blocks(padded_t, padded_s, query.shape[3], bq, bk)
+  else:  # the XLA tiles hold whole score tiles in memory; the kernel's stay on chip
+    bq, bk = fit_tile_budget(bq, bk, b * query.shape[2] // groups, block_sizes)
   cfg = RingConfig(
     axis_name=axis_name,
     ring_size=ring_size,
@@ -205,6 +222,8 @@ def _ring_shard(
     steps_back=back,
     steps_fwd=fwd,
     head_groups=groups,
+    kernel=kernel.kernel,
+    interpret=kernel.interpret,
   )
   out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg)
   return out[:, :t], lse[:, :t]
@@ -226,6 +245,7 @@ class GlobalConfig:
   block_sizes: BlockSizes
   return_residual: bool = False
   ulysses_axis: Any = None
+  kernel: str = "auto"
 
   @property
   def seq_spec(self):
@@ -313,6 +333,7 @@ def global_impl(
       query_seq_lengths=ql,
       key_value_seq_lengths=kl,
       return_residual=gc.return_residual,
+      kernel=gc.kernel,
       _valid_lengths=(t, s) if padded else None,
     )
     res = tuple(back(x) for x in res) if gc.return_residual else back(res)
@@ -323,7 +344,15 @@ def global_impl(
 
   out_spec = (spec, P(gc.batch_axis, gc.seq_spec, gc.head_axis)) if gc.return_residual else spec
   out_specs = out_spec if cache is None else (out_spec, cache_specs)
-  sharded = jax.shard_map(body, mesh=None if in_context else mesh, in_specs=tuple(specs), out_specs=out_specs)
+  # Pallas kernels in interpret mode cannot run under check_vma (jax's interpreter
+  # meets the kernel's unvarying constants with varying blocks); see `_pallas.check_vma_off`.
+  sharded = jax.shard_map(
+    body,
+    mesh=None if in_context else mesh,
+    in_specs=tuple(specs),
+    out_specs=out_specs,
+    check_vma=gc.kernel != "pallas",
+  )
   unpad = lambda res: tuple(x[:, :t] for x in res) if gc.return_residual else res[:, :t]
   if cache is None:
     return unpad(sharded(*args))
@@ -366,6 +395,7 @@ def ring_attention(
   key_value_seq_lengths=None,
   return_residual: bool = False,
   ulysses_axis=None,
+  kernel: str = "auto",
 ):
   """Exact softmax attention with the sequence sharded over `seq_axis` of `mesh`.
 
@@ -407,6 +437,13 @@ def ring_attention(
       the layout. N (per head_axis shard) must divide by u; K/V heads are split, or
       repeated as little as needed when u does not divide K. Put it on the faster
       interconnect (inside a host): see the README's "Ulysses hybrid".
+    kernel: the block kernel each ring step runs: "auto" (the XLA tiles on CPU, the
+      Pallas kernel on a GPU where it supports the call, else the XLA tiles; the
+      reason is logged at INFO on the "jax_ring" logger and returned by
+      `jax_ring.choose_kernel`), "xla", or "pallas" (interpret mode on a CPU mesh; a
+      ValueError where unsupported: head_dim not a power of two in [16, 256], a
+      compute dtype other than float32 / bfloat16 / float16, a TPU). With the Pallas
+      kernel, local lengths are padded to its block (a power of two, 16 to 128).
 
   Any T and S work: each is padded internally to what the layout needs, and the
   padding is masked. A query that sees no key gets 0 (jax.nn gives such a row the
@@ -440,6 +477,8 @@ def ring_attention(
     _ulysses.check_heads(n // nh, nu, ulysses_axis)
   layout = layouts.resolve(layout, is_causal, shard_len=-(-t // mesh.shape[seq_axis]))
   policy = get_policy(policy, mesh.devices.flat[0])
+  # Resolved here, for the mesh's platform; inside, the name is passed on as chosen.
+  kernel = _pallas.choose_kernel(kernel, mesh.devices.flat[0].platform, query.shape[-1], policy).kernel
   gc = GlobalConfig(
     mesh,
     seq_axis,
@@ -453,6 +492,7 @@ def ring_attention(
     block_sizes,
     return_residual,
     ulysses_axis,
+    kernel,
   )
   with jax.named_scope("jax_ring.ring_attention"):
     placed = place_attention_inputs(

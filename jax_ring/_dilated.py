@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_ring import _validation
+from jax_ring import _pallas, _validation
 from jax_ring._kernel import MaskSpec
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_on_mesh
 from jax_ring._policy import Policy, get_policy
@@ -108,6 +108,8 @@ class DilatedConfig:
   block_sizes: BlockSizes
   num_kv_heads: int
   groups: int  # query heads per kv head
+  kernel: str = "xla"  # the ring's block kernel (RingConfig.kernel)
+  interpret: bool = False
 
 
 def _virtual_heads(cfg: DilatedConfig, rate: int) -> tuple[int, np.ndarray]:
@@ -200,7 +202,11 @@ class _Selected:
     self.lay = lay = _Layout(cfg, pat, t)
     c = lay.c
     self.c = c
-    self.n_pad, bq, bk = local_blocks(pat.slots, cfg.block_sizes)
+    if cfg.kernel == "pallas":
+      bq = bk = _pallas.block_for(pat.slots)
+      self.n_pad = -(-pat.slots // bq) * bq
+    else:
+      self.n_pad, bq, bk = local_blocks(pat.slots, cfg.block_sizes)
     self.pad = self.n_pad - pat.slots
     qs = _gather(_pieces(_heads_to_virtual(q, kh, c), pat), lay)
     kv_pieces = lambda x: _pieces(jnp.broadcast_to(x[:, :, :, None], (b, t, kh, c, h)), pat)
@@ -224,6 +230,8 @@ class _Selected:
       steps_back=pat.ring - 1,
       steps_fwd=0,
       axis_size=cfg.devices,
+      kernel=cfg.kernel,
+      interpret=cfg.interpret,
     )
 
   def pad_slots(self, x, fill=0):
@@ -405,7 +413,11 @@ def _dilated_global(query, key, value, segment_ids, *, cfg, mesh, seq_axis, batc
     args = c(q, spec), c(k, spec), c(v, spec), c(s, seg_spec)
     body = functools.partial(dilated, cfg)
     sharded = jax.shard_map(
-      body, mesh=None if in_context else mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec
+      body,
+      mesh=None if in_context else mesh,
+      in_specs=(spec, spec, spec, seg_spec),
+      out_specs=spec,
+      check_vma=cfg.kernel != "pallas",  # as in `_attention.global_impl`
     )
     return sharded(*args)[:, :t]
 
@@ -427,6 +439,7 @@ def dilated_attention(
   scale: float | None = None,
   policy: Policy | str | None = None,
   block_sizes: BlockSizes | None = None,
+  kernel: str = "auto",
 ):
   """LongNet dilated attention (Ding et al. 2023, "LongNet: Scaling Transformers to
   1,000,000,000 Tokens"), exact, on one device or over `seq_axis` of `mesh`.
@@ -451,6 +464,9 @@ def dilated_attention(
     scale: logit scale, default 1/sqrt(H).
     policy: a `Policy` or preset name; None means `policy_for` the mesh's first device.
     block_sizes: `BlockSizes` for the tiles of the attention inside a device.
+    kernel: the block kernel of every pattern's attention: "auto", "xla" or "pallas",
+      as in `jax_ring.ring_attention` (the platform is the mesh's, or JAX's default
+      backend without a mesh).
 
   Any T works: the sequence is padded to a shard length at which every segment either
   fits in a shard or spans whole shards (with power-of-two segments and device counts
@@ -477,6 +493,8 @@ def dilated_attention(
       raise ValueError(f"batch_axis={batch_axis!r} and seq_axis={seq_axis!r} must be different mesh axes")
     _validation.check_divides(b, nb, "batch", "batch_axis", batch_axis)
     policy = get_policy(policy, mesh.devices.flat[0])
+  platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+  choice = _pallas.choose_kernel(kernel, platform, h, policy)
   shard, patterns = plan(t, devices, lengths, rates)
   cfg = DilatedConfig(
     axis_name=None if mesh is None else seq_axis,
@@ -488,6 +506,8 @@ def dilated_attention(
     block_sizes=block_sizes,
     num_kv_heads=k,
     groups=n // k,
+    kernel=choice.kernel,
+    interpret=choice.interpret,
   )
   with jax.named_scope("jax_ring.dilated_attention"):
     if mesh is not None:

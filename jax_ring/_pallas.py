@@ -21,18 +21,105 @@ tested here; `jax.export` with `platforms=("cuda",)` lowers them to Triton witho
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+from jax.sharding import ManualAxisType
 
 from jax_ring._kernel import MaskSpec
 
 # Triton wants power-of-two tiles of at least 16 rows for its dot.
 MIN_BLOCK = 16
+# The largest block the ring gives the kernel (a [128 x 128] float32 score tile per
+# program, the size the Pallas GPU attention in jax uses).
+MAX_BLOCK = 128
+MAX_HEAD_DIM = 256
+KERNELS = ("auto", "xla", "pallas")
+# Platforms with a Pallas kernel here ("cpu": interpret mode, asked for by name only).
+_PALLAS_PLATFORMS = ("gpu", "cuda", "rocm", "cpu")
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+_log = logging.getLogger("jax_ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+  """Which block kernel a ring attention call runs, and why.
+
+  Attributes:
+    kernel: "xla" (the XLA tiles of `_kernel`) or "pallas" (this module's kernels).
+    reason: one sentence: why this kernel, and for "auto" falling back to "xla" on an
+      accelerator, what the Pallas kernel does not support.
+    interpret: the Pallas kernel runs in interpret mode (a CPU mesh).
+  """
+
+  kernel: str
+  reason: str
+  interpret: bool = False
+
+
+def check_vma_off(x, caller: str) -> None:
+  """ValueError when `x` is typed as varying over a manual mesh axis: inside
+  `jax.shard_map(..., check_vma=True)`, where jax's Pallas interpreter fails (it
+  evaluates the kernel's unvarying constants against varying blocks)."""
+  varying = jax.typeof(x).manual_axis_type.varying
+  if varying:
+    raise ValueError(
+      f"{caller}(kernel='pallas') on CPU runs the kernel in interpret mode, which needs "
+      f"jax.shard_map(..., check_vma=False); the query varies over {sorted(varying)} under check_vma=True"
+    )
+
+
+def block_for(length: int) -> int:
+  """The Pallas block for a local length: the smallest power of two >= the length,
+  clamped to [MIN_BLOCK, MAX_BLOCK]; the ring pads the length to a multiple of it."""
+  return min(MAX_BLOCK, max(MIN_BLOCK, 1 << max(length - 1, 0).bit_length()))
+
+
+def unsupported(platform: str, head_dim: int, policy) -> str | None:
+  """Why the Pallas kernel cannot run this call, or None when it can."""
+  if platform not in _PALLAS_PLATFORMS:
+    return f"platform {platform!r}: jax_ring's Pallas kernel is Triton-style (GPU; CPU interpreted)"
+  if head_dim < MIN_BLOCK or head_dim > MAX_HEAD_DIM or head_dim & (head_dim - 1):
+    return f"head_dim={head_dim}: the Pallas kernel needs a power of two in [{MIN_BLOCK}, {MAX_HEAD_DIM}]"
+  if policy.compute_dtype not in _DTYPES:
+    return f"compute dtype {policy.compute_dtype}: the Pallas kernel takes float32, bfloat16 or float16"
+  if policy.accum_dtype != jnp.float32:
+    return f"accumulation dtype {policy.accum_dtype}: the Pallas kernel accumulates in float32"
+  return None
+
+
+def choose_kernel(kernel: str, platform: str, head_dim: int, policy) -> KernelChoice:
+  """The kernel a call runs: `kernel` is "auto", "xla" or "pallas".
+
+  "auto" picks the XLA tiles on CPU (the Pallas kernel runs there only interpreted)
+  and the Pallas kernel on a GPU when `unsupported` finds nothing, else the XLA tiles,
+  logging the reason at INFO on the "jax_ring" logger. "pallas" raises a ValueError
+  naming what is unsupported; on CPU it runs in interpret mode."""
+  if not isinstance(kernel, str) or kernel not in KERNELS:
+    raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
+  if kernel == "xla":
+    return KernelChoice("xla", "kernel='xla' was asked for")
+  why = unsupported(platform, head_dim, policy)
+  if kernel == "pallas":
+    if why is not None:
+      raise ValueError(f"kernel='pallas': {why}")
+    interpret = platform == "cpu"
+    return KernelChoice(
+      "pallas", "kernel='pallas' was asked for" + (" (interpret mode on CPU)" if interpret else ""), interpret
+    )
+  if platform == "cpu":
+    return KernelChoice("xla", "auto on CPU: the XLA tiles (the Pallas kernel would run interpreted)")
+  if why is not None:
+    _log.info("jax_ring: kernel='auto' runs the XLA tiles: %s", why)
+    return KernelChoice("xla", f"auto: {why}")
+  return KernelChoice("pallas", f"auto on {platform}: the Pallas kernel supports this call")
 
 
 def check_blocks(tq: int, tk: int, head_dim: int, block_q: int, block_k: int) -> None:
@@ -107,17 +194,24 @@ def _ids(pos_ref, seg_ref, window):
   return pos_ref[window], None if seg_ref is None else seg_ref[window]
 
 
-def _dot(a, b, contract):
+def _loop(n: int, body, init):
+  """fori_loop over int32 indices, also under jax_enable_x64 (Triton and the int32
+  block arithmetic want them)."""
+  return lax.fori_loop(jnp.int32(0), jnp.int32(n), body, init)
+
+
+def _dot(a, b, contract, precision=None):
   """2-d dot in float32: contract = (axis of a, axis of b)."""
-  return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())), preferred_element_type=jnp.float32)
+  dims = ((contract[:1], contract[1:]), ((), ()))
+  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _scores(q, k, mask):
-  s = _dot(q, k, (1, 1))
+def _scores(q, k, mask, precision):
+  s = _dot(q, k, (1, 1), precision)
   return jnp.where(mask, s, -jnp.inf)
 
 
-def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool):
+def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool, precision):
   q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest = refs
   qs_ref, ks_ref, o_ref, lse_ref = rest if has_seg else (None, None, *rest)
   q = q_ref[...]
@@ -131,13 +225,17 @@ def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool)
 
     def visit(carry):
       o, m, l = carry
-      s = _scores(q, k_ref[window, :], _mask(spec, qp, kp, qs, ks))
+      s = _scores(q, k_ref[window, :], _mask(spec, qp, kp, qs, ks), precision)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       p = jnp.exp(s - m_safe[:, None])
       alpha = jnp.exp(m - m_safe)
       v = v_ref[window, :]
-      return o * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0)), m_new, l * alpha + jnp.sum(p, axis=1)
+      return (
+        o * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0), precision),
+        m_new,
+        l * alpha + jnp.sum(p, axis=1),
+      )
 
     return _unless(_hidden(spec, q_bounds, _key_bounds(kp, ks)), visit, carry)
 
@@ -146,11 +244,18 @@ def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool)
     jnp.full((bq,), -jnp.inf, jnp.float32),
     jnp.zeros((bq,), jnp.float32),
   )
-  o, m, l = lax.fori_loop(0, nk, body, init)
+  o, m, l = _loop(nk, body, init)
   seen = l > 0
   safe_l = jnp.where(seen, l, 1.0)
   o_ref[...] = jnp.where(seen[:, None], o / safe_l[:, None], 0.0).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
+
+
+def _out_shape(shape, *like):
+  """A float32 kernel output that varies over every manual mesh axis `like` varies
+  over (what `jax.shard_map`'s check_vma needs to type the kernel's result)."""
+  varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in like if x is not None))
+  return jax.ShapeDtypeStruct(shape, jnp.float32, manual_axis_type=ManualAxisType(varying=varying))
 
 
 def _segment_specs(has_seg: bool, q_map, k_map, q_len: int, k_len: int):
@@ -160,9 +265,21 @@ def _segment_specs(has_seg: bool, q_map, k_map, q_len: int, k_len: int):
   return [pl.BlockSpec((None, q_len), q_map), pl.BlockSpec((None, k_len), k_map)]
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret", "precision"))
 def forward(
-  q, k, v, q_pos, k_pos, q_seg, k_seg, *, spec: MaskSpec, block_q: int, block_k: int, interpret=False
+  q,
+  k,
+  v,
+  q_pos,
+  k_pos,
+  q_seg,
+  k_seg,
+  *,
+  spec: MaskSpec,
+  block_q: int,
+  block_k: int,
+  interpret=False,
+  precision=None,
 ):
   """(out [B, N, Tq, H] float32, lse [B, N, Tq] float32) of pre-scaled q against k, v."""
   b, n, tq, h = q.shape
@@ -170,7 +287,9 @@ def forward(
   check_blocks(tq, tk, h, block_q, block_k)
   g = n // kh
   has_seg = q_seg is not None
-  kernel = functools.partial(_forward_kernel, spec=spec, block_k=block_k, nk=tk // block_k, has_seg=has_seg)
+  kernel = functools.partial(
+    _forward_kernel, spec=spec, block_k=block_k, nk=tk // block_k, has_seg=has_seg, precision=precision
+  )
   in_specs = [
     pl.BlockSpec((None, None, block_q, h), lambda i, bi, ni: (bi, ni, i, 0)),
     pl.BlockSpec((None, None, tk, h), lambda i, bi, ni: (bi, ni // g, 0, 0)),
@@ -183,11 +302,8 @@ def forward(
     pl.BlockSpec((None, None, block_q, h), lambda i, bi, ni: (bi, ni, i, 0)),
     pl.BlockSpec((None, None, block_q), lambda i, bi, ni: (bi, ni, i)),
   ]
-  out_shape = [
-    jax.ShapeDtypeStruct((b, n, tq, h), jnp.float32),
-    jax.ShapeDtypeStruct((b, n, tq), jnp.float32),
-  ]
   args = (q, k, v, q_pos, k_pos) + ((q_seg, k_seg) if has_seg else ())
+  out_shape = [_out_shape((b, n, tq, h), *args), _out_shape((b, n, tq), *args)]
   return pl.pallas_call(
     kernel,
     grid=(tq // block_q, b, n),
@@ -200,15 +316,15 @@ def forward(
   )(*args)
 
 
-def _tile_grads(spec, q, do, lse, delta, qp, qs, k, v, kp, ks):
+def _tile_grads(spec, precision, q, do, lse, delta, qp, qs, k, v, kp, ks):
   """(p, ds) of one tile from the global lse and delta: p = exp(s - lse), masked."""
-  s = _scores(q, k, _mask(spec, qp, kp, qs, ks))
+  s = _scores(q, k, _mask(spec, qp, kp, qs, ks), precision)
   p = jnp.exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None])
-  dp = _dot(do, v, (1, 1))
+  dp = _dot(do, v, (1, 1), precision)
   return p, p * (dp - delta[:, None])
 
 
-def _dq_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool):
+def _dq_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool, precision):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest = refs
   qs_ref, ks_ref, dq_ref = rest if has_seg else (None, None, *rest)
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
@@ -221,15 +337,15 @@ def _dq_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool):
 
     def visit(dq):
       k = k_ref[window, :]
-      _, ds = _tile_grads(spec, q, do, lse, delta, qp, qs, k, v_ref[window, :], kp, ks)
-      return dq + _dot(ds.astype(k.dtype), k, (1, 0))
+      _, ds = _tile_grads(spec, precision, q, do, lse, delta, qp, qs, k, v_ref[window, :], kp, ks)
+      return dq + _dot(ds.astype(k.dtype), k, (1, 0), precision)
 
     return _unless(_hidden(spec, q_bounds, _key_bounds(kp, ks)), visit, dq)
 
-  dq_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = _loop(nk, body, jnp.zeros(q.shape, jnp.float32))
 
 
-def _dkv_kernel(*refs, spec: MaskSpec, block_q: int, nq: int, groups: int, has_seg: bool):
+def _dkv_kernel(*refs, spec: MaskSpec, block_q: int, nq: int, groups: int, has_seg: bool, precision):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest = refs
   qs_ref, ks_ref, dk_ref, dv_ref = rest if has_seg else (None, None, *rest)
   k, v = k_ref[...], v_ref[...]
@@ -244,17 +360,21 @@ def _dkv_kernel(*refs, spec: MaskSpec, block_q: int, nq: int, groups: int, has_s
     def visit(carry):
       dk, dv = carry
       q, do = q_ref[g, window, :], do_ref[g, window, :]
-      p, ds = _tile_grads(spec, q, do, lse_ref[g, window], delta_ref[g, window], qp, qs, k, v, kp, ks)
-      return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv + _dot(p.astype(do.dtype), do, (0, 0))
+      p, ds = _tile_grads(
+        spec, precision, q, do, lse_ref[g, window], delta_ref[g, window], qp, qs, k, v, kp, ks
+      )
+      return dk + _dot(ds.astype(q.dtype), q, (0, 0), precision), dv + _dot(
+        p.astype(do.dtype), do, (0, 0), precision
+      )
 
     return _unless(_hidden(spec, _query_bounds(qp, qs), k_bounds), visit, carry)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = lax.fori_loop(0, groups * nq, body, (zeros, zeros))
+  dk, dv = _loop(groups * nq, body, (zeros, zeros))
   dk_ref[...], dv_ref[...] = dk, dv
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret", "precision"))
 def backward(
   q,
   k,
@@ -271,6 +391,7 @@ def backward(
   block_q: int,
   block_k: int,
   interpret=False,
+  precision=None,
 ):
   """(dq [B, N, Tq, H], dk, dv [B, K, Tk, H]), float32, from the global lse and delta
   [B, N, Tq]; dq lacks the softmax scale (q came pre-scaled)."""
@@ -287,7 +408,9 @@ def backward(
   kv_of_head = lambda i, bi, ni: (bi, ni // g, 0, 0)
   stat = lambda i, bi, ni: (bi, ni, i)
   dq = pl.pallas_call(
-    functools.partial(_dq_kernel, spec=spec, block_k=block_k, nk=tk // block_k, has_seg=has_seg),
+    functools.partial(
+      _dq_kernel, spec=spec, block_k=block_k, nk=tk // block_k, has_seg=has_seg, precision=precision
+    ),
     grid=(tq // block_q, b, n),
     in_specs=[
       pl.BlockSpec((None, None, block_q, h), row),
@@ -301,7 +424,7 @@ def backward(
       *_segment_specs(has_seg, lambda i, bi, ni: (bi, i), lambda i, bi, ni: (bi, 0), block_q, tk),
     ],
     out_specs=pl.BlockSpec((None, None, block_q, h), row),
-    out_shape=jax.ShapeDtypeStruct((b, n, tq, h), jnp.float32),
+    out_shape=_out_shape((b, n, tq, h), *args),
     interpret=interpret,
     compiler_params=_TRITON,
     name="jax_ring_backward_dq",
@@ -313,7 +436,15 @@ def backward(
   stats_of_kv = lambda j, bi, ki: (bi, ki, 0)
   key = lambda j, bi, ki: (bi, ki, j, 0)
   dk, dv = pl.pallas_call(
-    functools.partial(_dkv_kernel, spec=spec, block_q=block_q, nq=tq // block_q, groups=g, has_seg=has_seg),
+    functools.partial(
+      _dkv_kernel,
+      spec=spec,
+      block_q=block_q,
+      nq=tq // block_q,
+      groups=g,
+      has_seg=has_seg,
+      precision=precision,
+    ),
     grid=(tk // block_k, b, kh),
     in_specs=[
       pl.BlockSpec((None, g, tq, h), heads_of_kv),
@@ -327,7 +458,7 @@ def backward(
       *_segment_specs(has_seg, lambda j, bi, ki: (bi, 0), lambda j, bi, ki: (bi, j), tq, block_k),
     ],
     out_specs=[pl.BlockSpec((None, None, block_k, h), key)] * 2,
-    out_shape=[jax.ShapeDtypeStruct((b, kh, tk, h), jnp.float32)] * 2,
+    out_shape=[_out_shape((b, kh, tk, h), *args)] * 2,
     interpret=interpret,
     compiler_params=_TRITON,
     name="jax_ring_backward_dkv",

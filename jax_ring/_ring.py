@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ring import _pallas
 from jax_ring._kernel import (
   KVBlocks,
   MaskSpec,
@@ -31,6 +32,7 @@ from jax_ring._kernel import (
   chunk_forward,
   finalize,
 )
+from jax_ring._merge import merge_local
 from jax_ring._policy import Policy
 from jax_ring._tiles import block_kv, block_q, block_rows, block_seg, unblock_kv, unblock_q, unblock_rows
 
@@ -56,6 +58,10 @@ class RingConfig:
   # The kv heads (with their query heads) run through the ring in this many groups,
   # one after another.
   head_groups: int = 1
+  # The block kernel of every ring step: "xla" (`_kernel`'s tiles) or "pallas"
+  # (`_pallas`, blocks block_q x block_kv; `interpret` on a CPU mesh).
+  kernel: str = "xla"
+  interpret: bool = False
 
 
 def ring_permutation(ring_size: int, shift: int, axis_size: int | None = None):
@@ -154,8 +160,31 @@ def _as_compute(kv: KVBlocks, policy: Policy) -> KVBlocks:
   return kv._replace(k=kv.k.astype(policy.compute_dtype), v=kv.v.astype(policy.compute_dtype))
 
 
+def _forward_passes(cfg: RingConfig, compute, kv, acc):
+  """acc after `compute(kv, acc)` with every K/V shard the schedule visits."""
+  acc = _pass_forward(cfg, compute, kv, acc, cfg.steps_back, +1)
+  if cfg.steps_fwd:
+    acc = _pass_forward(cfg, compute, _send(kv, cfg, -1), acc, cfg.steps_fwd - 1, -1)
+  return acc
+
+
+def _backward_passes(cfg: RingConfig, compute, kv, zeros_kv, dq):
+  """((dk, dv) of the local K/V, dq) after `compute(kv, dkv, dq)` with every K/V
+  shard the schedule visits; dK/dV travel with their K/V and come home."""
+  back = cfg.steps_back
+  (dk, dv), dq = _pass_backward(cfg, compute, kv, zeros_kv(), dq, back, +1, -back)
+  if cfg.steps_fwd:
+    # These K/V started one device ahead and end `steps_fwd` ahead of their owner.
+    fwd = cfg.steps_fwd
+    (dk2, dv2), dq = _pass_backward(cfg, compute, _send(kv, cfg, -1), zeros_kv(), dq, fwd - 1, -1, fwd)
+    dk, dv = dk + dk2, dv + dv2
+  return (dk, dv), dq
+
+
 def ring_forward_state(cfg: RingConfig, x: Inputs):
   """(out, lse) in accumulation dtype, blocked: [nq, B, K, G, bq, H], [nq, B, K, G, bq]."""
+  if cfg.kernel == "pallas":
+    return _pallas_forward_state(cfg, x)
   pol = cfg.policy
   o = zeros_varying_like(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
   m = jnp.full_like(o, -jnp.inf, shape=x.q.shape[:-1])
@@ -165,10 +194,7 @@ def ring_forward_state(cfg: RingConfig, x: Inputs):
   def compute(kv, acc):
     return chunk_forward(cfg.mask, pol, x.q, x.q_pos, x.q_seg, q_bounds, _as_compute(kv, pol), acc)
 
-  acc = _pass_forward(cfg, compute, x.kv, (o, m, l), cfg.steps_back, +1)
-  if cfg.steps_fwd:
-    acc = _pass_forward(cfg, compute, _send(x.kv, cfg, -1), acc, cfg.steps_fwd - 1, -1)
-  return finalize(*acc)
+  return finalize(*_forward_passes(cfg, compute, x.kv, (o, m, l)))
 
 
 def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
@@ -177,6 +203,8 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   delta is sum(dO * O) over the head dim, minus the cotangent of lse if lse is an
   output too (d lse_i / d s_ij = p_ij enters the score gradient like -delta does).
   """
+  if cfg.kernel == "pallas":
+    return _pallas_backward_state(cfg, x, do, lse, delta)
   pol = cfg.policy
   # [nq, B, K, G, bq, H] -> [nq, B, K, H, G, bq]: the layout the dK and dV products take.
   heads_first = lambda x: jnp.moveaxis(x, -1, -3)
@@ -202,15 +230,92 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
     dq, dk, dv = chunk_backward(cfg.mask, pol, qb, dq, _as_compute(kv, pol), *dkv)
     return dq, (dk, dv)
 
-  back = cfg.steps_back
-  (dk, dv), dq = _pass_backward(cfg, compute, x.kv, zeros_kv(), dq, back, +1, -back)
-  if cfg.steps_fwd:
-    # These K/V started one device ahead and end `steps_fwd` ahead of their owner.
-    fwd = cfg.steps_fwd
-    (dk2, dv2), dq = _pass_backward(cfg, compute, _send(x.kv, cfg, -1), zeros_kv(), dq, fwd - 1, -1, fwd)
-    dk, dv = dk + dk2, dv + dv2
+  (dk, dv), dq = _backward_passes(cfg, compute, x.kv, zeros_kv, dq)
   untranspose = lambda x: jnp.swapaxes(x, -1, -2)
   return dq * jnp.asarray(cfg.scale, pol.accum_dtype), untranspose(dk), untranspose(dv)
+
+
+# The Pallas kernels take heads before rows, unblocked: q [B, N, T, H] (N = K * G, head
+# k * G + g), k, v [B, K, S, H], positions [T], ids [B, T]. The ring's inputs are
+# converted once per call, and the K/V shards travel the ring in that layout.
+def _q_natural(x):
+  """[nq, B, K, G, bq, ...] -> [B, K * G, nq * bq, ...]."""
+  nq, b, kh, g, bq = x.shape[:5]
+  x = jnp.moveaxis(x, 0, 3)  # [B, K, G, nq, bq, ...]
+  return x.reshape(b, kh * g, nq * bq, *x.shape[5:])
+
+
+def _q_blocked(x, like):
+  """Inverse of _q_natural, to the blocked shape of `like` [nq, B, K, G, bq, ...]."""
+  nq, b, kh, g, bq = like.shape[:5]
+  return jnp.moveaxis(x.reshape(b, kh, g, nq, bq, *x.shape[3:]), 3, 0)
+
+
+def _kv_natural(kv: KVBlocks) -> KVBlocks:
+  """Blocks [nk, B, K, bk, H] -> [B, K, S, H]; positions [S]; ids [B, S]."""
+  unblock = lambda x: jnp.moveaxis(x, 0, 2).reshape(x.shape[1], x.shape[2], -1, x.shape[4])
+  seg = None if kv.seg is None else jnp.moveaxis(kv.seg, 0, 1).reshape(kv.seg.shape[1], -1)
+  return KVBlocks(unblock(kv.k), unblock(kv.v), kv.pos.reshape(-1), seg)
+
+
+def _kv_blocked(x, block: int):
+  """[B, K, S, H] -> [nk, B, K, bk, H]."""
+  b, kh, s, h = x.shape
+  return jnp.moveaxis(x.reshape(b, kh, s // block, block, h), 2, 0)
+
+
+def _pallas_args(cfg: RingConfig, x: Inputs):
+  """(q, q positions, q ids, K/V) of this device in the kernels' layout."""
+  seg = None if x.q_seg is None else jnp.moveaxis(x.q_seg, 0, 1).reshape(x.q_seg.shape[1], -1)
+  return _q_natural(x.q), x.q_pos.reshape(-1), seg, _kv_natural(x.kv)
+
+
+def _kernel_options(cfg: RingConfig):
+  return dict(
+    spec=cfg.mask,
+    block_q=cfg.block_q,
+    block_k=cfg.block_kv,
+    interpret=cfg.interpret,
+    precision=cfg.policy.precision,
+  )
+
+
+def _pallas_forward_state(cfg: RingConfig, x: Inputs):
+  """ring_forward_state with the Pallas kernel: each step's (out, lse) merged exactly
+  into the running pair."""
+  q, q_pos, q_seg, kv = _pallas_args(cfg, x)
+  opts = _kernel_options(cfg)
+  out = zeros_varying_like(q.shape, jnp.float32, x.q, x.kv.k)
+  lse = jnp.full_like(out, -jnp.inf, shape=q.shape[:-1])
+
+  def compute(kv, acc):
+    k, v = kv.k.astype(cfg.policy.compute_dtype), kv.v.astype(cfg.policy.compute_dtype)
+    step = _pallas.forward(q, k, v, q_pos, kv.pos, q_seg, kv.seg, **opts)
+    return merge_local(*zip(acc, step))
+
+  out, lse = _forward_passes(cfg, compute, kv, (out, lse))
+  return _q_blocked(out, x.q), _q_blocked(lse, x.q)
+
+
+def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
+  """ring_backward_state with the Pallas kernel."""
+  q, q_pos, q_seg, kv = _pallas_args(cfg, x)
+  opts = _kernel_options(cfg)
+  do, lse, delta = _q_natural(do), _q_natural(lse), _q_natural(delta)
+  dq = zeros_varying_like(q.shape, jnp.float32, x.q, x.kv.k)
+  zeros_kv = lambda: (
+    zeros_varying_like(kv.k.shape, jnp.float32, x.q, x.kv.k),
+    zeros_varying_like(kv.v.shape, jnp.float32, x.q, x.kv.v),
+  )
+
+  def compute(kv, dkv, dq):
+    k, v = kv.k.astype(cfg.policy.compute_dtype), kv.v.astype(cfg.policy.compute_dtype)
+    gq, gk, gv = _pallas.backward(q, k, v, do, lse, delta, q_pos, kv.pos, q_seg, kv.seg, **opts)
+    return dq + gq, (dkv[0] + gk, dkv[1] + gv)
+
+  (dk, dv), dq = _backward_passes(cfg, compute, kv, zeros_kv, dq)
+  scale = jnp.asarray(cfg.scale, jnp.float32)
+  return _q_blocked(dq, x.q) * scale, _kv_blocked(dk, cfg.block_kv), _kv_blocked(dv, cfg.block_kv)
 
 
 def _head_groups(cfg: RingConfig, q, k):

@@ -241,6 +241,9 @@ class RingAttention(_Cached, _Projected):
       layout, policy, block_sizes: as in `jax_ring.ring_attention`. With
       `ulysses_axis`, training calls run the Ulysses hybrid; prefill and decode run the
       ring over `seq_axis` alone, with the KV cache replicated over `ulysses_axis`.
+    attention_kernel: `jax_ring.ring_attention`'s `kernel` ("auto", "xla" or
+      "pallas") for training and prompt calls (named apart from Flax's `kernel`, the
+      projection weights).
     rope_base: rotary embeddings with this base on q and k at global positions
       (None: none). rope_max_wavelength: frequencies of longer wavelength are dropped
       (`rope_frequencies`), for models run past the length they were trained at.
@@ -272,6 +275,7 @@ class RingAttention(_Cached, _Projected):
     layout: str = "auto",
     policy: Policy | str | None = None,
     block_sizes: BlockSizes | None = None,
+    attention_kernel: str = "auto",
     rope_base: float | None = None,
     rope_max_wavelength: float | None = None,
     use_bias: bool = False,
@@ -312,6 +316,7 @@ class RingAttention(_Cached, _Projected):
         layout=layout,
         policy=policy,
         block_sizes=block_sizes,
+        kernel=attention_kernel,
       )
     )
 
@@ -396,6 +401,7 @@ class DilatedAttention(_Cached, _Projected):
       "dense" (jax_ring.reference_dilated_attention, the definition).
     sub_layer_norm: LongNet's (and Magneto's) LayerNorm on the attention output before
       the output projection (default True).
+    attention_kernel: `jax_ring.dilated_attention`'s `kernel`.
 
   Decoding (is_causal=True): `init_cache`, `prefill`, `decode` as on `RingAttention`;
   each new token attends to the cached keys its patterns select.
@@ -418,6 +424,7 @@ class DilatedAttention(_Cached, _Projected):
     is_causal: bool = False,
     policy: Policy | str | None = None,
     block_sizes: BlockSizes | None = None,
+    attention_kernel: str = "auto",
     rope_base: float | None = None,
     rope_max_wavelength: float | None = None,
     sub_layer_norm: bool = True,
@@ -463,6 +470,7 @@ class DilatedAttention(_Cached, _Projected):
         is_causal=is_causal,
         policy=policy,
         block_sizes=block_sizes,
+        kernel=attention_kernel,
       )
     )
 
