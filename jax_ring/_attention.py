@@ -223,7 +223,6 @@ def _ring_shard(
     steps_fwd=fwd,
     head_groups=groups,
     kernel=kernel.kernel,
-    interpret=kernel.interpret,
   )
   out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg)
   return out[:, :t], lse[:, :t]

@@ -109,7 +109,6 @@ class DilatedConfig:
   num_kv_heads: int
   groups: int  # query heads per kv head
   kernel: str = "xla"  # the ring's block kernel (RingConfig.kernel)
-  interpret: bool = False
 
 
 def _virtual_heads(cfg: DilatedConfig, rate: int) -> tuple[int, np.ndarray]:
@@ -231,7 +230,6 @@ class _Selected:
       steps_fwd=0,
       axis_size=cfg.devices,
       kernel=cfg.kernel,
-      interpret=cfg.interpret,
     )
 
   def pad_slots(self, x, fill=0):
@@ -507,7 +505,6 @@ def dilated_attention(
     num_kv_heads=k,
     groups=n // k,
     kernel=choice.kernel,
-    interpret=choice.interpret,
   )
   with jax.named_scope("jax_ring.dilated_attention"):
     if mesh is not None:

@@ -64,6 +64,14 @@ class KernelChoice:
   interpret: bool = False
 
 
+def per_platform(kernel, *args, **options):
+  """kernel(*args, **options) compiled (Triton) where the program is lowered for a GPU,
+  interpreted where it is lowered for CPU; so one traced program (the ring with the
+  kernel) runs on a CPU mesh and exports for CUDA (`jax.export`)."""
+  run = lambda interpret: functools.partial(kernel, interpret=interpret, **options)
+  return lax.platform_dependent(*args, cpu=run(True), default=run(False))
+
+
 def check_vma_off(x, caller: str) -> None:
   """ValueError when `x` is typed as varying over a manual mesh axis: inside
   `jax.shard_map(..., check_vma=True)`, where jax's Pallas interpreter fails (it

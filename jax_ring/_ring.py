@@ -59,9 +59,8 @@ class RingConfig:
   # one after another.
   head_groups: int = 1
   # The block kernel of every ring step: "xla" (`_kernel`'s tiles) or "pallas"
-  # (`_pallas`, blocks block_q x block_kv; `interpret` on a CPU mesh).
+  # (`_pallas`, blocks block_q x block_kv; interpreted where lowered for CPU).
   kernel: str = "xla"
-  interpret: bool = False
 
 
 def ring_permutation(ring_size: int, shift: int, axis_size: int | None = None):
@@ -275,7 +274,6 @@ def _kernel_options(cfg: RingConfig):
     spec=cfg.mask,
     block_q=cfg.block_q,
     block_k=cfg.block_kv,
-    interpret=cfg.interpret,
     precision=cfg.policy.precision,
   )
 
@@ -290,7 +288,7 @@ def _pallas_forward_state(cfg: RingConfig, x: Inputs):
 
   def compute(kv, acc):
     k, v = kv.k.astype(cfg.policy.compute_dtype), kv.v.astype(cfg.policy.compute_dtype)
-    step = _pallas.forward(q, k, v, q_pos, kv.pos, q_seg, kv.seg, **opts)
+    step = _pallas.per_platform(_pallas.forward, q, k, v, q_pos, kv.pos, q_seg, kv.seg, **opts)
     return merge_local(*zip(acc, step))
 
   out, lse = _forward_passes(cfg, compute, kv, (out, lse))
@@ -310,7 +308,8 @@ def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
 
   def compute(kv, dkv, dq):
     k, v = kv.k.astype(cfg.policy.compute_dtype), kv.v.astype(cfg.policy.compute_dtype)
-    gq, gk, gv = _pallas.backward(q, k, v, do, lse, delta, q_pos, kv.pos, q_seg, kv.seg, **opts)
+    args = (q, k, v, do, lse, delta, q_pos, kv.pos, q_seg, kv.seg)
+    gq, gk, gv = _pallas.per_platform(_pallas.backward, *args, **opts)
     return dq + gq, (dkv[0] + gk, dkv[1] + gv)
 
   (dk, dv), dq = _backward_passes(cfg, compute, kv, zeros_kv, dq)

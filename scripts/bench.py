@@ -52,6 +52,18 @@ def parse_args(argv=None):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--dense-max-length", type=int, default=8192, help="longest T for the one-device dense row")
   p.add_argument("--impls", default="jax_ring,ringattention,dense", help="which implementations to run")
+  p.add_argument(
+    "--kernel",
+    default="auto",
+    choices=["auto", "xla", "pallas"],
+    help="jax_ring's block kernel (auto: the Pallas kernel on a GPU, the XLA tiles on CPU)",
+  )
+  p.add_argument(
+    "--dense-implementation",
+    default=None,
+    choices=["xla", "cudnn"],
+    help="jax.nn.dot_product_attention's implementation for the dense row (cudnn: on a GPU)",
+  )
   p.add_argument("--ra-chunk", type=int, default=512, help="largest ringattention query/key chunk size")
   p.add_argument(
     "--budget-mib", type=float, default=1024.0, help="per-device budget of the max-length finder"
@@ -131,12 +143,16 @@ class Suite:
     import jax_ring
 
     if impl == "dense":
-      fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+      impl = self.args.dense_implementation
+      fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
       return fn, SingleDeviceSharding(jax.devices()[0])
     mesh = self.mesh(d)
     sharding = NamedSharding(mesh, P(None, "seq"))
     if impl == "jax_ring":
-      fn = lambda q, k, v: jax_ring.ring_attention(q, k, v, mesh=mesh, is_causal=causal, policy=dtype)
+      kernel = self.args.kernel
+      fn = lambda q, k, v: jax_ring.ring_attention(
+        q, k, v, mesh=mesh, is_causal=causal, policy=dtype, kernel=kernel
+      )
       return fn, sharding
     chunk = self.ra_chunk(length // d)
     kwargs = dict(
@@ -252,6 +268,13 @@ def main(argv=None):
     lines.append(f"ringattention rows skipped: the package is not importable ({suite.ra_missing}).\n")
     print(lines[-1].strip(), flush=True)
   impls = [i for i in ("jax_ring", "ringattention", "dense") if i in args.impls]
+  import jax_ring
+
+  platform = jax.devices()[0].platform
+  for dtype in args.dtypes:
+    choice = jax_ring.choose_kernel(args.kernel, platform, args.head_dim, jax_ring.PRESETS[dtype])
+    lines.append(f"jax_ring's kernel ({dtype}, --kernel {args.kernel}): {choice.kernel}; {choice.reason}.\n")
+    print(lines[-1].strip(), flush=True)
   rows = []
   if not args.no_sweep:
     for length in args.lengths:

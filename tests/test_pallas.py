@@ -1,10 +1,12 @@
 """The Pallas block kernels (jax_ring._pallas): in interpret mode on this CPU against
 the float64 dense definition (outputs, lse, and the gradients from the global lse and
 delta), and lowered for CUDA through jax.export, so a kernel Triton cannot compile
-fails here rather than on a GPU.
+fails here rather than on a GPU. Then the ring, dilated attention and the modules with
+`kernel="pallas"` against the float64 references on 1 to 4 devices, the kernel choice,
+and the whole jitted ring (forward and backward) exported for CUDA.
 
-The kernels run with x64 off (Pallas kernels mix int32 and int64 indices under x64);
-the references run in float64.
+The kernel-level tests run the kernels with x64 off (as a GPU user would); the ring
+tests with x64 on (the suite's default), which the kernels also support.
 """
 
 import functools
@@ -13,8 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import compare_with_reference, make_mesh, padded_segments, qkv, rel_err
+from jax.sharding import PartitionSpec as P
 
+import jax_ring
+from jax_ring import choose_kernel, reference_attention, ring_attention
 from jax_ring._kernel import MaskSpec
 from jax_ring._pallas import backward, check_blocks, forward
 
@@ -158,3 +163,171 @@ def test_kernels_lower_to_triton_for_cuda(name):
 def test_block_checks(args, match):
   with pytest.raises(ValueError, match=match):
     check_blocks(*args)
+
+
+# The ring with the Pallas kernel -------------------------------------------------------
+
+TOL = 1e-5
+# name -> (devices, heads, kv heads, length, options); lengths that pad the kernel's
+# blocks (61, 70), every layout, GQA and MQA, masks, segment ids with padding.
+RING_CASES = {
+  "full_contiguous": (2, 4, 4, 64, {}),
+  "causal_zigzag_gqa": (4, 8, 2, 128, {"is_causal": True}),
+  "causal_striped_padded": (3, 4, 2, 61, {"is_causal": True, "layout": "striped"}),
+  "segments_padding_mqa": (2, 4, 1, 64, {"segment_ids": "padded"}),
+  "window_contiguous": (4, 4, 2, 70, {"local_window_size": (9, 4), "layout": "contiguous"}),
+  "causal_window_one_device": (1, 4, 2, 64, {"is_causal": True, "local_window_size": 6}),
+}
+
+
+def _ring_case(name):
+  devices, heads, kv_heads, length, options = RING_CASES[name]
+  options = dict(options)
+  if options.get("segment_ids") == "padded":
+    options["segment_ids"] = padded_segments(2, length)
+  return make_mesh((devices,), ("seq",)), qkv(2, length, heads, kv_heads, 16), options
+
+
+@pytest.mark.parametrize("name", list(RING_CASES))
+def test_ring_with_pallas_kernel_matches_reference(name):
+  mesh, args, options = _ring_case(name)
+  fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, kernel="pallas", **options)
+  ref = functools.partial(reference_attention, **{k: v for k, v in options.items() if k != "layout"})
+  compare_with_reference(fn, ref, args, TOL)
+
+
+def test_ring_with_pallas_kernel_lse_and_rows_that_see_nothing():
+  """Cross-attention (S != T) with per-row lengths: padding queries get 0, queries
+  before every valid key (causal, keys shifted by a window) get 0 and lse -inf; the
+  lse is exact and differentiable."""
+  mesh = make_mesh((2,), ("seq",))
+  q = qkv(2, 48, 4, 2, 16)[0]
+  _, k, v = qkv(2, 32, 4, 2, 16, seed=1)
+  lengths = dict(query_seq_lengths=jnp.array([48, 30]), key_value_seq_lengths=jnp.array([32, 20]))
+  options = dict(local_window_size=(4, 0), is_causal=True, **lengths)
+
+  def fn(q, k, v):
+    return ring_attention(q, k, v, mesh=mesh, kernel="pallas", return_residual=True, **options)
+
+  ref = functools.partial(reference_attention, return_residual=True, **options)
+  (out, lse), _ = compare_with_reference(fn, ref, (q, k, v), TOL)
+  lse = np.asarray(lse)
+  assert np.isneginf(lse[1, 30:]).all() and np.isneginf(lse[1, 25:30]).all()  # rows past kv length 20 + 4
+  assert np.isfinite(lse[0, :36]).all() and np.isneginf(lse[0, 36:]).all()
+  assert np.all(np.asarray(out)[np.isneginf(lse)] == 0)
+
+
+def test_ring_shard_with_pallas_kernel_inside_shard_map():
+  """ring_attention_shard(kernel="pallas") in the caller's shard_map: needs
+  check_vma=False on CPU (jax's Pallas interpreter), and says so otherwise."""
+  mesh = make_mesh((4,), ("seq",))
+  seq = P(None, "seq")
+  args = qkv(1, 128, 4, 2, 16)
+  on_mesh = lambda f: lambda *a: f(*(jax.reshard(x, jax.NamedSharding(mesh, seq)) for x in a))
+
+  def inner(q, k, v):
+    return jax_ring.ring_attention_shard(
+      q, k, v, axis_name="seq", is_causal=True, layout="contiguous", kernel="pallas"
+    )
+
+  sharded = on_mesh(jax.shard_map(inner, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq, check_vma=False))
+  compare_with_reference(sharded, functools.partial(reference_attention, is_causal=True), args, TOL)
+  checked = jax.jit(on_mesh(jax.shard_map(inner, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq)))
+  with pytest.raises(ValueError, match=r"ring_attention_shard\(kernel='pallas'\) on CPU .* check_vma=False"):
+    checked(*args)
+
+
+@pytest.mark.parametrize("devices", [None, 2])
+def test_dilated_with_pallas_kernel_matches_reference(devices):
+  mesh = None if devices is None else make_mesh((devices,), ("seq",))
+  patterns = dict(segment_lengths=(16, 64), dilation_rates=(1, 2), is_causal=True)
+  args = qkv(2, 96, 4, 2, 16, seed=5)
+  fn = lambda q, k, v: jax_ring.dilated_attention(q, k, v, mesh=mesh, kernel="pallas", **patterns)
+  compare_with_reference(fn, functools.partial(jax_ring.reference_dilated_attention, **patterns), args, TOL)
+
+
+def test_modules_pass_the_kernel_on():
+  """RingAttention and DilatedAttention with attention_kernel="pallas" equal the same
+  modules on the XLA tiles (same parameters)."""
+  from flax import nnx
+
+  from jax_ring import nn
+
+  mesh = make_mesh((2,), ("seq",))
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 64, 32))
+  ring = lambda kernel: nn.RingAttention(
+    2, 32, mesh=mesh, is_causal=True, attention_kernel=kernel, rngs=nnx.Rngs(0)
+  )
+  dilated = lambda kernel: nn.DilatedAttention(
+    2,
+    32,
+    segment_lengths=(16, 64),
+    dilation_rates=(1, 2),
+    mesh=mesh,
+    attention_kernel=kernel,
+    rngs=nnx.Rngs(0),
+  )
+  for make in (ring, dilated):
+    assert rel_err(make("pallas")(x), make("xla")(x)) < TOL
+
+
+# The kernel choice -----------------------------------------------------------------
+
+FLOAT32 = jax_ring.Policy()
+
+
+def test_auto_picks_xla_on_cpu_and_pallas_on_gpu():
+  assert choose_kernel("auto", "cpu", 64, FLOAT32).kernel == "xla"
+  gpu = choose_kernel("auto", "gpu", 64, jax_ring.PRESETS["bfloat16"])
+  assert gpu.kernel == "pallas" and not gpu.interpret
+  cpu = choose_kernel("pallas", "cpu", 64, FLOAT32)
+  assert cpu.kernel == "pallas" and cpu.interpret
+  assert choose_kernel("xla", "gpu", 64, FLOAT32).kernel == "xla"
+
+
+@pytest.mark.parametrize(
+  "platform, head_dim, policy, reason",
+  [
+    ("gpu", 24, "float32", "head_dim=24"),
+    ("gpu", 512, "float32", "head_dim=512"),
+    ("gpu", 64, "float64", "float64"),
+    ("tpu", 64, "float32", "platform 'tpu'"),
+  ],
+)
+def test_auto_falls_back_with_the_reason_and_pallas_refuses(platform, head_dim, policy, reason):
+  choice = choose_kernel("auto", platform, head_dim, jax_ring.PRESETS[policy])
+  assert choice.kernel == "xla" and reason in choice.reason
+  with pytest.raises(ValueError, match=f"kernel='pallas': .*{reason}"):
+    choose_kernel("pallas", platform, head_dim, jax_ring.PRESETS[policy])
+
+
+def test_unknown_kernel_names_the_argument():
+  mesh = make_mesh((2,), ("seq",))
+  q, k, v = qkv(1, 32, 2, 2, 16)
+  with pytest.raises(ValueError, match=r"kernel='triton' must be one of \('auto', 'xla', 'pallas'\)"):
+    ring_attention(q, k, v, mesh=mesh, kernel="triton")
+  with pytest.raises(ValueError, match="head_dim=8"):
+    ring_attention(*qkv(1, 32, 2, 2, 8), mesh=mesh, kernel="pallas")
+
+
+def test_ring_with_pallas_kernel_exports_for_cuda():
+  """The jitted forward and backward of the ring with the kernel, lowered for CUDA on
+  this CPU: Triton calls for the forward, dq and dk/dv kernels, K/V moved by
+  collective permutes; a block shape Triton cannot take would fail here."""
+  mesh = make_mesh((4,), ("seq",))
+  q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = ring_attention(q, k, v, mesh=mesh, is_causal=True, policy="bfloat16", kernel="pallas")
+    return jnp.sum(out.astype(jnp.float32))
+
+  triton = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  exported = jax.export.export(grad, platforms=("cuda",), disabled_checks=triton)(q, kv, kv)
+  text = exported.mlir_module()
+  assert exported.platforms == ("cuda",) and exported.nr_devices == 4
+  for name in ("jax_ring_forward", "jax_ring_backward_dq", "jax_ring_backward_dkv"):
+    assert f'name = "{name}"' in text or name in text, name
+  assert text.count("__gpu$xla.gpu.triton") == 3
+  assert "collective_permute" in text and "num_warps = 4" in text
