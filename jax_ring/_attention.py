@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_ring import _pallas, _ulysses, _validation, layouts
+from jax_ring import _mosaic, _pallas, _ulysses, _validation, layouts
 from jax_ring._kernel import MaskSpec
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_attention_inputs
 from jax_ring._policy import Policy, get_policy
@@ -209,6 +209,8 @@ def _ring_shard(
   groups = block_sizes.head_groups(key.shape[2], max(padded_t, padded_s))
   if kernel.kernel == "pallas":
     _pallas.check_blocks(padded_t, padded_s, query.shape[3], bq, bk)
+    if jax.default_backend() == "tpu":
+      _mosaic.check_blocks(padded_t, padded_s, bq, bk)
   else:  # the XLA tiles hold whole score tiles in memory; the kernel's stay on chip
     bq, bk = fit_tile_budget(bq, bk, b * query.shape[2] // groups, block_sizes)
   cfg = RingConfig(

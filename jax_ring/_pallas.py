@@ -17,6 +17,10 @@ A tile whose position (and segment id) bounds rule it out entirely is skipped wi
 branch inside the kernel's loop over tiles, the same test as `_kernel.tile_class`.
 The kernels run on CPU in interpret mode (`interpret=True`), which is how they are
 tested here; `jax.export` with `platforms=("cuda",)` lowers them to Triton without a GPU.
+
+Also here: what the TPU kernels (`_mosaic`) share (`mask_of`, `hidden`, `scores`,
+`dot`, `out_shape`) and which kernel a call runs (`choose_kernel`); the ring calls
+the kernels through `_ring._run_kernel`, per platform.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ MIN_BLOCK = 16
 MAX_BLOCK = 128
 MAX_HEAD_DIM = 256
 KERNELS = ("auto", "xla", "pallas")
-# Platforms with a Pallas kernel here ("cpu": interpret mode, asked for by name only).
-_PALLAS_PLATFORMS = ("gpu", "cuda", "rocm", "cpu")
+# Platforms with a Pallas kernel here: GPUs run this module's (Triton) kernels, TPUs
+# `_mosaic`'s; "cpu" interprets them (asked for by name only).
+_PALLAS_PLATFORMS = ("gpu", "cuda", "rocm", "tpu", "cpu")
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 _log = logging.getLogger("jax_ring")
@@ -62,14 +67,6 @@ class KernelChoice:
   kernel: str
   reason: str
   interpret: bool = False
-
-
-def per_platform(kernel, *args, **options):
-  """kernel(*args, **options) compiled (Triton) where the program is lowered for a GPU,
-  interpreted where it is lowered for CPU; so one traced program (the ring with the
-  kernel) runs on a CPU mesh and exports for CUDA (`jax.export`)."""
-  run = lambda interpret: functools.partial(kernel, interpret=interpret, **options)
-  return lax.platform_dependent(*args, cpu=run(True), default=run(False))
 
 
 def check_vma_off(x, caller: str) -> None:
@@ -93,7 +90,7 @@ def block_for(length: int) -> int:
 def unsupported(platform: str, head_dim: int, policy) -> str | None:
   """Why the Pallas kernel cannot run this call, or None when it can."""
   if platform not in _PALLAS_PLATFORMS:
-    return f"platform {platform!r}: jax_ring's Pallas kernel is Triton-style (GPU; CPU interpreted)"
+    return f"platform {platform!r} has no Pallas kernel here (GPU, TPU; CPU interpreted)"
   if head_dim < MIN_BLOCK or head_dim > MAX_HEAD_DIM or head_dim & (head_dim - 1):
     return f"head_dim={head_dim}: the Pallas kernel needs a power of two in [{MIN_BLOCK}, {MAX_HEAD_DIM}]"
   if policy.compute_dtype not in _DTYPES:
@@ -107,7 +104,7 @@ def choose_kernel(kernel: str, platform: str, head_dim: int, policy) -> KernelCh
   """The kernel a call runs: `kernel` is "auto", "xla" or "pallas".
 
   "auto" picks the XLA tiles on CPU (the Pallas kernel runs there only interpreted)
-  and the Pallas kernel on a GPU when `unsupported` finds nothing, else the XLA tiles,
+  and the Pallas kernel on a GPU or TPU when `unsupported` finds nothing, else the XLA tiles,
   logging the reason at INFO on the "jax_ring" logger. "pallas" raises a ValueError
   naming what is unsupported; on CPU it runs in interpret mode."""
   if not isinstance(kernel, str) or kernel not in KERNELS:
@@ -142,7 +139,7 @@ def check_blocks(tq: int, tk: int, head_dim: int, block_q: int, block_k: int) ->
     raise ValueError(f"head_dim={head_dim}: the Pallas kernel needs a power of two >= {MIN_BLOCK}")
 
 
-def _hidden(spec: MaskSpec, q_bounds, k_bounds):
+def hidden(spec: MaskSpec, q_bounds, k_bounds):
   """True when the masks hide the whole tile (`_kernel.tile_class` == 0), from the
   blocks' bounds (`_query_bounds`, `_key_bounds`); None when no mask can hide a tile."""
   (q_lo, q_hi, q_seg), (k_lo, k_hi, k_seg) = q_bounds, k_bounds
@@ -168,7 +165,14 @@ def _unless(hidden, visit, carry):
 
 def _mask(spec: MaskSpec, qp, kp, qs, ks):
   """bool [bq, bk]: which keys each query sees (positions, padding, segment ids)."""
-  qp, kp = qp[:, None], kp[None, :]
+  return mask_of(
+    spec, qp[:, None], kp[None, :], None if qs is None else qs[:, None], None if ks is None else ks[None, :]
+  )
+
+
+def mask_of(spec: MaskSpec, qp, kp, qs, ks):
+  """`_mask` from a column of query positions [bq, 1] and a row of key positions
+  [1, bk] (ids likewise, or None), the form both kernels can broadcast."""
   mask = kp >= 0
   if spec.is_causal:
     mask = mask & (kp <= qp)
@@ -176,7 +180,7 @@ def _mask(spec: MaskSpec, qp, kp, qs, ks):
     left, right = spec.window
     mask = mask & (kp >= qp - left) & (kp <= qp + right)
   if qs is not None:
-    mask = mask & (qs[:, None] == ks[None, :]) & (qs[:, None] >= 0)
+    mask = mask & (qs == ks) & (qs >= 0)
   return mask
 
 
@@ -208,14 +212,14 @@ def _loop(n: int, body, init):
   return lax.fori_loop(jnp.int32(0), jnp.int32(n), body, init)
 
 
-def _dot(a, b, contract, precision=None):
+def dot(a, b, contract, precision=None):
   """2-d dot in float32: contract = (axis of a, axis of b)."""
   dims = ((contract[:1], contract[1:]), ((), ()))
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _scores(q, k, mask, precision):
-  s = _dot(q, k, (1, 1), precision)
+def scores(q, k, mask, precision):
+  s = dot(q, k, (1, 1), precision)
   return jnp.where(mask, s, -jnp.inf)
 
 
@@ -233,19 +237,19 @@ def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool,
 
     def visit(carry):
       o, m, l = carry
-      s = _scores(q, k_ref[window, :], _mask(spec, qp, kp, qs, ks), precision)
+      s = scores(q, k_ref[window, :], _mask(spec, qp, kp, qs, ks), precision)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       p = jnp.exp(s - m_safe[:, None])
       alpha = jnp.exp(m - m_safe)
       v = v_ref[window, :]
       return (
-        o * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0), precision),
+        o * alpha[:, None] + dot(p.astype(v.dtype), v, (1, 0), precision),
         m_new,
         l * alpha + jnp.sum(p, axis=1),
       )
 
-    return _unless(_hidden(spec, q_bounds, _key_bounds(kp, ks)), visit, carry)
+    return _unless(hidden(spec, q_bounds, _key_bounds(kp, ks)), visit, carry)
 
   init = (
     jnp.zeros((bq, h), jnp.float32),
@@ -259,7 +263,7 @@ def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool,
   lse_ref[...] = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
 
 
-def _out_shape(shape, *like):
+def out_shape(shape, *like):
   """A float32 kernel output that varies over every manual mesh axis `like` varies
   over (what `jax.shard_map`'s check_vma needs to type the kernel's result)."""
   varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in like if x is not None))
@@ -311,13 +315,13 @@ def forward(
     pl.BlockSpec((None, None, block_q), lambda i, bi, ni: (bi, ni, i)),
   ]
   args = (q, k, v, q_pos, k_pos) + ((q_seg, k_seg) if has_seg else ())
-  out_shape = [_out_shape((b, n, tq, h), *args), _out_shape((b, n, tq), *args)]
+  shapes = [out_shape((b, n, tq, h), *args), out_shape((b, n, tq), *args)]
   return pl.pallas_call(
     kernel,
     grid=(tq // block_q, b, n),
     in_specs=in_specs,
     out_specs=out_specs,
-    out_shape=out_shape,
+    out_shape=shapes,
     interpret=interpret,
     compiler_params=_TRITON,
     name="jax_ring_forward",
@@ -326,9 +330,9 @@ def forward(
 
 def _tile_grads(spec, precision, q, do, lse, delta, qp, qs, k, v, kp, ks):
   """(p, ds) of one tile from the global lse and delta: p = exp(s - lse), masked."""
-  s = _scores(q, k, _mask(spec, qp, kp, qs, ks), precision)
+  s = scores(q, k, _mask(spec, qp, kp, qs, ks), precision)
   p = jnp.exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None])
-  dp = _dot(do, v, (1, 1), precision)
+  dp = dot(do, v, (1, 1), precision)
   return p, p * (dp - delta[:, None])
 
 
@@ -346,9 +350,9 @@ def _dq_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool, prec
     def visit(dq):
       k = k_ref[window, :]
       _, ds = _tile_grads(spec, precision, q, do, lse, delta, qp, qs, k, v_ref[window, :], kp, ks)
-      return dq + _dot(ds.astype(k.dtype), k, (1, 0), precision)
+      return dq + dot(ds.astype(k.dtype), k, (1, 0), precision)
 
-    return _unless(_hidden(spec, q_bounds, _key_bounds(kp, ks)), visit, dq)
+    return _unless(hidden(spec, q_bounds, _key_bounds(kp, ks)), visit, dq)
 
   dq_ref[...] = _loop(nk, body, jnp.zeros(q.shape, jnp.float32))
 
@@ -371,11 +375,11 @@ def _dkv_kernel(*refs, spec: MaskSpec, block_q: int, nq: int, groups: int, has_s
       p, ds = _tile_grads(
         spec, precision, q, do, lse_ref[g, window], delta_ref[g, window], qp, qs, k, v, kp, ks
       )
-      return dk + _dot(ds.astype(q.dtype), q, (0, 0), precision), dv + _dot(
+      return dk + dot(ds.astype(q.dtype), q, (0, 0), precision), dv + dot(
         p.astype(do.dtype), do, (0, 0), precision
       )
 
-    return _unless(_hidden(spec, _query_bounds(qp, qs), k_bounds), visit, carry)
+    return _unless(hidden(spec, _query_bounds(qp, qs), k_bounds), visit, carry)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = _loop(groups * nq, body, (zeros, zeros))
@@ -432,7 +436,7 @@ def backward(
       *_segment_specs(has_seg, lambda i, bi, ni: (bi, i), lambda i, bi, ni: (bi, 0), block_q, tk),
     ],
     out_specs=pl.BlockSpec((None, None, block_q, h), row),
-    out_shape=_out_shape((b, n, tq, h), *args),
+    out_shape=out_shape((b, n, tq, h), *args),
     interpret=interpret,
     compiler_params=_TRITON,
     name="jax_ring_backward_dq",
@@ -466,7 +470,7 @@ def backward(
       *_segment_specs(has_seg, lambda j, bi, ki: (bi, 0), lambda j, bi, ki: (bi, j), tq, block_k),
     ],
     out_specs=[pl.BlockSpec((None, None, block_k, h), key)] * 2,
-    out_shape=[_out_shape((b, kh, tk, h), *args)] * 2,
+    out_shape=[out_shape((b, kh, tk, h), *args)] * 2,
     interpret=interpret,
     compiler_params=_TRITON,
     name="jax_ring_backward_dkv",

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ring import _pallas
+from jax_ring import _mosaic, _pallas
 from jax_ring._kernel import (
   KVBlocks,
   MaskSpec,
@@ -263,10 +263,30 @@ def _kv_blocked(x, block: int):
   return jnp.moveaxis(x.reshape(b, kh, s // block, block, h), 2, 0)
 
 
-def _pallas_args(cfg: RingConfig, x: Inputs):
+def _pallas_args(x: Inputs):
   """(q, q positions, q ids, K/V) of this device in the kernels' layout."""
   seg = None if x.q_seg is None else jnp.moveaxis(x.q_seg, 0, 1).reshape(x.q_seg.shape[1], -1)
   return _q_natural(x.q), x.q_pos.reshape(-1), seg, _kv_natural(x.kv)
+
+
+# Which kernels run interpreted where the program is lowered for CPU: "gpu" (`_pallas`)
+# or "tpu" (`_mosaic`, which tests select by setting this).
+INTERPRET_STYLE = "gpu"
+
+
+def _run_kernel(name: str, *args, **options):
+  """The kernel `name` ("forward" or "backward") per platform the program is lowered
+  for: Triton (`_pallas`) on CUDA and ROCm, Mosaic (`_mosaic`) on TPU where the blocks
+  suit it, interpreted on CPU. So one traced program runs on a CPU mesh and exports
+  for a GPU or TPU (`jax.export`)."""
+  gpu, tpu = getattr(_pallas, name), getattr(_mosaic, name)
+  run = lambda kernel, interpret: functools.partial(kernel, interpret=interpret, **options)
+  branches = dict(cuda=run(gpu, False), rocm=run(gpu, False))
+  q, k = args[:2]
+  if _mosaic.blocks_problem(q.shape[2], k.shape[2], options["block_q"], options["block_k"]) is None:
+    branches["tpu"] = run(tpu, False)
+  branches["cpu"] = run(tpu if INTERPRET_STYLE == "tpu" else gpu, True)
+  return lax.platform_dependent(*args, **branches)
 
 
 def _kernel_options(cfg: RingConfig):
@@ -281,14 +301,14 @@ def _kernel_options(cfg: RingConfig):
 def _pallas_forward_state(cfg: RingConfig, x: Inputs):
   """ring_forward_state with the Pallas kernel: each step's (out, lse) merged exactly
   into the running pair."""
-  q, q_pos, q_seg, kv = _pallas_args(cfg, x)
+  q, q_pos, q_seg, kv = _pallas_args(x)
   opts = _kernel_options(cfg)
   out = zeros_varying_like(q.shape, jnp.float32, x.q, x.kv.k)
   lse = jnp.full_like(out, -jnp.inf, shape=q.shape[:-1])
 
   def compute(kv, acc):
     k, v = kv.k.astype(cfg.policy.compute_dtype), kv.v.astype(cfg.policy.compute_dtype)
-    step = _pallas.per_platform(_pallas.forward, q, k, v, q_pos, kv.pos, q_seg, kv.seg, **opts)
+    step = _run_kernel("forward", q, k, v, q_pos, kv.pos, q_seg, kv.seg, **opts)
     return merge_local(*zip(acc, step))
 
   out, lse = _forward_passes(cfg, compute, kv, (out, lse))
@@ -297,7 +317,7 @@ def _pallas_forward_state(cfg: RingConfig, x: Inputs):
 
 def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   """ring_backward_state with the Pallas kernel."""
-  q, q_pos, q_seg, kv = _pallas_args(cfg, x)
+  q, q_pos, q_seg, kv = _pallas_args(x)
   opts = _kernel_options(cfg)
   do, lse, delta = _q_natural(do), _q_natural(lse), _q_natural(delta)
   dq = zeros_varying_like(q.shape, jnp.float32, x.q, x.kv.k)
@@ -309,7 +329,7 @@ def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   def compute(kv, dkv, dq):
     k, v = kv.k.astype(cfg.policy.compute_dtype), kv.v.astype(cfg.policy.compute_dtype)
     args = (q, k, v, do, lse, delta, q_pos, kv.pos, q_seg, kv.seg)
-    gq, gk, gv = _pallas.per_platform(_pallas.backward, *args, **opts)
+    gq, gk, gv = _run_kernel("backward", *args, **opts)
     return dq + gq, (dkv[0] + gk, dkv[1] + gv)
 
   (dk, dv), dq = _backward_passes(cfg, compute, kv, zeros_kv, dq)

@@ -19,7 +19,7 @@ from conftest import compare_with_reference, make_mesh, padded_segments, qkv, re
 from jax.sharding import PartitionSpec as P
 
 import jax_ring
-from jax_ring import choose_kernel, reference_attention, ring_attention
+from jax_ring import _mosaic, choose_kernel, reference_attention, ring_attention
 from jax_ring._kernel import MaskSpec
 from jax_ring._pallas import backward, check_blocks, forward
 
@@ -52,6 +52,20 @@ CASES = {
   "causal_edge": (MaskSpec(is_causal=True), np.arange(32), np.arange(48) + 15, None, None),
   # Queries before every key: every row sees nothing (output 0, lse -inf, no gradient).
   "causal_nothing_visible": (MaskSpec(is_causal=True), np.arange(32), np.arange(48) + 100, None, None),
+  # Two key blocks of the TPU kernel's (128): the window hides the first (keys before
+  # 140), padding ends the second.
+  "window_padding_long_keys": (
+    MaskSpec(is_causal=True, window=(60, 0), has_padding=True),
+    np.arange(32) + 200,
+    np.where(np.arange(256) < 240, np.arange(256), -1),
+    None,
+    None,
+  ),
+}
+STYLES = {
+  # style: (forward, backward, (block_q, block_k) for key length tk)
+  "gpu": (forward, backward, lambda tk: (16, 16)),
+  "tpu": (_mosaic.forward, _mosaic.backward, lambda tk: (8, 128 if tk % 128 == 0 else tk)),
 }
 
 
@@ -81,9 +95,11 @@ def _dense(spec, qp, kp, qs, ks):
 
 
 @functools.cache
-def _run(name):
-  """Kernel results (x64 off) and the float64 reference for one case."""
+def _run(name, style="gpu"):
+  """Kernel results (x64 off) of one style and the float64 reference for one case."""
   spec, qp, kp, qs, ks = CASES[name]
+  fwd, bwd, blocks_for = STYLES[style]
+  block_q, block_k = blocks_for(len(kp))
   q, k, v, do = _inputs(len(qp), len(kp))
   ints = [None if x is None else np.asarray(x, np.int32) for x in (qp, kp, qs, ks)]
   attend = _dense(spec, *ints)
@@ -91,16 +107,17 @@ def _run(name):
   (ref_out, ref_lse), vjp = jax.vjp(attend, *f64[:3])
   ref_grads = vjp((f64[3], jnp.zeros_like(ref_lse)))
   with jax.enable_x64(False):
-    blocks = dict(spec=spec, block_q=16, block_k=16, interpret=True)
-    out, lse = forward(q, k, v, *ints, **blocks)
+    blocks = dict(spec=spec, block_q=block_q, block_k=block_k, interpret=True)
+    out, lse = fwd(q, k, v, *ints, **blocks)
     delta = jnp.sum(jnp.asarray(do) * out, axis=-1)
-    grads = backward(q, k, v, do, lse, delta, *ints, **blocks)
+    grads = bwd(q, k, v, do, lse, delta, *ints, **blocks)
   return (out, lse, grads), (ref_out, ref_lse, ref_grads)
 
 
+@pytest.mark.parametrize("style", list(STYLES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_forward_matches_dense_float64(name):
-  (out, lse, _), (ref_out, ref_lse, _) = _run(name)
+def test_forward_matches_dense_float64(name, style):
+  (out, lse, _), (ref_out, ref_lse, _) = _run(name, style)
   lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
   assert rel_err(out, ref_out) < 1e-5 or np.abs(ref_out).max() == 0 and np.abs(out).max() == 0
@@ -111,9 +128,10 @@ def test_forward_matches_dense_float64(name):
     assert not seen.any() and np.all(np.asarray(out) == 0)
 
 
+@pytest.mark.parametrize("style", list(STYLES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_backward_from_global_lse_matches_dense_float64(name):
-  (_, _, grads), (_, _, ref_grads) = _run(name)
+def test_backward_from_global_lse_matches_dense_float64(name, style):
+  (_, _, grads), (_, _, ref_grads) = _run(name, style)
   for label, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
     ref = np.asarray(ref)
     if np.abs(ref).max() == 0:
@@ -122,11 +140,18 @@ def test_backward_from_global_lse_matches_dense_float64(name):
       assert rel_err(g, ref) < 1e-5, (label, rel_err(g, ref))
 
 
-def test_partly_masked_case_skips_and_masks():
-  """The masked case really has hidden, masked and visible rows (not a vacuous test)."""
+def test_partly_masked_cases_skip_and_mask():
+  """The masked cases really have hidden rows and hidden key blocks (not vacuous tests)."""
   _, (_, ref_lse, _) = _run("causal_window_padding_segments")
   seen = np.isfinite(np.asarray(ref_lse))
   assert seen.any() and not seen.all()
+  _, (_, _, (_, ref_dk, _)) = _run("window_padding_long_keys")
+  ref_dk = np.abs(np.asarray(ref_dk))
+  assert (
+    ref_dk[:, :, :140].max() == 0
+    and ref_dk[:, :, 140:232].min(axis=-1).all()
+    and ref_dk[:, :, 232:].max() == 0
+  )
 
 
 @pytest.mark.parametrize("name", ["full", "causal_window_padding_segments"])
@@ -190,6 +215,17 @@ def _ring_case(name):
 
 @pytest.mark.parametrize("name", list(RING_CASES))
 def test_ring_with_pallas_kernel_matches_reference(name):
+  _ring_with_kernel_matches_reference(name)
+
+
+@pytest.mark.parametrize("name", ["causal_zigzag_gqa", "segments_padding_mqa", "window_contiguous"])
+def test_ring_with_tpu_kernel_matches_reference(name, monkeypatch):
+  """The same with the TPU (Mosaic) kernels interpreted where the program runs on CPU."""
+  monkeypatch.setattr(jax_ring._ring, "INTERPRET_STYLE", "tpu")
+  _ring_with_kernel_matches_reference(name)
+
+
+def _ring_with_kernel_matches_reference(name):
   mesh, args, options = _ring_case(name)
   fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, kernel="pallas", **options)
   ref = functools.partial(reference_attention, **{k: v for k, v in options.items() if k != "layout"})
@@ -282,6 +318,7 @@ def test_auto_picks_xla_on_cpu_and_pallas_on_gpu():
   assert gpu.kernel == "pallas" and not gpu.interpret
   cpu = choose_kernel("pallas", "cpu", 64, FLOAT32)
   assert cpu.kernel == "pallas" and cpu.interpret
+  assert choose_kernel("auto", "tpu", 128, FLOAT32).kernel == "pallas"
   assert choose_kernel("xla", "gpu", 64, FLOAT32).kernel == "xla"
 
 
@@ -291,7 +328,7 @@ def test_auto_picks_xla_on_cpu_and_pallas_on_gpu():
     ("gpu", 24, "float32", "head_dim=24"),
     ("gpu", 512, "float32", "head_dim=512"),
     ("gpu", 64, "float64", "float64"),
-    ("tpu", 64, "float32", "platform 'tpu'"),
+    ("neuron", 64, "float32", "platform 'neuron'"),
   ],
 )
 def test_auto_falls_back_with_the_reason_and_pallas_refuses(platform, head_dim, policy, reason):
@@ -310,24 +347,35 @@ def test_unknown_kernel_names_the_argument():
     ring_attention(*qkv(1, 32, 2, 2, 8), mesh=mesh, kernel="pallas")
 
 
-def test_ring_with_pallas_kernel_exports_for_cuda():
-  """The jitted forward and backward of the ring with the kernel, lowered for CUDA on
-  this CPU: Triton calls for the forward, dq and dk/dv kernels, K/V moved by
-  collective permutes; a block shape Triton cannot take would fail here."""
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_ring_with_pallas_kernel_exports_for_gpu_and_tpu(platform):
+  """The jitted forward and backward of the ring with the kernel, lowered for CUDA
+  (Triton) and TPU (Mosaic) on this CPU: one custom call each for the forward, dq and
+  dk/dv kernels, K/V moved by collective permutes; a block shape or an operation the
+  compiler's lowering rejects fails here."""
   mesh = make_mesh((4,), ("seq",))
-  q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
 
   def loss(q, k, v):
     out = ring_attention(q, k, v, mesh=mesh, is_causal=True, policy="bfloat16", kernel="pallas")
     return jnp.sum(out.astype(jnp.float32))
 
-  triton = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  call, names = {
+    "cuda": ("__gpu$xla.gpu.triton", ("jax_ring_forward", "jax_ring_backward_dq", "jax_ring_backward_dkv")),
+    "tpu": (
+      "tpu_custom_call",
+      ("jax_ring_tpu_forward", "jax_ring_tpu_backward_dq", "jax_ring_tpu_backward_dkv"),
+    ),
+  }[platform]
+  checks = [jax.export.DisabledSafetyCheck.custom_call(call)]
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  exported = jax.export.export(grad, platforms=("cuda",), disabled_checks=triton)(q, kv, kv)
+  exported = jax.export.export(grad, platforms=(platform,), disabled_checks=checks)(q, kv, kv)
   text = exported.mlir_module()
-  assert exported.platforms == ("cuda",) and exported.nr_devices == 4
-  for name in ("jax_ring_forward", "jax_ring_backward_dq", "jax_ring_backward_dkv"):
-    assert f'name = "{name}"' in text or name in text, name
-  assert text.count("__gpu$xla.gpu.triton") == 3
-  assert "collective_permute" in text and "num_warps = 4" in text
+  assert exported.platforms == (platform,) and exported.nr_devices == 4
+  assert text.count(f"stablehlo.custom_call @{call}") == 3  # forward, dq, dk/dv
+  for name in names:
+    assert name in text, name
+  assert "collective_permute" in text
+  if platform == "cuda":
+    assert "num_warps = 4" in text  # the Triton IR was built and attached
