@@ -379,3 +379,38 @@ def test_ring_with_pallas_kernel_exports_for_gpu_and_tpu(platform):
   assert "collective_permute" in text
   if platform == "cuda":
     assert "num_warps = 4" in text  # the Triton IR was built and attached
+
+
+@pytest.mark.parametrize("platform, call", [("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")])
+def test_ring_with_pallas_kernel_lowers_under_check_vma(platform, call):
+  """Compiled (not interpreted) kernels type their results for shard_map's check_vma:
+  the ring with the kernel inside a check_vma=True shard_map lowers for GPU and TPU
+  (only CPU's interpreter needs check_vma=False)."""
+  from jax_ring._ring import RingConfig, ring
+
+  mesh = make_mesh((4,), ("seq",))
+  cfg = RingConfig(
+    axis_name="seq",
+    ring_size=4,
+    mask=MaskSpec(is_causal=True),
+    scale=0.125,
+    policy=jax_ring.PRESETS["bfloat16"],
+    block_q=128,
+    block_kv=128,
+    steps_back=3,
+    steps_fwd=0,
+    kernel="pallas",
+  )
+
+  def inner(q, k, v):
+    pos = (jax.lax.axis_index("seq") * q.shape[1] + jnp.arange(q.shape[1])).astype(jnp.int32)
+    return ring(cfg, q, k, v, pos, pos, None, None)[0]
+
+  seq = P(None, "seq")
+  sharded = jax.shard_map(inner, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq)  # check_vma=True
+  loss = lambda q, k, v: jnp.sum(sharded(q, k, v).astype(jnp.float32))
+  x = jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16, sharding=jax.NamedSharding(mesh, seq))
+  checks = [jax.export.DisabledSafetyCheck.custom_call(call)]
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  exported = jax.export.export(grad, platforms=(platform,), disabled_checks=checks)(x, x, x)
+  assert exported.mlir_module().count(f"stablehlo.custom_call @{call}") == 3
