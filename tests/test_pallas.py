@@ -190,6 +190,53 @@ def test_block_checks(args, match):
     check_blocks(*args)
 
 
+@pytest.mark.parametrize("style", list(STYLES))
+def test_kernels_agree_with_the_xla_tiles_on_the_same_blocks(style, monkeypatch):
+  """One ring step (a query shard against one K/V shard) through the ring's own entry
+  points, `ring_forward_state` and `ring_backward_state`, with the XLA tiles and with
+  each Pallas kernel: the same (out, lse) and (dq, dk, dv) from the same blocked inputs,
+  so the kernels keep the XLA tiles' contract (pre-scaled q, natural-log lse, dq scaled
+  back, the layouts converted both ways)."""
+  from jax_ring._ring import RingConfig, prepare, ring_backward_state, ring_forward_state
+  from jax_ring._tiles import block_q, block_rows
+
+  monkeypatch.setattr(jax_ring._ring, "INTERPRET_STYLE", style)
+  spec, qp, kp, qs, ks = CASES["window_padding_long_keys"]
+  qs = np.stack([np.repeat([0, 1], 16), np.repeat([1, -1], 16)])  # ids too: a row of padding
+  ks = np.stack([np.repeat([0, 1], 128), np.ones(256, int)])
+  q, k, v, do = (jnp.asarray(np.swapaxes(x, 1, 2)) for x in _inputs(len(qp), len(kp)))  # [B, T, heads, H]
+  ints = [jnp.asarray(x, jnp.int32) for x in (qp, kp, qs, ks)]
+  results = {}
+  for kernel, blocks in (("xla", (16, 16)), ("pallas", (16, 16) if style == "gpu" else (16, 128))):
+    cfg = RingConfig(None, 1, spec, 0.5, jax_ring.Policy(), *blocks, 0, 0, kernel=kernel)
+    x = prepare(cfg, q, k, v, *ints)
+    out, lse = ring_forward_state(cfg, x)
+    natural_out = jnp.swapaxes(_ring_q(out), 1, 2).reshape(q.shape)
+    delta = block_rows(jnp.sum(do * natural_out, axis=-1).reshape(B, -1, K, N // K), cfg.block_q)
+    do_b = block_q(do.reshape(B, -1, K, N // K, H), cfg.block_q)
+    grads = ring_backward_state(cfg, x, do_b, lse, delta)
+    results[kernel] = (_ring_q(out), _ring_q(lse), _ring_q(grads[0]), *(_ring_kv(g) for g in grads[1:]))
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results["pallas"], results["xla"]):
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b), err_msg=name)
+    np.testing.assert_allclose(
+      np.where(np.isinf(a), 0, a), np.where(np.isinf(b), 0, b), atol=2e-5, err_msg=name
+    )
+  assert np.isneginf(np.asarray(results["xla"][1])).any()  # the padding row sees nothing
+
+
+def _ring_q(x):
+  """Blocked [nq, B, K, G, bq, ...] -> [B, N, T, ...] (the kernels' layout)."""
+  from jax_ring._ring import _q_natural
+
+  return _q_natural(x)
+
+
+def _ring_kv(x):
+  """Blocked [nk, B, K, bk, H] -> [B, K, S, H]."""
+  return jnp.moveaxis(x, 0, 2).reshape(x.shape[1], x.shape[2], -1, x.shape[4])
+
+
 # The ring with the Pallas kernel -------------------------------------------------------
 
 TOL = 1e-5
