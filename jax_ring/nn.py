@@ -544,6 +544,7 @@ def make_attention_fn(
   layout: str = "auto",
   policy: Policy | str | None = None,
   block_sizes: BlockSizes | None = None,
+  kernel: str = "auto",
 ) -> Callable[..., Any]:
   """An `attention_fn` for `flax.nnx.MultiHeadAttention` that runs ring attention.
 
@@ -558,8 +559,8 @@ def make_attention_fn(
   cache (key, value [B, S, K, H]) with the mask of the filled prefix ([B, 1, 1, S]):
   that call runs as `jax_ring.decode_attention` (each device attends to its part of
   the keys, then one all-reduce merges), with the prefix mask as the keys' validity.
-  `ulysses_axis` (the Ulysses hybrid, as in `jax_ring.ring_attention`) applies to the
-  full-sequence calls; decoding runs over `seq_axis` alone.
+  `ulysses_axis` (the Ulysses hybrid, as in `jax_ring.ring_attention`) and `kernel`
+  apply to the full-sequence calls; decoding runs over `seq_axis` alone.
   """
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
@@ -622,6 +623,7 @@ def make_attention_fn(
       layout=layout,
       policy=policy,
       block_sizes=block_sizes,
+      kernel=kernel,
     )
 
   return attention_fn

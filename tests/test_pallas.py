@@ -358,8 +358,9 @@ def test_dilated_with_pallas_kernel_matches_reference(devices):
 
 
 def test_modules_pass_the_kernel_on():
-  """RingAttention and DilatedAttention with attention_kernel="pallas" equal the same
-  modules on the XLA tiles (same parameters)."""
+  """RingAttention and DilatedAttention with attention_kernel="pallas", and Flax's
+  MultiHeadAttention with make_attention_fn(kernel="pallas"), equal the same modules
+  on the XLA tiles (same parameters)."""
   from flax import nnx
 
   from jax_ring import nn
@@ -380,6 +381,16 @@ def test_modules_pass_the_kernel_on():
   )
   for make in (ring, dilated):
     assert rel_err(make("pallas")(x), make("xla")(x)) < TOL
+  # Flax's own MultiHeadAttention with jax_ring's attention_fn.
+  flax_mha = lambda kernel: nnx.MultiHeadAttention(
+    num_heads=2,
+    in_features=32,
+    qkv_features=32,
+    decode=False,
+    attention_fn=nn.make_attention_fn(mesh=mesh, is_causal=True, kernel=kernel),
+    rngs=nnx.Rngs(0),
+  )
+  assert rel_err(flax_mha("pallas")(x), flax_mha("xla")(x)) < TOL
 
 
 # The kernel choice -----------------------------------------------------------------
