@@ -431,6 +431,17 @@ def test_unknown_kernel_names_the_argument():
     ring_attention(q, k, v, mesh=mesh, kernel="triton")
   with pytest.raises(ValueError, match="head_dim=8"):
     ring_attention(*qkv(1, 32, 2, 2, 8), mesh=mesh, kernel="pallas")
+  with pytest.raises(ValueError, match="block_q=24: the Pallas kernel needs a power of two"):
+    ring_attention(q, k, v, mesh=mesh, kernel="pallas", block_sizes=jax_ring.BlockSizes(block_q=24))
+  with pytest.raises(ValueError, match="kernel='cuda' must be one of"):
+    jax_ring.dilated_attention(q, k, v, segment_lengths=(16,), dilation_rates=(1,), kernel="cuda")
+
+
+def test_auto_fallback_reason_is_logged(caplog):
+  with caplog.at_level("INFO", logger="jax_ring"):
+    choice = choose_kernel("auto", "gpu", 24, FLOAT32)
+  assert choice.kernel == "xla"
+  assert any("head_dim=24" in r.getMessage() and r.levelname == "INFO" for r in caplog.records)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
