@@ -187,11 +187,20 @@ def _ring_shard(
     q_pos = jnp.where(q_pos < valid_lengths[0], q_pos, -1)
     k_pos = jnp.where(k_pos < valid_lengths[1], k_pos, -1)
   q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, q_pos, k_pos)
-  if kernel.kernel == "pallas":
+  use_pallas = kernel.kernel == "pallas"
+  if use_pallas:
     bq = block_sizes.block_q or _pallas.block_for(t)
     bk = block_sizes.block_kv or _pallas.block_for(s)
     padded_t, padded_s = -(-t // bq) * bq, -(-s // bk) * bk
-  else:
+    problem = _pallas.blocks_problem(padded_t, padded_s, query.shape[3], bq, bk)
+    if problem is None and jax.default_backend() == "tpu":
+      problem = _mosaic.blocks_problem(padded_t, padded_s, bq, bk)
+    if problem is not None and not kernel.auto:
+      raise ValueError(f"kernel='pallas': {problem}")
+    if problem is not None:
+      _pallas.log_fallback(problem)
+      use_pallas = False
+  if not use_pallas:
     tile_layout = None if custom else layout
     padded_t, bq, _ = local_blocks(t, block_sizes, layout=tile_layout)
     padded_s, _, bk = local_blocks(s, block_sizes, layout=tile_layout)
@@ -207,11 +216,7 @@ def _ring_shard(
     kv_seg = None if kv_seg is None else pad_seq(kv_seg, padded_s - s, -1)
   back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
   groups = block_sizes.head_groups(key.shape[2], max(padded_t, padded_s))
-  if kernel.kernel == "pallas":
-    _pallas.check_blocks(padded_t, padded_s, query.shape[3], bq, bk)
-    if jax.default_backend() == "tpu":
-      _mosaic.check_blocks(padded_t, padded_s, bq, bk)
-  else:  # the XLA tiles hold whole score tiles in memory; the kernel's stay on chip
+  if not use_pallas:  # the XLA tiles hold whole score tiles in memory; the kernel's stay on chip
     bq, bk = fit_tile_budget(bq, bk, b * query.shape[2] // groups, block_sizes)
   cfg = RingConfig(
     axis_name=axis_name,
@@ -224,7 +229,7 @@ def _ring_shard(
     steps_back=back,
     steps_fwd=fwd,
     head_groups=groups,
-    kernel=kernel.kernel,
+    kernel="pallas" if use_pallas else "xla",
   )
   out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg)
   return out[:, :t], lse[:, :t]
@@ -439,12 +444,13 @@ def ring_attention(
       repeated as little as needed when u does not divide K. Put it on the faster
       interconnect (inside a host): see the README's "Ulysses hybrid".
     kernel: the block kernel each ring step runs: "auto" (the XLA tiles on CPU, the
-      Pallas kernel on a GPU where it supports the call, else the XLA tiles; the
-      reason is logged at INFO on the "jax_ring" logger and returned by
+      Pallas kernel on a GPU or TPU where it supports the call, else the XLA tiles;
+      the reason is logged at INFO on the "jax_ring" logger and returned by
       `jax_ring.choose_kernel`), "xla", or "pallas" (interpret mode on a CPU mesh; a
       ValueError where unsupported: head_dim not a power of two in [16, 256], a
-      compute dtype other than float32 / bfloat16 / float16, a TPU). With the Pallas
-      kernel, local lengths are padded to its block (a power of two, 16 to 128).
+      compute dtype other than float32 / bfloat16 / float16, `block_sizes` that are
+      not powers of two >= 16). With the Pallas kernel, local lengths are padded to
+      its block (a power of two, 16 to 128, unless `block_sizes` gives one).
 
   Any T and S work: each is padded internally to what the layout needs, and the
   padding is masked. A query that sees no key gets 0 (jax.nn gives such a row the
@@ -478,8 +484,9 @@ def ring_attention(
     _ulysses.check_heads(n // nh, nu, ulysses_axis)
   layout = layouts.resolve(layout, is_causal, shard_len=-(-t // mesh.shape[seq_axis]))
   policy = get_policy(policy, mesh.devices.flat[0])
-  # Resolved here, for the mesh's platform; inside, the name is passed on as chosen.
-  kernel = _pallas.choose_kernel(kernel, mesh.devices.flat[0].platform, query.shape[-1], policy).kernel
+  # Checked here, for the mesh's platform (a ValueError before anything is traced);
+  # each shard's call chooses again, "auto" falling back where its blocks do not suit.
+  _pallas.choose_kernel(kernel, mesh.devices.flat[0].platform, query.shape[-1], policy)
   gc = GlobalConfig(
     mesh,
     seq_axis,

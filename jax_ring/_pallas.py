@@ -67,6 +67,7 @@ class KernelChoice:
   kernel: str
   reason: str
   interpret: bool = False
+  auto: bool = False  # chosen by "auto": a call whose blocks the kernel cannot take falls back
 
 
 def check_vma_off(x, caller: str) -> None:
@@ -100,13 +101,18 @@ def unsupported(platform: str, head_dim: int, policy) -> str | None:
   return None
 
 
+def log_fallback(why: str) -> None:
+  _log.info("jax_ring: kernel='auto' runs the XLA tiles: %s", why)
+
+
 def choose_kernel(kernel: str, platform: str, head_dim: int, policy) -> KernelChoice:
   """The kernel a call runs: `kernel` is "auto", "xla" or "pallas".
 
   "auto" picks the XLA tiles on CPU (the Pallas kernel runs there only interpreted)
   and the Pallas kernel on a GPU or TPU when `unsupported` finds nothing, else the XLA tiles,
-  logging the reason at INFO on the "jax_ring" logger. "pallas" raises a ValueError
-  naming what is unsupported; on CPU it runs in interpret mode."""
+  logging the reason at INFO on the "jax_ring" logger (and, later, where the call's
+  `BlockSizes` do not suit the kernel). "pallas" raises a ValueError naming what is
+  unsupported; on CPU it runs in interpret mode."""
   if not isinstance(kernel, str) or kernel not in KERNELS:
     raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
   if kernel == "xla":
@@ -122,21 +128,27 @@ def choose_kernel(kernel: str, platform: str, head_dim: int, policy) -> KernelCh
   if platform == "cpu":
     return KernelChoice("xla", "auto on CPU: the XLA tiles (the Pallas kernel would run interpreted)")
   if why is not None:
-    _log.info("jax_ring: kernel='auto' runs the XLA tiles: %s", why)
+    log_fallback(why)
     return KernelChoice("xla", f"auto: {why}")
-  return KernelChoice("pallas", f"auto on {platform}: the Pallas kernel supports this call")
+  return KernelChoice("pallas", f"auto on {platform}: the Pallas kernel supports this call", auto=True)
+
+
+def blocks_problem(tq: int, tk: int, head_dim: int, block_q: int, block_k: int) -> str | None:
+  """Why Triton cannot tile the shards with these blocks, or None."""
+  for name, block, length in (("block_q", block_q, tq), ("block_k", block_k, tk)):
+    if block < MIN_BLOCK or block & (block - 1) or length % block:
+      need = f"a power of two >= {MIN_BLOCK} that divides the shard length {length}"
+      return f"{name}={block}: the Pallas kernel needs {need}"
+  if head_dim < MIN_BLOCK or head_dim & (head_dim - 1):
+    return f"head_dim={head_dim}: the Pallas kernel needs a power of two >= {MIN_BLOCK}"
+  return None
 
 
 def check_blocks(tq: int, tk: int, head_dim: int, block_q: int, block_k: int) -> None:
   """ValueError unless the blocks tile the shard the way Triton needs."""
-  for name, block, length in (("block_q", block_q, tq), ("block_k", block_k, tk)):
-    if block < MIN_BLOCK or block & (block - 1) or length % block:
-      raise ValueError(
-        f"{name}={block}: the Pallas kernel needs a power of two >= {MIN_BLOCK} that divides the "
-        f"shard length {length}"
-      )
-  if head_dim < MIN_BLOCK or head_dim & (head_dim - 1):
-    raise ValueError(f"head_dim={head_dim}: the Pallas kernel needs a power of two >= {MIN_BLOCK}")
+  problem = blocks_problem(tq, tk, head_dim, block_q, block_k)
+  if problem is not None:
+    raise ValueError(problem)
 
 
 def hidden(spec: MaskSpec, q_bounds, k_bounds):

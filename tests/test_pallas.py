@@ -437,6 +437,38 @@ def test_unknown_kernel_names_the_argument():
     jax_ring.dilated_attention(q, k, v, segment_lengths=(16,), dilation_rates=(1,), kernel="cuda")
 
 
+def test_auto_on_an_accelerator_falls_back_where_block_sizes_do_not_suit(monkeypatch, caplog):
+  """ "auto" where the Pallas kernel is picked (JAX's backend reported as a GPU; the
+  program still lowers for this CPU, so the kernel runs interpreted): the call's own
+  BlockSizes that Triton cannot take send it to the XLA tiles, logged, not to an error;
+  "pallas" with the same BlockSizes is a ValueError. Both results are exact."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  mesh = make_mesh((2,), ("seq",))
+  seq = P(None, "seq")
+  args = qkv(1, 64, 4, 2, 16)
+
+  def run(kernel, block_sizes=None):
+    def inner(q, k, v):
+      return jax_ring.ring_attention_shard(
+        q, k, v, axis_name="seq", is_causal=True, layout="contiguous", kernel=kernel, block_sizes=block_sizes
+      )
+
+    sharded = jax.shard_map(inner, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq, check_vma=False)
+    return jax.jit(lambda *a: sharded(*(jax.reshard(x, jax.NamedSharding(mesh, seq)) for x in a)))
+
+  ref = reference_attention(*(x.astype(jnp.float64) for x in args), is_causal=True)
+  with caplog.at_level("INFO", logger="jax_ring"):
+    odd = jax_ring.BlockSizes(block_q=24, block_kv=32)
+    out = run("auto", odd)(*args)
+  assert any("block_q=24" in r.getMessage() for r in caplog.records)
+  assert rel_err(out, ref) < TOL
+  traced = lambda fn: str(jax.make_jaxpr(fn)(*args))
+  assert "jax_ring_forward" in traced(run("auto"))  # no BlockSizes: the kernel
+  assert "jax_ring_forward" not in traced(run("auto", odd))
+  with pytest.raises(ValueError, match="kernel='pallas': block_q=24"):
+    run("pallas", odd)(*args)
+
+
 def test_auto_fallback_reason_is_logged(caplog):
   with caplog.at_level("INFO", logger="jax_ring"):
     choice = choose_kernel("auto", "gpu", 24, FLOAT32)
