@@ -75,7 +75,7 @@ def parse_args(argv=None):
   p.add_argument("--no-max-length", action="store_true")
   p.add_argument("--no-sweep", action="store_true")
   p.add_argument("--out", default=None, help="Markdown file to hold the tables (default: see --quick)")
-  p.add_argument("--plot-dir", default=None, help="folder for the PNG plots")
+  p.add_argument("--plot-dir", default=None, help="folder for the PNG plots (default: beside --out)")
   args = p.parse_args(argv)
   if args.quick:
     defaults = p.parse_args([])
@@ -83,7 +83,10 @@ def parse_args(argv=None):
       if getattr(args, name) == getattr(defaults, name):
         setattr(args, name, value)
   args.out = args.out or ("results/bench/quick.md" if args.quick else "docs/benchmarks.md")
-  args.plot_dir = args.plot_dir or ("results/bench" if args.quick else "docs/img")
+  # Plots go beside the tables: docs/img for docs/benchmarks.md, else --out's folder (a
+  # run written elsewhere must not replace the plots docs/benchmarks.md shows).
+  beside = "docs/img" if os.path.normpath(args.out) == os.path.normpath("docs/benchmarks.md") else None
+  args.plot_dir = args.plot_dir or beside or os.path.dirname(args.out) or "."
   args.lengths = [int(x) for x in str(args.lengths).split(",")]
   args.devices = [int(x) for x in str(args.devices).split(",")]
   args.max_length_devices = [int(x) for x in str(args.max_length_devices).split(",")]
