@@ -3,12 +3,13 @@
 The contract of `_pallas` (same arguments, same results), on a TPU's terms:
 
 - a grid over (batch, head, query block, key block), the key block innermost and
-  sequential, the running softmax state in VMEM scratch (Mosaic has no in-kernel
-  dynamic loop over a whole K/V shard held in VMEM, which would not fit anyway);
+  sequential, the running softmax state in VMEM scratch: each step brings one K/V
+  block into VMEM (a whole long shard, as the GPU kernel's loop reads it, would not
+  fit there);
 - every block 2-d with a full or (8, 128)-aligned trailing pair: positions and
   segment ids travel as a column [T, 1] for queries and a row [1, S] for keys, the
   lse as [B, N, T, 1];
-- the bounds a tile is skipped by (`_pallas._hidden`, the same test) are computed
+- the bounds a tile is skipped by (`_pallas.hidden`, the same test) are computed
   outside the kernel and prefetched into SMEM as scalars, exact for any positions.
 
 Shared with the GPU kernels: the mask (`_pallas.mask_of`), the skip test, the score
@@ -96,9 +97,6 @@ def _forward_kernel(*refs, spec: MaskSpec, nq: int, nk: int, has_seg: bool, prec
     m_acc[...] = jnp.full(m_acc.shape, -jnp.inf, jnp.float32)
     l_acc[...] = jnp.zeros(l_acc.shape, jnp.float32)
 
-  q_bounds, k_bounds = _read_bounds(qb_ref, bi, i, nq, has_seg), _read_bounds(kb_ref, bi, j, nk, has_seg)
-  hidden = _pallas.hidden(spec, q_bounds, k_bounds)
-
   def visit():
     qs, ks = (None, None) if not has_seg else (qs_ref[...], ks_ref[...])
     mask = _pallas.mask_of(spec, qp_ref[...], kp_ref[...], qs, ks)
@@ -113,10 +111,8 @@ def _forward_kernel(*refs, spec: MaskSpec, nq: int, nk: int, has_seg: bool, prec
     l_acc[...] = l_acc[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
     m_acc[...] = m_new
 
-  if hidden is None:
-    visit()
-  else:
-    pl.when(jnp.logical_not(hidden))(visit)
+  q_bounds, k_bounds = _read_bounds(qb_ref, bi, i, nq, has_seg), _read_bounds(kb_ref, bi, j, nk, has_seg)
+  _when_visible(spec, q_bounds, k_bounds, visit)
 
   @pl.when(j == nk - 1)
   def _():
@@ -125,6 +121,15 @@ def _forward_kernel(*refs, spec: MaskSpec, nq: int, nk: int, has_seg: bool, prec
     safe_l = jnp.where(seen, l, 1.0)
     o_ref[...] = jnp.where(seen, o_acc[...] / safe_l, 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m_acc[...] + jnp.log(safe_l), -jnp.inf)
+
+
+def _when_visible(spec, q_bounds, k_bounds, body):
+  """body() unless the masks hide the whole tile."""
+  hidden = _pallas.hidden(spec, q_bounds, k_bounds)
+  if hidden is None:
+    body()
+  else:
+    pl.when(jnp.logical_not(hidden))(body)
 
 
 def _specs(has_seg: bool, block_q: int, block_k: int, h: int, q_of, k_of):
@@ -184,15 +189,6 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, spec, block_q, block_k, inte
     name="jax_ring_tpu_forward",
   )(*bounds, *args)
   return out, lse[..., 0]
-
-
-def _when_visible(spec, q_bounds, k_bounds, body):
-  """body() unless the masks hide the whole tile."""
-  hidden = _pallas.hidden(spec, q_bounds, k_bounds)
-  if hidden is None:
-    body()
-  else:
-    pl.when(jnp.logical_not(hidden))(body)
 
 
 def _tile(
