@@ -22,6 +22,7 @@ import jax_ring
 from jax_ring import _mosaic, choose_kernel, reference_attention, ring_attention
 from jax_ring._kernel import MaskSpec
 from jax_ring._pallas import backward, check_blocks, forward
+from jax_ring._ring import _q_natural  # blocked [nq, B, K, G, bq, ...] -> [B, N, T, ...]
 
 B, N, K, H = 2, 4, 2, 16  # GQA: two query heads per kv head
 
@@ -211,11 +212,16 @@ def test_kernels_agree_with_the_xla_tiles_on_the_same_blocks(style, monkeypatch)
     cfg = RingConfig(None, 1, spec, 0.5, jax_ring.Policy(), *blocks, 0, 0, kernel=kernel)
     x = prepare(cfg, q, k, v, *ints)
     out, lse = ring_forward_state(cfg, x)
-    natural_out = jnp.swapaxes(_ring_q(out), 1, 2).reshape(q.shape)
+    natural_out = jnp.swapaxes(_q_natural(out), 1, 2).reshape(q.shape)
     delta = block_rows(jnp.sum(do * natural_out, axis=-1).reshape(B, -1, K, N // K), cfg.block_q)
     do_b = block_q(do.reshape(B, -1, K, N // K, H), cfg.block_q)
     grads = ring_backward_state(cfg, x, do_b, lse, delta)
-    results[kernel] = (_ring_q(out), _ring_q(lse), _ring_q(grads[0]), *(_ring_kv(g) for g in grads[1:]))
+    results[kernel] = (
+      _q_natural(out),
+      _q_natural(lse),
+      _q_natural(grads[0]),
+      *(_ring_kv(g) for g in grads[1:]),
+    )
   for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results["pallas"], results["xla"]):
     a, b = np.asarray(a), np.asarray(b)
     np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b), err_msg=name)
@@ -223,13 +229,6 @@ def test_kernels_agree_with_the_xla_tiles_on_the_same_blocks(style, monkeypatch)
       np.where(np.isinf(a), 0, a), np.where(np.isinf(b), 0, b), atol=2e-5, err_msg=name
     )
   assert np.isneginf(np.asarray(results["xla"][1])).any()  # the padding row sees nothing
-
-
-def _ring_q(x):
-  """Blocked [nq, B, K, G, bq, ...] -> [B, N, T, ...] (the kernels' layout)."""
-  from jax_ring._ring import _q_natural
-
-  return _q_natural(x)
 
 
 def _ring_kv(x):
