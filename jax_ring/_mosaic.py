@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -79,11 +78,14 @@ def _read_bounds(ref, bi, i, n: int, has_seg: bool):
   return ref[at], ref[at + 1], seg
 
 
-def _column_row(pos_q, pos_k, seg_q, seg_k):
-  """Positions and ids as the kernels read them: queries [T, 1], keys [1, S],
-  ids [B, T, 1] and [B, 1, S] (or None)."""
-  seg = (None, None) if seg_q is None else (seg_q[:, :, None], seg_k[:, None, :])
-  return pos_q[:, None], pos_k[None, :], *seg
+def _operands(q, k, v, q_pos, k_pos, q_seg, k_seg, spec: MaskSpec, block_q: int, block_k: int):
+  """(the two prefetched bounds arrays, the kernels' first operands): q, k, v, then
+  positions and ids as the kernels read them, queries [T, 1] and keys [1, S], ids
+  [B, T, 1] and [B, 1, S] (left out without ids)."""
+  b = q.shape[0]
+  bounds = (_bounds(q_pos, q_seg, block_q, False, b), _bounds(k_pos, k_seg, block_k, spec.has_padding, b))
+  seg = () if q_seg is None else (q_seg[:, :, None], k_seg[:, None, :])
+  return bounds, (q, k, v, q_pos[:, None], k_pos[None, :], *seg)
 
 
 def _forward_kernel(*refs, spec: MaskSpec, nq: int, nk: int, has_seg: bool, precision):
@@ -155,7 +157,7 @@ def _specs(has_seg: bool, block_q: int, block_k: int, h: int, q_of, k_of):
 _TPU = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret", "precision"))
+@_pallas.kernel_jit
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, spec, block_q, block_k, interpret=False, precision=None):
   """`_pallas.forward` on a TPU: (out [B, N, Tq, H], lse [B, N, Tq]), float32."""
   b, n, tq, h = q.shape
@@ -163,9 +165,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, spec, block_q, block_k, inte
   check_blocks(tq, tk, block_q, block_k)
   g, nq, nk = n // kh, tq // block_q, tk // block_k
   has_seg = q_seg is not None
-  bounds = (_bounds(q_pos, q_seg, block_q, False, b), _bounds(k_pos, k_seg, block_k, spec.has_padding, b))
-  ids = _column_row(q_pos, k_pos, q_seg, k_seg)
-  args = (q, k, v, *ids[:2], *((ids[2], ids[3]) if has_seg else ()))
+  bounds, args = _operands(q, k, v, q_pos, k_pos, q_seg, k_seg, spec, block_q, block_k)
   # grid (batch row, query head, query block, key block); the prefetched bounds come first.
   q_of = lambda bi, ni, i, j, *_: (bi, ni, i)
   k_of = lambda bi, ni, i, j, *_: (bi, lax.div(ni, jnp.int32(g)), j)  # lax.div: Mosaic has no floor division
@@ -259,7 +259,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, nq: int, nk: int, groups: int, has_seg: b
     dv_ref[...] = dv_acc[...]
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret", "precision"))
+@_pallas.kernel_jit
 def backward(
   q,
   k,
@@ -284,9 +284,8 @@ def backward(
   check_blocks(tq, tk, block_q, block_k)
   g, nq, nk = n // kh, tq // block_q, tk // block_k
   has_seg = q_seg is not None
-  bounds = (_bounds(q_pos, q_seg, block_q, False, b), _bounds(k_pos, k_seg, block_k, spec.has_padding, b))
-  ids = _column_row(q_pos, k_pos, q_seg, k_seg)
-  args = (q, k, v, *ids[:2], *((ids[2], ids[3]) if has_seg else ()), do, lse[..., None], delta[..., None])
+  bounds, args = _operands(q, k, v, q_pos, k_pos, q_seg, k_seg, spec, block_q, block_k)
+  args += (do, lse[..., None], delta[..., None])
   options = dict(spec=spec, nq=nq, nk=nk, has_seg=has_seg, precision=precision)
 
   def call(kernel, grid, q_of, k_of, out_specs, out_shape, scratch, name):

@@ -282,6 +282,12 @@ def out_shape(shape, *like):
   return jax.ShapeDtypeStruct(shape, jnp.float32, manual_axis_type=ManualAxisType(varying=varying))
 
 
+# Every kernel entry point (here and in `_mosaic`): jitted, the mask and the tiling static.
+kernel_jit = functools.partial(
+  jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret", "precision")
+)
+
+
 def _segment_specs(has_seg: bool, q_map, k_map, q_len: int, k_len: int):
   """BlockSpecs of the query and key segment ids ([B, Tq], [B, Tk]), or none."""
   if not has_seg:
@@ -289,7 +295,7 @@ def _segment_specs(has_seg: bool, q_map, k_map, q_len: int, k_len: int):
   return [pl.BlockSpec((None, q_len), q_map), pl.BlockSpec((None, k_len), k_map)]
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret", "precision"))
+@kernel_jit
 def forward(
   q,
   k,
@@ -398,7 +404,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, block_q: int, nq: int, groups: int, has_s
   dk_ref[...], dv_ref[...] = dk, dv
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret", "precision"))
+@kernel_jit
 def backward(
   q,
   k,
