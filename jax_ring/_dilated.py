@@ -258,7 +258,7 @@ def local_chunk(cfg: DilatedConfig, shard: int) -> tuple[int, tuple[Pattern, ...
   so the local patterns run chunk after chunk (`_by_chunks`) and their copies (gathered,
   folded and blocked q, k, v, scores) exist for one chunk at a time, not for the shard.
   The chunk is the largest multiple of the local segments' lcm that divides the shard
-  and holds at most `block_sizes.pass_tokens` tokens x kv heads (at least the lcm);
+  and holds at most `block_sizes.tokens_per_pass()` tokens x kv heads (at least the lcm);
   the whole shard where no such multiple divides it (one device with padded pieces).
   """
   local = [p for p in cfg.patterns if p.ring == 1]
@@ -267,7 +267,7 @@ def local_chunk(cfg: DilatedConfig, shard: int) -> tuple[int, tuple[Pattern, ...
   unit = math.lcm(*(p.segment for p in local))
   if shard % unit:
     return shard, tuple(local)
-  most = max(unit, cfg.block_sizes.pass_tokens // cfg.num_kv_heads)
+  most = max(unit, cfg.block_sizes.tokens_per_pass() // cfg.num_kv_heads)
   chunk = max(c for c in range(unit, min(most, shard) + 1, unit) if shard % c == 0)
   return chunk, tuple(dataclasses.replace(p, pieces=chunk // p.segment) for p in local)
 

@@ -33,6 +33,14 @@ MIN_EXACT_TILE = 128
 # past this, short shards on few devices spent more on tiles than on their inputs
 # (at T=1024 on one device, 4 heads x 1024 x 512 tiles took 26 of 34 MiB).
 TILE_ELEMENTS = 1 << 20
+# Tokens x kv heads per pass around the ring when BlockSizes.pass_tokens is None: on
+# CPU, and elsewhere. Measured on a 2-core CPU with a 32 MiB L3 (docs/benchmarks.md):
+# passes of at most 512 tokens x heads ran 0.87x the time of 4096 at T=8192 on 8
+# devices, up to 0.83x at T=2048 on 2, level at 128 tokens per device, with 0.3 to 0.6x
+# the memory; one head per pass at 128 tokens per device was slower (1.2-1.5x). Other
+# platforms keep the 4096 measured before (fewer, larger ring steps).
+CPU_PASS_TOKENS = 512
+PASS_TOKENS = 4096
 
 
 def default_tiles(platform: str, devices: int, cores: int | None = None) -> tuple[int, int]:
@@ -66,28 +74,33 @@ class BlockSizes:
   # shrink the ring's per-device buffers (blocked copies, K/V and dK/dV in flight,
   # accumulators) by the same factor; more amortize the fixed cost of each ring step,
   # which dominates short shards. None picks per call: the most heads (a divisor of the
-  # local kv heads, at least 1) whose local length x heads is at most `pass_tokens`.
+  # local kv heads, at least 1) whose local length x heads is at most `pass_tokens`
+  # (`tokens_per_pass`: None is CPU_PASS_TOKENS on CPU, else PASS_TOKENS).
   # Dilated attention's local patterns run in chunks of at most `pass_tokens` tokens x
   # kv heads (at least one segment of each; `_dilated.local_chunk`).
   kv_heads: int | None = None
-  pass_tokens: int = 4096
+  pass_tokens: int | None = None
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "kv_heads", "pass_tokens"):
       value = getattr(self, name)
-      if name != "pass_tokens" and value is None:
+      if value is None:
         continue
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"BlockSizes.{name}={value!r} must be a positive int")
+        raise ValueError(f"BlockSizes.{name}={value!r} must be a positive int or None")
+
+  def tokens_per_pass(self, platform: str | None = None) -> int:
+    """`pass_tokens`, or where None the default of `platform` (JAX's default backend)."""
+    if self.pass_tokens is not None:
+      return self.pass_tokens
+    platform = jax.default_backend() if platform is None else platform
+    return CPU_PASS_TOKENS if platform == "cpu" else PASS_TOKENS
 
   def head_groups(self, num_kv_heads: int, local_length: int) -> int:
     """How many passes `num_kv_heads` local kv heads take for a shard of `local_length`."""
     if self.kv_heads is None:
-      fits = [
-        h
-        for h in range(1, num_kv_heads + 1)
-        if num_kv_heads % h == 0 and h * local_length <= self.pass_tokens
-      ]
+      most = self.tokens_per_pass()
+      fits = [h for h in range(1, num_kv_heads + 1) if num_kv_heads % h == 0 and h * local_length <= most]
       return num_kv_heads // max(fits, default=1)
     if self.kv_heads >= num_kv_heads:
       return 1

@@ -194,7 +194,11 @@ def test_one_head_per_pass_divides_ring_buffers_by_heads():
 
 
 def test_heads_per_pass_chosen_by_shard_length():
-  bs = jax_ring.BlockSizes()  # at most 4096 local tokens x heads per pass
+  default = jax_ring.BlockSizes()
+  assert [default.tokens_per_pass(p) for p in ("cpu", "gpu", "tpu")] == [512, 4096, 4096]
+  # On CPU (these tests' backend): at most 512 local tokens x heads per pass.
+  assert [default.head_groups(8, t) for t in (64, 128, 256, 512, 4096)] == [1, 2, 4, 8, 8]
+  bs = jax_ring.BlockSizes(pass_tokens=4096)
   assert [bs.head_groups(8, t) for t in (256, 512, 1024, 4096, 65536)] == [1, 1, 2, 8, 8]
   assert bs.head_groups(3, 2048) == 3 and bs.head_groups(2, 1000) == 1
   assert jax_ring.BlockSizes(kv_heads=2).head_groups(8, 256) == 4
