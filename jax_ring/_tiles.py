@@ -34,11 +34,12 @@ MIN_EXACT_TILE = 128
 # (at T=1024 on one device, 4 heads x 1024 x 512 tiles took 26 of 34 MiB).
 TILE_ELEMENTS = 1 << 20
 # Tokens x kv heads per pass around the ring when BlockSizes.pass_tokens is None: on
-# CPU, and elsewhere. Measured on a 2-core CPU with a 32 MiB L3 (docs/benchmarks.md):
-# passes of at most 512 tokens x heads ran 0.87x the time of 4096 at T=8192 on 8
-# devices, up to 0.83x at T=2048 on 2, level at 128 tokens per device, with 0.3 to 0.6x
-# the memory; one head per pass at 128 tokens per device was slower (1.2-1.5x). Other
-# platforms keep the 4096 measured before (fewer, larger ring steps).
+# CPU, and elsewhere. Measured on a 2-core CPU with a 32 MiB L3 shared by the simulated
+# devices (docs/benchmarks.md, issue 19, session 13): against 4096, passes of at most
+# 512 tokens x heads took 0.80-1.02x the time forward+backward at every shape measured
+# (0.88-0.96x at T=8192 on 8 devices), in 0.3-0.8x the memory; 128 or 256 (fewer heads
+# at 128 tokens a device) were slower there, up to 1.5x causal. Elsewhere the 4096 of
+# before stays (unmeasured: there a ring step's latency may weigh more than the cache).
 CPU_PASS_TOKENS = 512
 PASS_TOKENS = 4096
 

@@ -92,13 +92,15 @@ def test_short_shard_benchmark_writes_both_masks(tmp_path):
 
   out = tmp_path / "bench.md"
   argv = ["--lengths=256", "--devices=2", "--rounds=2", "--per-round=1", "--impls=jax_ring"]
-  argv.append("--layouts=zigzag")
+  argv += ["--layouts=zigzag", "--pass-tokens=128"]
   bench_short.main([*argv, f"--out={out}"])
   text = out.read_text()
-  assert "| T | mask | jax_ring | jax_ring zigzag |" in text
+  assert text.count("| T | mask | jax_ring | jax_ring zigzag | jax_ring pass_tokens=128 |") == 2
   rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| 256 |")]
-  assert [r[1].strip() for r in rows] == ["full", "causal"]
+  assert [r[1].strip() for r in rows] == ["full", "causal"] * 2  # times, then memory
   assert all(float(cell.split()[0]) > 0 for r in rows for cell in r[2:]), rows
+  # One kv head per pass (128 tokens a device) holds less than the CPU default's 4 heads.
+  assert all(float(r[4]) < float(r[2]) for r in rows[2:]), rows[2:]
 
 
 def test_dilated_benchmark_rates_against_the_ring(tmp_path):
