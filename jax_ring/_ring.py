@@ -250,11 +250,15 @@ def _q_blocked(x, like):
   return jnp.moveaxis(x.reshape(b, kh, g, nq, bq, *x.shape[3:]), 3, 0)
 
 
+def _seg_natural(seg):
+  """Blocked ids [n, B, b] -> [B, n * b]; None stays None."""
+  return None if seg is None else jnp.moveaxis(seg, 0, 1).reshape(seg.shape[1], -1)
+
+
 def _kv_natural(kv: KVBlocks) -> KVBlocks:
   """Blocks [nk, B, K, bk, H] -> [B, K, S, H]; positions [S]; ids [B, S]."""
   unblock = lambda x: jnp.moveaxis(x, 0, 2).reshape(x.shape[1], x.shape[2], -1, x.shape[4])
-  seg = None if kv.seg is None else jnp.moveaxis(kv.seg, 0, 1).reshape(kv.seg.shape[1], -1)
-  return KVBlocks(unblock(kv.k), unblock(kv.v), kv.pos.reshape(-1), seg)
+  return KVBlocks(unblock(kv.k), unblock(kv.v), kv.pos.reshape(-1), _seg_natural(kv.seg))
 
 
 def _kv_blocked(x, block: int):
@@ -265,8 +269,7 @@ def _kv_blocked(x, block: int):
 
 def _pallas_args(x: Inputs):
   """(q, q positions, q ids, K/V) of this device in the kernels' layout."""
-  seg = None if x.q_seg is None else jnp.moveaxis(x.q_seg, 0, 1).reshape(x.q_seg.shape[1], -1)
-  return _q_natural(x.q), x.q_pos.reshape(-1), seg, _kv_natural(x.kv)
+  return _q_natural(x.q), x.q_pos.reshape(-1), _seg_natural(x.q_seg), _kv_natural(x.kv)
 
 
 # Which kernels run interpreted where the program is lowered for CPU: "gpu" (`_pallas`)
@@ -307,8 +310,8 @@ def _pallas_forward_state(cfg: RingConfig, x: Inputs):
   lse = jnp.full_like(out, -jnp.inf, shape=q.shape[:-1])
 
   def compute(kv, acc):
-    k, v = kv.k.astype(cfg.policy.compute_dtype), kv.v.astype(cfg.policy.compute_dtype)
-    step = _run_kernel("forward", q, k, v, q_pos, kv.pos, q_seg, kv.seg, **opts)
+    kv = _as_compute(kv, cfg.policy)
+    step = _run_kernel("forward", q, kv.k, kv.v, q_pos, kv.pos, q_seg, kv.seg, **opts)
     return merge_local(*zip(acc, step))
 
   out, lse = _forward_passes(cfg, compute, kv, (out, lse))
@@ -327,8 +330,8 @@ def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   )
 
   def compute(kv, dkv, dq):
-    k, v = kv.k.astype(cfg.policy.compute_dtype), kv.v.astype(cfg.policy.compute_dtype)
-    args = (q, k, v, do, lse, delta, q_pos, kv.pos, q_seg, kv.seg)
+    kv = _as_compute(kv, cfg.policy)
+    args = (q, kv.k, kv.v, do, lse, delta, q_pos, kv.pos, q_seg, kv.seg)
     gq, gk, gv = _run_kernel("backward", *args, **opts)
     return dq + gq, (dkv[0] + gk, dkv[1] + gv)
 
