@@ -22,6 +22,17 @@ from jax_ring._reference import reference_attention, reference_dilated_attention
 from jax_ring._tiles import BlockSizes
 from jax_ring._work import work_report
 
+
+def __getattr__(name: str):
+  """`jax_ring.nn` (the Flax modules) on first use: `import jax_ring` alone does not
+  import Flax."""
+  if name == "nn":
+    import importlib
+
+    return importlib.import_module("jax_ring.nn")
+  raise AttributeError(f"module 'jax_ring' has no attribute {name!r}")
+
+
 __all__ = [
   "KVCache",
   "decode_attention",
@@ -38,6 +49,7 @@ __all__ = [
   "hlo",
   "layouts",
   "merge_attention",
+  "nn",
   "policy_for",
   "reference_attention",
   "reference_dilated_attention",

@@ -17,7 +17,14 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ring import _mosaic, _pallas, _ulysses, _validation, layouts
 from jax_ring._kernel import MaskSpec
-from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_attention_inputs
+from jax_ring._mesh import (
+  call_on_mesh,
+  constrain,
+  output_spec,
+  pad_seq,
+  place_attention_inputs,
+  usable_mesh,
+)
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import RingConfig, ring, schedule
 from jax_ring._tiles import BlockSizes, check_block_sizes, fit_tile_budget, local_blocks
@@ -77,8 +84,10 @@ def ring_attention_shard(
     is_causal, local_window_size, scale: as in `ring_attention`, on global positions.
     segment_ids: int [B, T] (when S == T), or a pair (query ids [B, T], kv ids
       [B, S]): this device's shards; negative ids are padding.
-    layout: how global positions map to devices ("contiguous", "striped", "zigzag",
-      or "auto": zigzag when causal). The tokens must already be in that layout.
+    layout: how global positions map to devices: "contiguous" (device i holds tokens
+      [i * T, (i + 1) * T)), "striped" or "zigzag"; the tokens must already be in that
+      layout (`jax_ring.layouts.to_layout` puts a global array in one). "auto" is
+      refused: the shards' layout is the caller's to say.
     policy: a `Policy` or preset name; None means `policy_for()` the first device.
     block_sizes: `BlockSizes` for the tiles inside a device.
     positions: int [T] global positions of this shard's queries; overrides `layout`.
@@ -103,6 +112,18 @@ def ring_attention_shard(
   (_, t, s, n, k), (q_seg, kv_seg), window, scale, block_sizes = check_arguments(
     query, key, value, segment_ids, local_window_size, scale, block_sizes, unbatched=unbatched
   )
+  is_causal = _validation.check_bool(is_causal, "is_causal")
+  return_residual = _validation.check_bool(return_residual, "return_residual")
+  _validation.check_bound_axis(axis_name, "axis_name", "ring_attention_shard")
+  if ulysses_axis is not None:
+    _validation.check_bound_axis(ulysses_axis, "ulysses_axis", "ring_attention_shard")
+  if layout == "auto":
+    raise ValueError(
+      "ring_attention_shard(layout='auto'): shards come in already laid out, and only the caller knows "
+      f"how; pass the layout they are in, one of {layouts.LAYOUTS} ('contiguous': device i holds "
+      "tokens [i * T, (i + 1) * T)), or their `positions`. jax_ring.layouts.to_layout(x, layout, "
+      "num_devices) puts a global array in a layout before it is sharded."
+    )
   q_pos = None if positions is None else _check_positions(positions, t, "positions")
   k_pos = None if kv_positions is None else _check_positions(kv_positions, s, "kv_positions")
   if q_pos is not None and k_pos is None and s != t:
@@ -402,6 +423,8 @@ def ring_attention(
   return_residual: bool = False,
   ulysses_axis=None,
   kernel: str = "auto",
+  mask=None,
+  bias=None,
 ):
   """Exact softmax attention with the sequence sharded over `seq_axis` of `mesh`.
 
@@ -451,6 +474,9 @@ def ring_attention(
       compute dtype other than float32 / bfloat16 / float16, `block_sizes` that are
       not powers of two >= 16). With the Pallas kernel, local lengths are padded to
       its block (a power of two, 16 to 128, unless `block_sizes` gives one).
+    mask, bias: not accepted (a ValueError that names what to use instead): a dense
+      [B, N, T, S] matrix is what ring attention never builds. The masks it usually
+      carries are `is_causal`, `local_window_size`, `segment_ids` and the lengths.
 
   Any T and S work: each is padded internally to what the layout needs, and the
   padding is masked. A query that sees no key gets 0 (jax.nn gives such a row the
@@ -468,8 +494,10 @@ def ring_attention(
   kv_len = _validation.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, s, unbatched)
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
-  if not isinstance(return_residual, bool):
-    raise TypeError(f"return_residual={return_residual!r} must be a bool")
+  mesh = usable_mesh(mesh, query, key, value)
+  is_causal = _validation.check_bool(is_causal, "is_causal")
+  return_residual = _validation.check_bool(return_residual, "return_residual")
+  _validation.refuse_dense(mask, bias)
   _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
   nb = _validation.check_mesh_axis(mesh, batch_axis, "batch_axis", allow_none=True)
   nh = _validation.check_mesh_axis(mesh, head_axis, "head_axis", allow_none=True)

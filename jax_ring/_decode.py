@@ -4,8 +4,8 @@ every cached token, with no K/V moving between devices.
 Each device attends the new queries to its own shard of the cache and keeps the
 partial result (output o_d, log-sum-exp lse_d); the partials are merged exactly by
 their softmax denominators: M = max_d lse_d, w_d = exp(lse_d - M),
-out = sum_d w_d o_d / sum_d w_d. That is one all-reduce (max) of lse and one
-all-reduce (sum) of [w_d o_d, w_d]: B x Tq x N x (H + 2) values, whatever the cache
+out = sum_d w_d o_d / sum_d w_d. That is two all-reduces, a max of lse (B x Tq x N
+values) and a sum of [w_d o_d, w_d] (B x Tq x N x (H + 1) values), whatever the cache
 length ("Tree Attention", Shyam et al. 2024, arXiv 2408.04093). Rotating the cache
 around the ring instead would move 2 x S x K x H values per new token.
 
@@ -38,7 +38,7 @@ from jax_ring._attention import GlobalConfig, check_arguments, global_impl
 from jax_ring._dilated import check_patterns
 from jax_ring._kernel import block_update, finalize
 from jax_ring._merge import merge_local, merge_partials
-from jax_ring._mesh import call_on_mesh, constrain, output_spec, place, place_on_mesh
+from jax_ring._mesh import call_on_mesh, constrain, output_spec, place, place_on_mesh, usable_mesh
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import zeros_varying_like
 from jax_ring._tiles import BlockSizes
@@ -75,7 +75,8 @@ class KVCache(NamedTuple):
 
   @property
   def capacity(self) -> int:
-    """S, the slots per row over all devices."""
+    """S, the slots per row over all devices (at least `init_cache`'s max_length; see
+    there for what a row may hold)."""
     return self.k.shape[1]
 
 
@@ -103,7 +104,8 @@ class CacheAxes:
     return P(self.batch_axis, None, self.head_axis, None)
 
 
-def _check_axes(mesh, seq_axis, batch_axis, head_axis) -> CacheAxes:
+def _check_axes(mesh, seq_axis, batch_axis, head_axis, *inputs) -> CacheAxes:
+  """The axes of a cache call, on the mesh `usable_mesh` gives for these inputs."""
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
   _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
@@ -112,7 +114,7 @@ def _check_axes(mesh, seq_axis, batch_axis, head_axis) -> CacheAxes:
   named = [a for a in (seq_axis, batch_axis, head_axis) if a is not None]
   if len(set(named)) != len(named):
     raise ValueError(f"{seq_axis=}, {batch_axis=}, {head_axis=} must name different mesh axes")
-  return CacheAxes(mesh, seq_axis, batch_axis, head_axis)
+  return CacheAxes(usable_mesh(mesh, *inputs), seq_axis, batch_axis, head_axis)
 
 
 def local_capacity(max_length: int, devices: int) -> int:
@@ -152,9 +154,17 @@ def init_cache(
 
   Legend: B = batch_size, K = num_kv_heads, H = head_dim.
 
-  The capacity S is a little more than `max_length`: each device gets
-  ceil(max_length / p) + 3 slots (rounded up to 256 past 256), room for the padding a
-  prompt's layout adds and for the round-robin's unevenness.
+  The capacity S (`KVCache.capacity`) is a little more than `max_length`: each of the
+  p devices gets ceil(max_length / p) + 3 slots (rounded up to 256 past 256), room for
+  the padding a prompt's layout adds and for the round-robin's unevenness.
+
+  What a row may hold: a prompt takes its whole buffer, the prompt array's length T
+  (padded to a multiple of 2p under zigzag, of p contiguous), whatever `lengths` says
+  of its real tokens; each appended token takes one slot, on the next device in turn.
+  A prompt buffer of T plus n appended tokens always fits when T + n <= max_length
+  (with prefill's default layouts); more may fit, up to the capacity, but is not
+  promised. A call that would overflow a device's slots raises a ValueError (checked
+  when the cache's counters are concrete, as they are outside jit).
   """
   axes = _check_axes(mesh, seq_axis, batch_axis, head_axis)
   for name, value in (
@@ -462,13 +472,14 @@ def decode_attention(
       `jax.nn.dot_product_attention` does.
 
   Each device attends to its shard's filled tiles only, then the partial results are
-  merged by one all-reduce (see the module docstring). Rows that see no key get 0.
+  merged by two all-reduces, a max and a sum (see the module docstring). Rows that see no key get 0.
   For inference: it has no gradient (the tile loop is a while loop).
 
   Returns:
     [B, Tq, N, H] in the policy's output dtype (and the lse if `return_residual`).
   """
-  axes = _check_axes(mesh, seq_axis, batch_axis, head_axis)
+  axes = _check_axes(mesh, seq_axis, batch_axis, head_axis, query, getattr(cache, "k", None))
+  return_residual = _validation.check_bool(return_residual, "return_residual")
   b, _, _, h = check_cache(cache, axes)
   _check_new(query, "query", b, h)
   check_cache(cache, axes, num_heads=query.shape[2], head_dim=query.shape[3])
@@ -505,6 +516,8 @@ def decode_attention_shard(
   the global cache). Returns the merged output (and lse), the same on every device."""
   if not isinstance(cache, KVCache):
     raise TypeError(f"cache must be a jax_ring.KVCache shard, got {type(cache).__name__}")
+  _validation.check_bound_axis(axis_name, "axis_name", "decode_attention_shard")
+  return_residual = _validation.check_bool(return_residual, "return_residual")
   b, _, _, h = cache.k.shape
   _check_new(query, "query", b, h)
   if query.shape[2] % cache.k.shape[2]:
@@ -568,7 +581,7 @@ def update_cache(
   Raises ValueError when a device's shard has no room left (checked when the cache's
   counters are concrete).
   """
-  axes = _check_axes(mesh, seq_axis, batch_axis, head_axis)
+  axes = _check_axes(mesh, seq_axis, batch_axis, head_axis, key, getattr(cache, "k", None))
   b, _, k, h = check_cache(cache, axes)
   for name, x in (("key", key), ("value", value)):
     _check_new(x, name, b, h)
@@ -655,7 +668,8 @@ def prefill_attention(
   Returns:
     ([B, T, N, H] output, the filled cache).
   """
-  axes = _check_axes(mesh, seq_axis, batch_axis, head_axis)
+  axes = _check_axes(mesh, seq_axis, batch_axis, head_axis, query, key, value, getattr(cache, "k", None))
+  mesh = axes.mesh
   (b, t, _, n, k), _, window, scale, block_sizes = check_arguments(
     query, key, value, segment_ids, local_window_size, scale, block_sizes, same_length=True
   )
@@ -677,11 +691,9 @@ def prefill_attention(
   policy = get_policy(policy, mesh.devices.flat[0])
   gc = GlobalConfig(mesh, seq_axis, batch_axis, head_axis, True, window, scale, layout, policy, block_sizes)
   with jax.named_scope("jax_ring.prefill_attention"):
-    query, key, value, segment_ids = place_on_mesh(
-      mesh, seq_axis, batch_axis, head_axis, query, key, value, segment_ids
-    )
+    placed = place_on_mesh(mesh, seq_axis, batch_axis, head_axis, query, key, value, segment_ids)
     lengths = place(mesh, {"lengths": (lengths, P(batch_axis))})["lengths"]
     fields = (cache.k, cache.v, cache.positions, cache.segment_ids)
-    out, (ck, cv, cpos, cseg) = _prefill_global(query, key, value, segment_ids, fields, gc=gc)
+    out, (ck, cv, cpos, cseg) = _prefill_global(*placed, fields, gc=gc)
   zero = jnp.zeros((), jnp.int32)
   return out, KVCache(ck, cv, cpos, cseg, lengths, zero + local, zero)

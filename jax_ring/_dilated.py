@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ring import _pallas, _validation
 from jax_ring._kernel import MaskSpec
-from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_on_mesh
+from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_on_mesh, usable_mesh
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import RingConfig, prepare, ring_backward_state, ring_forward_state, zeros_varying_like
 from jax_ring._tiles import (
@@ -485,6 +485,7 @@ def dilated_attention(
   else:
     if not isinstance(mesh, jax.sharding.Mesh):
       raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh or None")
+    mesh = usable_mesh(mesh, query, key, value)
     devices = _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
     nb = _validation.check_mesh_axis(mesh, batch_axis, "batch_axis", allow_none=True)
     if batch_axis is not None and batch_axis == seq_axis:
@@ -498,7 +499,7 @@ def dilated_attention(
     axis_name=None if mesh is None else seq_axis,
     devices=devices,
     patterns=patterns,
-    is_causal=bool(is_causal),
+    is_causal=_validation.check_bool(is_causal, "is_causal"),
     scale=scale,
     policy=policy,
     block_sizes=block_sizes,

@@ -98,12 +98,17 @@ def _scores(q, k, mask, policy: Policy):
   The tile math runs on 3-d arrays, one batch axis: with the size-1 axes of B and G
   kept, the CPU compiler copied every score tile once more before its row maximum.
   """
-  s = _dot("xqh,xsh->xqs", _rows(q), _flat(k), policy)
-  if mask is not None:
-    b, kh, g, bq = q.shape[:4]
-    mask = mask if mask.ndim == 5 else mask[:, None, None]  # [B, K, G, bq, bk]: per query head
-    s = jnp.where(mask, s.reshape(b, kh, g, bq, -1), -jnp.inf).reshape(s.shape)
-  return s
+  return _where_visible(mask, _dot("xqh,xsh->xqs", _rows(q), _flat(k), policy), q.shape, -jnp.inf)
+
+
+def _where_visible(mask, x, q_shape, hidden):
+  """x [B * K, G * bq, bk] (a tile in `_rows` layout) with `hidden` where `mask` (as in
+  `_scores`; None: nothing hidden) hides a key from a query."""
+  if mask is None:
+    return x
+  b, kh, g, bq = q_shape[:4]
+  mask = mask if mask.ndim == 5 else mask[:, None, None]  # [B, K, G, bq, bk]: per query head
+  return jnp.where(mask, x.reshape(b, kh, g, bq, -1), hidden).reshape(x.shape)
 
 
 def block_update(q, k, v, mask, policy: Policy, o, m, l):
@@ -125,9 +130,17 @@ def block_update(q, k, v, mask, policy: Policy, o, m, l):
   return o_new.reshape(o.shape), m_new.reshape(m.shape), l_new.reshape(l.shape)
 
 
+def saw_keys(l):
+  """Which rows of a softmax denominator `l` saw a key: l != 0. A row the masks leave
+  empty has l == 0 exactly (a visible key adds exp(0) = 1 at its row's maximum); a
+  NaN (from a NaN or inf in q, k or v) counts as seen, so it reaches the output."""
+  return l != 0
+
+
 def finalize(o, m, l):
-  """(normalized output, lse) from the running state. Rows that saw no key: 0, -inf."""
-  seen = l > 0
+  """(normalized output, lse) from the running state. Rows that saw no key: 0, -inf;
+  a non-finite row stays non-finite (`saw_keys`)."""
+  seen = saw_keys(l)
   safe_l = jnp.where(seen, l, 1.0)
   out = jnp.where(seen[..., None], o / safe_l[..., None], 0.0)
   lse = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
@@ -151,7 +164,9 @@ def block_backward(q, q_t, k, v, do, do_t, lse, delta, mask, policy: Policy):
   lse_safe = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
   probs = jnp.exp(s - lse_safe[..., None])
   dp = _dot("xqh,xsh->xqs", _rows(do), _flat(v), policy)
-  ds = (probs * (dp - _rows(delta[..., None]))).astype(cd)
+  # Hidden pairs get exactly 0: p = 0 there, but dp or delta may be NaN (a non-finite
+  # value or output elsewhere), and 0 * NaN would reach rows and keys that see nothing.
+  ds = _where_visible(mask, probs * (dp - _rows(delta[..., None])), q.shape, 0.0).astype(cd)
   dq = _dot("xqs,xsh->xqh", ds, _flat(k), policy).reshape(q.shape)
   t_rows = lambda x: x.reshape(x.shape[0] * x.shape[1], x.shape[2], -1)  # [B*K, H, G*bq]
   dk_t = _dot("xhq,xqs->xhs", t_rows(q_t), ds, policy)

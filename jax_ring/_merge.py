@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ring._kernel import saw_keys
+
 
 def _merge(o, lse, top_of, total_of):
   """The exact merge of partial results (o [..., H], lse [...]) given how to take the
@@ -16,7 +18,7 @@ def _merge(o, lse, top_of, total_of):
   w = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - safe))
   total = total_of(jnp.concatenate([o * w[..., None], w[..., None]], axis=-1))
   num, den = total[..., :-1], total[..., -1]
-  seen = den > 0
+  seen = saw_keys(den)
   out = jnp.where(seen[..., None], num / jnp.where(seen, den, 1.0)[..., None], 0.0)
   return out, jnp.where(seen, safe + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
 

@@ -43,6 +43,34 @@ def explicit_axes(mesh) -> tuple:
   return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit)
 
 
+def usable_mesh(mesh, *inputs):
+  """The mesh a public call runs on: `mesh`, or its Auto twin (the same devices and
+  axis names, every axis Auto) where `mesh` has Explicit axes (`jax.make_mesh`'s
+  default), no mesh context is active and no input is typed by Explicit axes. An
+  array typed by Explicit axes needs `jax.set_mesh` for every later operation on it
+  (indexing, a sum, `jax.grad`'s cotangent); outside that context, inputs that are
+  plain arrays give results sharded the same way but typed Auto, which work as any
+  sharded array does. Under `jax.set_mesh(mesh)`, or with inputs already typed by
+  the Explicit mesh, results keep their Explicit types (explicit in, explicit out)."""
+  if (
+    explicit_axes(mesh)
+    and jax.sharding.get_abstract_mesh().empty
+    and not any(_typed_explicit(x) for x in inputs if x is not None)
+  ):
+    return mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+  return mesh
+
+
+def _typed_explicit(x) -> bool:
+  """Whether x's type carries Explicit mesh axes (a jax.Array or tracer put on an
+  Explicit mesh)."""
+  try:
+    sharding = jax.typeof(x).sharding
+  except Exception:  # NumPy arrays and Python scalars carry no sharding type
+    return False
+  return bool(getattr(getattr(sharding, "mesh", None), "explicit_axes", ()))
+
+
 def call_on_mesh(impl, mesh, out_spec, *args):
   """Calls impl(*args, in_context=...) inside jit. Explicit mesh axes are made Auto for
   the call (`auto_axes`), where XLA may pad uneven shards; the result gets `out_spec`."""
@@ -127,6 +155,11 @@ def place(mesh, arrays: dict) -> dict:
   multi = jax.process_count() > 1
   out = {name: x for name, (x, _) in arrays.items()}
   if not multi and not explicit_axes(mesh):
+    # Arrays typed by an Explicit mesh (the caller's, outside jax.set_mesh; see
+    # `usable_mesh`) are moved to this Auto one: the two types do not mix.
+    for name, (x, spec) in arrays.items():
+      if x is not None and _typed_explicit(x):
+        out[name] = jax.device_put(x, NamedSharding(mesh, spec))
     return out
   if multi:
     host = {n: x for n, (x, _) in arrays.items() if x is not None and _is_host_value(x)}

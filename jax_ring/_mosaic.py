@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_ring import _pallas
-from jax_ring._kernel import MaskSpec
+from jax_ring._kernel import MaskSpec, saw_keys
 
 # Key blocks are lane-aligned (the score tile's last axis); query blocks sublane-aligned.
 MIN_BLOCK_K = 128
@@ -119,7 +119,7 @@ def _forward_kernel(*refs, spec: MaskSpec, nq: int, nk: int, has_seg: bool, prec
   @pl.when(j == nk - 1)
   def _():
     l = l_acc[...]
-    seen = l > 0
+    seen = saw_keys(l)
     safe_l = jnp.where(seen, l, 1.0)
     o_ref[...] = jnp.where(seen, o_acc[...] / safe_l, 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m_acc[...] + jnp.log(safe_l), -jnp.inf)
@@ -196,13 +196,13 @@ def _tile(
 ):
   """(p, ds) of the current tile from the global lse and delta ([bq, 1] columns)."""
   qs, ks = (qs_ref[...], ks_ref[...]) if has_seg else (None, None)
-  s = _pallas.scores(
-    q_ref[...], k_ref[...], _pallas.mask_of(spec, qp_ref[...], kp_ref[...], qs, ks), precision
-  )
+  mask = _pallas.mask_of(spec, qp_ref[...], kp_ref[...], qs, ks)
+  s = _pallas.scores(q_ref[...], k_ref[...], mask, precision)
   lse = lse_ref[...]
   p = jnp.exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse))
   dp = _pallas.dot(do_ref[...], v_ref[...], (1, 1), precision)
-  return p, p * (dp - delta_ref[...])
+  # Hidden pairs: exactly 0 (p is, but dp or delta may be NaN; see _kernel.block_backward).
+  return p, jnp.where(mask, p * (dp - delta_ref[...]), 0.0)
 
 
 def _dq_kernel(*refs, spec: MaskSpec, nq: int, nk: int, has_seg: bool, precision):

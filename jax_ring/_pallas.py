@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import ManualAxisType
 
-from jax_ring._kernel import MaskSpec
+from jax_ring._kernel import MaskSpec, finalize
 
 # Triton wants power-of-two tiles of at least 16 rows for its dot.
 MIN_BLOCK = 16
@@ -268,11 +268,8 @@ def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool,
     jnp.full((bq,), -jnp.inf, jnp.float32),
     jnp.zeros((bq,), jnp.float32),
   )
-  o, m, l = _loop(nk, body, init)
-  seen = l > 0
-  safe_l = jnp.where(seen, l, 1.0)
-  o_ref[...] = jnp.where(seen[:, None], o / safe_l[:, None], 0.0).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
+  out, lse = finalize(*_loop(nk, body, init))
+  o_ref[...], lse_ref[...] = out.astype(o_ref.dtype), lse
 
 
 def out_shape(shape, *like):
@@ -348,10 +345,12 @@ def forward(
 
 def _tile_grads(spec, precision, q, do, lse, delta, qp, qs, k, v, kp, ks):
   """(p, ds) of one tile from the global lse and delta: p = exp(s - lse), masked."""
-  s = scores(q, k, _mask(spec, qp, kp, qs, ks), precision)
+  mask = _mask(spec, qp, kp, qs, ks)
+  s = scores(q, k, mask, precision)
   p = jnp.exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None])
   dp = dot(do, v, (1, 1), precision)
-  return p, p * (dp - delta[:, None])
+  # Hidden pairs: exactly 0 (p is, but dp or delta may be NaN; see _kernel.block_backward).
+  return p, jnp.where(mask, p * (dp - delta[:, None]), 0.0)
 
 
 def _dq_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool, precision):

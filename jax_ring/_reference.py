@@ -36,7 +36,8 @@ def visibility_mask(
 def attention_with_lse(query, key, value, mask, scale):
   """Dense masked attention; returns output [B, T, N, H] and log-sum-exp [B, N, T].
 
-  A query whose row of `mask` is empty gets output 0 and lse -inf.
+  A query whose row of `mask` is empty gets output 0 and lse -inf. A NaN or inf in a
+  query, or in a key or value the mask lets it see, makes its row non-finite.
   """
   num_heads, num_kv_heads = query.shape[2], key.shape[2]
   groups = num_heads // num_kv_heads
@@ -49,9 +50,15 @@ def attention_with_lse(query, key, value, mask, scale):
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   unnormalized = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
   denom = jnp.sum(unnormalized, axis=-1, keepdims=True)
-  seen = denom > 0
+  seen = denom != 0  # a NaN (from a NaN or inf in query or key) is not hidden
   probs = unnormalized / jnp.where(seen, denom, 1.0)
-  out = jnp.einsum("bnts,bsnh->btnh", probs, value, precision="highest")
+  # A non-finite value reaches exactly the rows that see its key (the dense product
+  # alone would also spread it, as 0 * inf, to the rows that do not).
+  finite = jnp.isfinite(value)
+  out = jnp.einsum("bnts,bsnh->btnh", probs, jnp.where(finite, value, 0), precision="highest")
+  seen_by = jnp.broadcast_to(mask, logits.shape).astype(value.dtype)
+  reached = jnp.einsum("bnts,bsnh->btnh", seen_by, (~finite).astype(value.dtype)) > 0
+  out = jnp.where(reached, jnp.nan, out)
   lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)[..., 0]
   return out, lse
 
@@ -95,6 +102,8 @@ def reference_attention(
   query, key, value, unbatched = _validation.add_batch_axis(query, key, value)
   b, t, s, _, _, h = _validation.check_qkv(query, key, value)
   q_seg, kv_seg = _validation.split_segment_ids(segment_ids, b, t, s, unbatched)
+  is_causal = _validation.check_bool(is_causal, "is_causal")
+  return_residual = _validation.check_bool(return_residual, "return_residual")
   q_len = _validation.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, t, unbatched)
   kv_len = _validation.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, s, unbatched)
   q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, jnp.arange(t), jnp.arange(s))
@@ -153,6 +162,7 @@ def reference_dilated_attention(
   b, t, _, n, _, h = _validation.check_qkv(query, key, value, same_length=True)
   _validation.check_segment_ids(segment_ids, b, t)
   scale = _validation.check_scale(scale, h)
+  is_causal = _validation.check_bool(is_causal, "is_causal")
   lengths, rates = check_patterns(segment_lengths, dilation_rates)
   base = visibility_mask(
     jnp.arange(t), jnp.arange(t), is_causal=is_causal, q_segment_ids=segment_ids, k_segment_ids=segment_ids

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 def check_qkv(query, key, value, *, same_length: bool = False):
@@ -18,6 +19,12 @@ def check_qkv(query, key, value, *, same_length: bool = False):
       )
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"{name}.dtype={x.dtype} must be a floating dtype")
+  dtypes = tuple(jnp.dtype(x.dtype) for x in (query, key, value))
+  if len(set(dtypes)) > 1:
+    raise ValueError(
+      f"query.dtype={dtypes[0]}, key.dtype={dtypes[1]}, value.dtype={dtypes[2]} must be one dtype, as in "
+      "jax.nn.dot_product_attention: cast them alike (a Policy sets the dtype the ring computes in)"
+    )
   b, t, n, h = query.shape
   bk, s, k, hk = key.shape
   if key.shape != value.shape:
@@ -42,6 +49,39 @@ def add_batch_axis(query, key, value):
   if all(getattr(x, "ndim", None) == 3 for x in (query, key, value)):
     return query[None], key[None], value[None], True
   return query, key, value, False
+
+
+def check_bool(value, name: str) -> bool:
+  """A flag as a Python bool; anything but a bool (a string such as "False", which
+  Python would take as true, or an int) is a TypeError."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name}={value!r} must be a bool (True or False)")
+  return bool(value)
+
+
+def check_bound_axis(axis, name: str, caller: str) -> None:
+  """ValueError unless `axis` is bound by a surrounding `jax.shard_map` (JAX itself
+  would raise a NameError deep inside the trace)."""
+  try:
+    lax.axis_size(axis)
+  except NameError:
+    raise ValueError(
+      f"{caller}: {name}={axis!r} is not an axis of a surrounding jax.shard_map; call it inside "
+      f"jax.shard_map over a mesh with that axis (or call ring_attention on global arrays)"
+    ) from None
+
+
+def refuse_dense(mask, bias) -> None:
+  """ValueError for a dense mask or bias, naming what ring attention takes instead."""
+  for name, x in (("mask", mask), ("bias", bias)):
+    if x is not None:
+      shape = getattr(x, "shape", type(x).__name__)
+      raise ValueError(
+        f"ring_attention takes no dense {name} (got {name} of shape {shape}): "
+        "a [B, N, T, S] matrix is what ring attention never builds. Express the mask with is_causal, "
+        "local_window_size=(left, right), segment_ids (packing, padding, block-diagonal) or "
+        "query_seq_lengths / key_value_seq_lengths; position-dependent terms go into q and k (RoPE)."
+      )
 
 
 def check_segment_ids(segment_ids, batch: int, length: int, name: str = "segment_ids"):

@@ -30,6 +30,7 @@ def work_report(
   (`fit_tile_budget`, which depends on batch and heads) may halve them in the call.
   """
   window = _validation.normalize_window(local_window_size)
+  is_causal = _validation.check_bool(is_causal, "is_causal")
   layout = layouts.resolve(layout, is_causal, shard_len=-(-seq_len // num_devices))
   block_sizes = BlockSizes() if block_sizes is None else block_sizes
   p = num_devices

@@ -311,7 +311,7 @@ class RingAttention(_Cached, _Projected):
         batch_axis=batch_axis,
         head_axis=head_axis,
         ulysses_axis=ulysses_axis,
-        is_causal=is_causal,
+        is_causal=_validation.check_bool(is_causal, "is_causal"),
         local_window_size=_validation.normalize_window(local_window_size),
         layout=layout,
         policy=policy,
@@ -467,7 +467,7 @@ class DilatedAttention(_Cached, _Projected):
         mesh=mesh,
         seq_axis=seq_axis,
         batch_axis=batch_axis,
-        is_causal=is_causal,
+        is_causal=_validation.check_bool(is_causal, "is_causal"),
         policy=policy,
         block_sizes=block_sizes,
         kernel=attention_kernel,
@@ -493,7 +493,7 @@ class DilatedAttention(_Cached, _Projected):
 
   # Decoding (`_Cached`): the cache as RingAttention's; each new token attends to the
   # cached keys its patterns select (`decode_attention(segment_lengths=...,
-  # dilation_rates=...)`), merged over patterns and devices by one all-reduce.
+  # dilation_rates=...)`), merged over patterns and devices by two all-reduces (a max, then a sum).
 
   def _cache_axes(self) -> dict:
     o = dict(self.options)
@@ -558,7 +558,7 @@ def make_attention_fn(
   Under `nnx.MultiHeadAttention(decode=True)` Flax passes one query against its whole
   cache (key, value [B, S, K, H]) with the mask of the filled prefix ([B, 1, 1, S]):
   that call runs as `jax_ring.decode_attention` (each device attends to its part of
-  the keys, then one all-reduce merges), with the prefix mask as the keys' validity.
+  the keys, then two all-reduces, a max and a sum, merge), with the prefix mask as the keys' validity.
   `ulysses_axis` (the Ulysses hybrid, as in `jax_ring.ring_attention`) and `kernel`
   apply to the full-sequence calls; decoding runs over `seq_axis` alone.
   """
@@ -566,7 +566,7 @@ def make_attention_fn(
     raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
   _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
   window = _validation.normalize_window(local_window_size)
-  factory_causal = is_causal
+  factory_causal = _validation.check_bool(is_causal, "is_causal")
 
   def attention_fn(
     query,
@@ -582,22 +582,26 @@ def make_attention_fn(
     is_causal: bool = False,
     **kwargs,
   ):
+    is_causal = _validation.check_bool(is_causal, "is_causal")
+    deterministic = _validation.check_bool(deterministic, "deterministic")
     if bias is not None:
       raise ValueError(
         f"bias of shape {tuple(bias.shape)} was passed: ring attention takes no dense bias "
         "(it never builds the [T, T] logits)"
       )
-    if mask is not None and query.shape[1] == 1 and key.shape[1] > 1 and mask.ndim == 4:
-      if mask.shape[1] != 1 or mask.shape[2] != 1:
-        raise ValueError(
-          f"mask of shape {tuple(mask.shape)} in decode mode: only a mask of the keys ([B, 1, 1, S], as "
-          "flax.nnx.MultiHeadAttention(decode=True) passes) can be honoured"
-        )
-      if dtype is not None:
-        query, key, value = (x.astype(dtype) for x in (query, key, value))
-      return _attend_cached_prefix(
-        query, key, value, mask[:, 0, 0], mesh, seq_axis, batch_axis, policy, window
+    if dtype is not None:
+      query, key, value = (x.astype(dtype) for x in (query, key, value))
+    # Flax gives any number of batch axes (none: rank 3); the ring takes one.
+    batch = query.shape[:-3]
+    flat = lambda x: x.reshape(-1, *x.shape[-3:]) if x.ndim != 4 else x
+    restore = lambda out: out.reshape(*batch, *out.shape[-3:]) if query.ndim != 4 else out
+    if mask is not None and _is_key_mask(query, mask):
+      # One query against its cache (Flax's decode step: mask [*batch, 1, 1, S]).
+      visible = jnp.broadcast_to(mask, (*batch, *mask.shape[-3:]))[..., 0, 0, :].reshape(-1, key.shape[-3])
+      out = _attend_cached_prefix(
+        flat(query), flat(key), flat(value), visible, mesh, seq_axis, batch_axis, policy, window
       )
+      return restore(out)
     if mask is not None:
       raise ValueError(
         f"mask of shape {tuple(mask.shape)} was passed: ring attention takes no dense mask; "
@@ -607,12 +611,10 @@ def make_attention_fn(
       raise ValueError(f"dropout_rate={dropout_rate} in training: ring attention has no attention dropout")
     if module is not None:
       raise ValueError("sow_weights=True: ring attention never materializes the attention weights")
-    if dtype is not None:
-      query, key, value = (x.astype(dtype) for x in (query, key, value))
-    return ring_attention(
-      query,
-      key,
-      value,
+    out = ring_attention(
+      flat(query),
+      flat(key),
+      flat(value),
       mesh=mesh,
       seq_axis=seq_axis,
       batch_axis=batch_axis,
@@ -625,8 +627,16 @@ def make_attention_fn(
       block_sizes=block_sizes,
       kernel=kernel,
     )
+    return restore(out)
 
   return attention_fn
+
+
+def _is_key_mask(query, mask) -> bool:
+  """Whether a Flax mask is one query's mask of the keys ([*batch, 1, 1, S] against a
+  query [*batch, 1, N, H]), as `nnx.MultiHeadAttention(decode=True)` passes with its
+  cache; such a call runs as decoding."""
+  return query.shape[-3] == 1 and mask.ndim == query.ndim and mask.shape[-3:-1] == (1, 1)
 
 
 def _attend_cached_prefix(query, key, value, visible, mesh, seq_axis, batch_axis, policy, window):

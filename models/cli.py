@@ -8,6 +8,21 @@ import dataclasses
 import typing
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+  """Every script's --help: the docstring as written, and each option's help line
+  followed by its default once (unless the help already says what the default is)."""
+
+  def _get_help_string(self, action):
+    if "(default" in (action.help or ""):
+      return action.help
+    return super()._get_help_string(action)
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+  """An ArgumentParser with `HelpFormatter`, the one every script uses."""
+  return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+
+
 def _scalar_type(annotation):
   """The flag type of an annotation: int, float or str, also inside `X | None`."""
   args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -45,7 +60,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, skip=()) -> None:
       type=kind,
       default=field.default,
       choices=choices,
-      help=f"{help_text} (default: %(default)s)",
+      help=help_text,
     )
 
 

@@ -1,7 +1,7 @@
 """Generation from a `DecoderLM` with a sequence-sharded KV cache: one jitted prefill of
 the prompts (ring attention, which also fills the caches), then one jitted
 `lax.while_loop` of decode steps (each attends the new token to every cached token
-with one all-reduce, no K/V moving), compiled once per shape and setting.
+with two all-reduces, a max and a sum; no K/V moving), compiled once per shape and setting.
 
     out = generate(model, prompts, prompt_lengths=lengths, max_new_tokens=32)
     out.tokens   # int32 [B, 32]; after a row's stop token: `pad_token`

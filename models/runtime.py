@@ -41,7 +41,7 @@ def add_flags(parser: argparse.ArgumentParser, devices: int = 8) -> None:
     "--heartbeat-timeout",
     type=int,
     default=HEARTBEAT_TIMEOUT,
-    help="seconds after which a silent process counts as dead and the job aborts (default: %(default)s)",
+    help="seconds after which a silent process counts as dead and the job aborts",
   )
 
 

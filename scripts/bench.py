@@ -20,7 +20,6 @@ the library. Without it, its rows are skipped with a message.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -36,20 +35,29 @@ from _harness import (
   simulate_devices,
 )
 
+from models import cli
+
 QUICK = dict(lengths="1024,2048", devices="1,8", causal="both", dtypes="float32", repeats=2, budget_mib=32)
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.parser(__doc__)
   p.add_argument("--quick", action="store_true", help="small sweep and budget; writes under results/bench")
   p.add_argument("--lengths", default="2048,4096,8192,16384", help="comma-separated sequence lengths")
   p.add_argument("--devices", default="1,2,4,8", help="comma-separated device counts for the ring")
-  p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+  p.add_argument(
+    "--causal",
+    choices=["no", "yes", "both"],
+    default="both",
+    help="masks to time: full (no), causal (yes) or both",
+  )
   p.add_argument("--dtypes", default="float32,bfloat16", help="input dtypes (policy = input dtype)")
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--head-dim", type=int, default=64)
-  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--batch", type=int, default=1, help="batch size B")
+  p.add_argument("--heads", type=int, default=8, help="query heads N (kv heads K = N)")
+  p.add_argument("--head-dim", type=int, default=64, help="head dim H")
+  p.add_argument(
+    "--repeats", type=int, default=3, help="timed runs per configuration after a warm-up (the median is kept)"
+  )
   p.add_argument("--dense-max-length", type=int, default=8192, help="longest T for the one-device dense row")
   p.add_argument("--impls", default="jax_ring,ringattention,dense", help="which implementations to run")
   p.add_argument(
@@ -68,12 +76,14 @@ def parse_args(argv=None):
   p.add_argument(
     "--budget-mib", type=float, default=1024.0, help="per-device budget of the max-length finder"
   )
-  p.add_argument("--max-length-devices", default="1,2,4,8")
+  p.add_argument(
+    "--max-length-devices", default="1,2,4,8", help="comma-separated device counts of the max-length table"
+  )
   p.add_argument(
     "--matmul-size", type=int, default=4096, help="side of the matmul the FLOP/s are compared with"
   )
-  p.add_argument("--no-max-length", action="store_true")
-  p.add_argument("--no-sweep", action="store_true")
+  p.add_argument("--no-max-length", action="store_true", help="skip the max-length table")
+  p.add_argument("--no-sweep", action="store_true", help="skip the timing sweep")
   p.add_argument("--out", default=None, help="Markdown file to hold the tables (default: see --quick)")
   p.add_argument("--plot-dir", default=None, help="folder for the PNG plots (default: beside --out)")
   args = p.parse_args(argv)

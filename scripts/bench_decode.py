@@ -22,24 +22,33 @@ about 16x a 128K one).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 import time
 
 from _harness import header, median_time, publish, simulate_devices
 
+from models import cli
+
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--devices", type=int, default=8)
-  p.add_argument("--lengths", type=int, nargs="*", default=[32768, 131072, 524288])
-  p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--kv-heads", type=int, default=2)
-  p.add_argument("--head-dim", type=int, default=64)
-  p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--prefill-lengths", type=int, nargs="*", default=[32768])
+  p = cli.parser(__doc__)
+  p.add_argument("--devices", type=int, default=8, help="simulated devices on the sequence axis")
+  p.add_argument(
+    "--lengths",
+    type=int,
+    nargs="*",
+    default=[32768, 131072, 524288],
+    help="cache lengths S to decode against",
+  )
+  p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes B")
+  p.add_argument("--heads", type=int, default=8, help="query heads N")
+  p.add_argument("--kv-heads", type=int, default=2, help="kv heads K")
+  p.add_argument("--head-dim", type=int, default=64, help="head dim H")
+  p.add_argument("--repeats", type=int, default=5, help="timed decode steps (the median is kept)")
+  p.add_argument(
+    "--prefill-lengths", type=int, nargs="*", default=[32768], help="prompt lengths whose prefill is timed"
+  )
   p.add_argument(
     "--prefill-token-cap", type=int, default=1 << 18, help="time prefills of at most this many tokens (B x T)"
   )

@@ -15,11 +15,12 @@ compiler's memory_analysis().
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 
 from _harness import header, publish, simulate_devices
+
+from models import cli
 
 # (name, B, T, N, K, H, devices, options): the first is JAX's test_sdpa_large_head_size.
 SHAPES = [
@@ -29,7 +30,7 @@ SHAPES = [
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.parser(__doc__)
   p.add_argument("--out", default=None, help="Markdown file for the table (its 'delta' section)")
   return p.parse_args(argv)
 

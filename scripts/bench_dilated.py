@@ -18,12 +18,13 @@ x N x H for the dilated patterns (a segment of w tokens keeps w / r of them per 
 
 from __future__ import annotations
 
-import argparse
 import resource
 import sys
 import time
 
 from _harness import header, inputs, median_time, publish, simulate_devices
+
+from models import cli
 
 
 def peak_rss_gib() -> float:
@@ -41,14 +42,28 @@ def useful_flops(length: int, heads: int, head_dim: int, segments=None, rates=No
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--lengths", type=int, nargs="+", default=[65536, 131072, 262144, 524288, 1048576])
-  p.add_argument("--devices", type=int, default=8)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--head-dim", type=int, default=64)
-  p.add_argument("--segments", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-  p.add_argument("--rates", type=int, nargs="+", default=[1, 2, 4, 8])
-  p.add_argument("--repeats", type=int, default=1)
+  p = cli.parser(__doc__)
+  p.add_argument(
+    "--lengths",
+    type=int,
+    nargs="+",
+    default=[65536, 131072, 262144, 524288, 1048576],
+    help="sequence lengths T",
+  )
+  p.add_argument("--devices", type=int, default=8, help="simulated devices on the sequence axis")
+  p.add_argument("--heads", type=int, default=4, help="heads N")
+  p.add_argument("--head-dim", type=int, default=64, help="head dim H")
+  p.add_argument(
+    "--segments", type=int, nargs="+", default=[2048, 4096, 8192, 16384], help="LongNet segment lengths w_i"
+  )
+  p.add_argument(
+    "--rates",
+    type=int,
+    nargs="+",
+    default=[1, 2, 4, 8],
+    help="LongNet dilation rates r_i (one per segment length)",
+  )
+  p.add_argument("--repeats", type=int, default=1, help="timed runs after a warm-up (the median is kept)")
   p.add_argument("--ring-length", type=int, default=8192, help="tokens of the ring attention row")
   p.add_argument("--out", default=None, help="write the table into this Markdown file (default: print only)")
   return p.parse_args(argv)

@@ -12,26 +12,29 @@ the budget is exceeded, then bisects to `--granularity` tokens.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 from _harness import header, memory_mib, publish, simulate_devices
 
+from models import cli
+
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--devices", type=int, default=8)
-  p.add_argument("--dim", type=int, default=256)
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--kv-heads", type=int, default=2)
-  p.add_argument("--vocab", type=int, default=256)
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--budget-mib", type=float, default=1024.0)
+  p = cli.parser(__doc__)
+  p.add_argument("--devices", type=int, default=8, help="simulated devices on the sequence axis")
+  p.add_argument("--dim", type=int, default=256, help="model width")
+  p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+  p.add_argument("--heads", type=int, default=4, help="query heads")
+  p.add_argument("--kv-heads", type=int, default=2, help="kv heads")
+  p.add_argument("--vocab", type=int, default=256, help="vocabulary size")
+  p.add_argument("--batch", type=int, default=1, help="batch size")
+  p.add_argument(
+    "--budget-mib", type=float, default=1024.0, help="per-device memory budget the longest sequence must fit"
+  )
   p.add_argument("--granularity", type=int, default=4096, help="bisect to this many tokens")
-  p.add_argument("--start", type=int, default=16384)
-  p.add_argument("--out", default=None)
+  p.add_argument("--start", type=int, default=16384, help="first length tried by the bisection")
+  p.add_argument("--out", default=None, help="Markdown file for the table (its 'lm_memory' section)")
   return p.parse_args(argv)
 
 

@@ -9,22 +9,30 @@ and device, from `jax_ring.work_report`) that explain the ratios.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from _harness import header, inputs, measure, publish, simulate_devices
 
+from models import cli
+
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--suite", choices=["time", "work", "all"], default="all")
-  p.add_argument("--devices", type=int, default=8)
-  p.add_argument("--lengths", type=int, nargs="+", default=[8192])
-  p.add_argument("--layouts", nargs="+", default=["contiguous", "striped", "zigzag"])
+  p = cli.parser(__doc__)
+  p.add_argument(
+    "--suite",
+    choices=["time", "work", "all"],
+    default="all",
+    help="what to measure: times, work counts (score blocks computed) or all",
+  )
+  p.add_argument("--devices", type=int, default=8, help="simulated devices on the ring")
+  p.add_argument("--lengths", type=int, nargs="+", default=[8192], help="sequence lengths T")
+  p.add_argument(
+    "--layouts", nargs="+", default=["contiguous", "striped", "zigzag"], help="layouts to compare"
+  )
   p.add_argument("--window", type=int, default=512, help="local window (0: no window row)")
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--head-dim", type=int, default=64)
-  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--heads", type=int, default=8, help="heads N")
+  p.add_argument("--head-dim", type=int, default=64, help="head dim H")
+  p.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (the median is kept)")
   p.add_argument("--out", default=None, help="Markdown file for the tables (its 'masks' section)")
   return p.parse_args(argv)
 

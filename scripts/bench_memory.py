@@ -10,17 +10,22 @@ and where the max-length finder of `bench.py --quick` (32 MiB) works.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from _harness import fwd_bwd, header, memory_mib, publish, simulate_devices
 
+from models import cli
+
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--lengths", default="512,768,896,1024,1536,2048")
-  p.add_argument("--devices", default="1,2,4")
-  p.add_argument("--impls", default="jax_ring,ringattention")
+  p = cli.parser(__doc__)
+  p.add_argument("--lengths", default="512,768,896,1024,1536,2048", help="comma-separated sequence lengths T")
+  p.add_argument("--devices", default="1,2,4", help="comma-separated device counts")
+  p.add_argument(
+    "--impls",
+    default="jax_ring,ringattention",
+    help="comma-separated implementations: jax_ring, ringattention",
+  )
   p.add_argument("--out", default=None, help="Markdown file for the table (its 'memory' section)")
   return p.parse_args(argv)
 

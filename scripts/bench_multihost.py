@@ -11,7 +11,6 @@ waits for training to run, SIGKILLs one and times the other's exit.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -23,17 +22,21 @@ import time
 from _harness import header, publish
 from launch import free_port, process_env
 
+from models import cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--seq-len", type=int, default=2048)
-  p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--dim", type=int, default=64)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--steps", type=int, default=12)
-  p.add_argument("--heartbeat-timeout", type=int, default=30)
+  p = cli.parser(__doc__)
+  p.add_argument("--seq-len", type=int, default=2048, help="tokens per example")
+  p.add_argument("--batch", type=int, default=8, help="examples per step")
+  p.add_argument("--dim", type=int, default=64, help="model width")
+  p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+  p.add_argument("--steps", type=int, default=12, help="training steps timed per configuration")
+  p.add_argument(
+    "--heartbeat-timeout", type=int, default=30, help="seconds after which a silent process counts as dead"
+  )
   p.add_argument("--out", default=None, help="Markdown file for the tables (its 'multihost' section)")
   return p.parse_args(argv)
 

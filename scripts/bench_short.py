@@ -15,19 +15,26 @@ memory per device (temp + arguments, from the compiler).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from _harness import fwd_bwd, header, inputs, memory_mib, publish, run_times, simulate_devices
 
+from models import cli
+
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--lengths", default="1024,2048")
-  p.add_argument("--devices", type=int, default=8)
-  p.add_argument("--rounds", type=int, default=6)
-  p.add_argument("--per-round", type=int, default=3)
-  p.add_argument("--impls", default="jax_ring,ringattention")
+  p = cli.parser(__doc__)
+  p.add_argument("--lengths", default="1024,2048", help="comma-separated sequence lengths T")
+  p.add_argument("--devices", type=int, default=8, help="simulated devices on the ring")
+  p.add_argument(
+    "--rounds", type=int, default=6, help="interleaved rounds (each program timed once per round)"
+  )
+  p.add_argument("--per-round", type=int, default=3, help="calls per program per round (the median is kept)")
+  p.add_argument(
+    "--impls",
+    default="jax_ring,ringattention",
+    help="comma-separated implementations: jax_ring, ringattention",
+  )
   p.add_argument(
     "--layouts", default="", help="extra jax_ring columns with these layouts forced, e.g. zigzag,contiguous"
   )

@@ -13,10 +13,11 @@ tile first, and runs at about half the rate of the others (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from _harness import header, matmul_rate, publish, run_times, simulate_devices
+
+from models import cli
 
 # name -> (einsum over [heads, ...] operands, lhs dims, rhs dims); s: score rows or
 # columns (block), h: head dim.
@@ -30,13 +31,13 @@ PRODUCTS = {
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--devices", type=int, default=8)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--block", type=int, default=256)
-  p.add_argument("--head-dim", type=int, default=64)
+  p = cli.parser(__doc__)
+  p.add_argument("--devices", type=int, default=8, help="simulated devices running tiles at once")
+  p.add_argument("--heads", type=int, default=4, help="query heads per tile")
+  p.add_argument("--block", type=int, default=256, help="block_q = block_kv")
+  p.add_argument("--head-dim", type=int, default=64, help="head dim H")
   p.add_argument("--tiles", type=int, default=32, help="tiles per device per timed call")
-  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--repeats", type=int, default=5, help="timed calls (the median is kept)")
   p.add_argument("--matmul-size", type=int, default=4096, help="side of the reference matmul")
   p.add_argument("--out", default=None, help="Markdown file for the table (its 'tile' section)")
   return p.parse_args(argv)

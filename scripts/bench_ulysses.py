@@ -12,20 +12,21 @@ all-to-all and collective-permute. (1, p) is the pure ring, (p, 1) pure Ulysses.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 from _harness import fwd_bwd, header, measure, publish, simulate_devices
 
+from models import cli
+
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--devices", type=int, default=8)
-  p.add_argument("--length", type=int, default=32768)
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
-  p.add_argument("--head-dim", type=int, default=64)
+  p = cli.parser(__doc__)
+  p.add_argument("--devices", type=int, default=8, help="simulated devices (u x ring)")
+  p.add_argument("--length", type=int, default=32768, help="sequence length T")
+  p.add_argument("--heads", type=int, default=8, help="query heads N")
+  p.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2], help="kv head counts K to compare")
+  p.add_argument("--head-dim", type=int, default=64, help="head dim H")
   p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up (the median is kept)")
   p.add_argument("--out", default=None, help="Markdown file for the table (its 'ulysses' section)")
   return p.parse_args(argv)

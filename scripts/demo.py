@@ -13,24 +13,23 @@ On a CPU-only machine it simulates 8 devices; with GPUs or TPUs it uses them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 
-from models import runtime
+from models import cli, runtime
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.parser(__doc__)
   p.add_argument("--steps", type=int, default=600, help="most training steps per model")
-  p.add_argument("--seq-len", type=int, default=256)
-  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--seq-len", type=int, default=256, help="tokens per example")
+  p.add_argument("--batch", type=int, default=16, help="examples per training step")
   p.add_argument("--time-budget", type=float, default=270.0, help="seconds of training per model")
   p.add_argument("--target-accuracy", type=float, default=0.95, help="ring training stops here")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default="results/demo")
-  p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial parameters")
+  p.add_argument("--out", default="results/demo", help="folder for the report")
+  p.add_argument("--no-progress", action="store_true", help="no progress bars")
   runtime.add_flags(p)
   return p.parse_args(argv)
 

@@ -12,7 +12,11 @@ prefixed with `[pI]`.
 
 When a process exits with an error, or the `--timeout` passes, the others are killed
 with SIGKILL (a JAX process swallows SIGTERM) and the launcher exits non-zero: the
-failing process's code, or 124 on a timeout. It exits 0 once every process has.
+failing process's code, or 124 on a timeout. It exits 0 once every process has. After a
+failure it prints one line per process with how it ended (exit code or signal, and the
+first error line of its traceback, or "killed by the launcher"). A traceback is shown
+whole or not at all: one the launcher's kill would cut is left out. gloo's per-rank
+"connected" lines are left out too.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,8 +33,16 @@ import threading
 import time
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+  """The docstring as written, each option's default after its help (as models.cli's,
+  which would make this light launcher import jax)."""
+
+  def _get_help_string(self, action):
+    return action.help if "(default" in (action.help or "") else super()._get_help_string(action)
+
+
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
   p.add_argument("--processes", type=int, default=2, help="how many processes")
   p.add_argument("--devices-per-process", type=int, default=4, help="simulated CPU devices per process")
   p.add_argument("--timeout", type=float, default=None, help="kill everything after this many seconds")
@@ -66,11 +79,71 @@ def process_env(index: int, processes: int, devices: int, port: int) -> dict[str
   return env
 
 
-def _relay(index: int, stream, lock: threading.Lock) -> None:
+# gloo prints one "[Gloo] Rank r is connected to n peer ranks. Expected number of
+# connected peer ranks is : n" line per rank, from threads that interleave them.
+_GLOO = re.compile(
+  r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : ?"
+)
+_TRACEBACK_HEADS = ("Traceback (most recent call last)", "During handling of", "The above exception")
+# A traceback held this long with its process still running is complete: shown.
+_IDLE_FLUSH = 2.0
+
+
+class _Output:
+  """One process's output on its way to the launcher's stdout: gloo's per-rank lines
+  (whole or torn by threads) are dropped, and a traceback is held until it is known
+  to be whole (its process exited on its own, or kept running after it), so that one
+  cut by the launcher's kill is left out instead of shown in part."""
+
+  def __init__(self, index: int, lock: threading.Lock):
+    self.index, self.lock = index, lock
+    self.held: list[str] = []
+    self.last = 0.0
+    self.gloo = 0  # gloo line heads whose count has not come yet
+    self.error: str | None = None  # the first error line of its first traceback
+
+  def _write(self, lines) -> None:
+    for line in lines:
+      sys.stdout.write(f"[p{self.index}] {line}")
+    sys.stdout.flush()
+
+  def _clean(self, line: str) -> str | None:
+    """The line without gloo's noise; None when nothing else is left."""
+    line, heads = _GLOO.subn("", line)
+    self.gloo += heads
+    if self.gloo and re.fullmatch(r"\s*\d+\s*", line):
+      self.gloo -= 1
+      return None
+    return None if heads and not line.strip() else line
+
+  def add(self, line: str) -> None:
+    line = self._clean(line)
+    if line is None:
+      return
+    with self.lock:
+      if line.startswith(_TRACEBACK_HEADS[0]) or self.held:
+        self.held.append(line)
+        self.last = time.monotonic()
+        if self.error is None and line[:1].strip() and not line.startswith(_TRACEBACK_HEADS):
+          self.error = line.strip()
+      else:
+        self._write([line])
+
+  def flush(self, idle: float = 0.0) -> None:
+    """Shows the held traceback (only if nothing came for `idle` seconds)."""
+    with self.lock:
+      if self.held and time.monotonic() - self.last >= idle:
+        self._write(self.held)
+        self.held = []
+
+  def drop(self) -> None:
+    with self.lock:
+      self.held = []
+
+
+def _relay(output: _Output, stream) -> None:
   for line in iter(stream.readline, ""):
-    with lock:
-      sys.stdout.write(f"[p{index}] {line}")
-      sys.stdout.flush()
+    output.add(line)
   stream.close()
 
 
@@ -83,12 +156,26 @@ def _kill(procs) -> None:
     proc.wait()
 
 
+def exit_cause(code: int, killed: bool, error: str | None) -> str:
+  """One line on how a process ended: exit code or signal, and its first error line."""
+  if killed:
+    return "killed by the launcher (SIGKILL)"
+  if code < 0:
+    try:
+      cause = f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+      cause = f"killed by signal {-code}"
+  else:
+    cause = f"exit code {code}"
+  return cause if error is None else f"{cause}: {error}"
+
+
 def launch(args) -> int:
   """Runs the processes; returns the launcher's exit code."""
   port = args.port or free_port()
   command = [sys.executable, *args.command] if args.command[0].endswith(".py") else args.command
   lock = threading.Lock()
-  procs, relays = [], []
+  procs, relays, outputs = [], [], []
   print(
     f"[launch] {args.processes} processes x {args.devices_per_process} devices, coordinator 127.0.0.1:{port}"
   )
@@ -97,7 +184,8 @@ def launch(args) -> int:
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     procs.append(proc)
     print(f"[launch] process {i}: pid {proc.pid}", flush=True)
-    relay = threading.Thread(target=_relay, args=(i, proc.stdout, lock), daemon=True)
+    outputs.append(_Output(i, lock))
+    relay = threading.Thread(target=_relay, args=(outputs[i], proc.stdout), daemon=True)
     relay.start()
     relays.append(relay)
 
@@ -123,10 +211,23 @@ def launch(args) -> int:
       print(f"[launch] timeout after {args.timeout:g} s; killing every process", flush=True)
       code = 124
       break
+    for output, c in zip(outputs, codes):
+      output.flush(idle=_IDLE_FLUSH if c is None else 0.0)
     time.sleep(0.05)
+  # Those that ended by themselves finish their output first (whole tracebacks).
+  ended = [p.poll() is not None for p in procs]
+  for relay, done in zip(relays, ended):
+    if done:
+      relay.join(timeout=5)
   _kill(procs)
   for relay in relays:
     relay.join(timeout=5)
+  for output, done in zip(outputs, ended):
+    output.flush() if done else output.drop()
+  if code:
+    for i, (proc, done) in enumerate(zip(procs, ended)):
+      cause = exit_cause(proc.returncode, not done, outputs[i].error)
+      print(f"[launch] process {i}: {cause}", flush=True)
   print(f"[launch] exit {code}", flush=True)
   return code
 

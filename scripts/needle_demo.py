@@ -17,10 +17,12 @@ Training starts from `--init` (default data/needle_init.npz): parameters from a 
 training stage at 256 tokens on one device (800 steps, about 4 minutes here) that the
 project's own command produced,
 
-    python scripts/train.py --task needle --seq-len 256 --devices 1 --conv 4 \
-        --rope-max-wavelength 256 ... --save-params data/needle_init.npz
+    python scripts/train.py --task needle --seq-len 256 --devices 1 --attention ring \
+        --dim 128 --layers 2 --heads 4 --kv-heads 2 --conv 4 --rope-max-wavelength 256 \
+        --batch 16 --lr 3e-3 --warmup 100 --steps 800 --eval-every 100 --eval-batches 2 \
+        --no-progress --out results/needle_init --save-params data/needle_init.npz
 
-(the exact command is in docs/benchmarks.md); this demo is the long-context stage
+This demo is the long-context stage
 (progressive context extension, 8x the length) and the evaluation. Two choices of the
 model make the extension work: a short causal convolution before each attention
 (`LMConfig.conv`), with which the copying circuit forms in a few hundred steps, and
@@ -33,34 +35,33 @@ rotary embeddings without the frequencies slower than the short stage's length
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 
-from models import runtime
+from models import cli, runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INIT = os.path.join(ROOT, "data", "needle_init.npz")
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.parser(__doc__)
   p.add_argument("--seq-len", type=int, default=2048, help="training context length T")
   p.add_argument("--steps", type=int, default=60, help="training steps per model")
-  p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--lr", type=float, default=1e-3)
+  p.add_argument("--batch", type=int, default=8, help="examples per training step")
+  p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
   p.add_argument("--time-budget", type=float, default=None, help="seconds of training per model")
   p.add_argument("--init", default=INIT, help="start parameters (.npz); 'none' for a fresh model")
   p.add_argument("--bins", type=int, default=8, help="needle depth bins")
   p.add_argument("--eval-rows", type=int, default=16, help="examples per (length, depth) cell")
   p.add_argument("--answers", type=int, default=4, help="questions answered by generation")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default="results/demo")
+  p.add_argument("--seed", type=int, default=0, help="seed of the data and the evaluation")
+  p.add_argument("--out", default="results/demo", help="folder for report.json and report.png")
   p.add_argument(
     "--quick", action="store_true", help="tiny run for tests: T=512, 4 steps, 2 rows a cell, no held-out loss"
   )
-  p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--no-progress", action="store_true", help="no progress bars")
   runtime.add_flags(p)
   args = p.parse_args(argv)
   if args.quick:

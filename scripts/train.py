@@ -24,17 +24,16 @@ or Cloud TPU, which `jax.distributed.initialize()` detects by itself):
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from models import runtime
+from models import cli, runtime
 from models.cli import add_config_flags, config_from_flags
 from models.tasks import KeyValueTask, NeedleTask
 from models.training import TrainConfig, train
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.parser(__doc__)
   p.add_argument("--seq-len", type=int, default=256, help="tokens per example")
   p.add_argument("--task", choices=("kv", "needle"), default="kv", help="the training task")
   p.add_argument("--pairs", type=int, default=3, help="kv: (key, value) pairs per example")

@@ -121,16 +121,19 @@ def test_decode_after_every_prompt_layout(layout):
 
 
 def test_decode_attention_shard_inside_shard_map():
+  """The shard variant in the caller's shard_map over an Explicit mesh: under
+  jax.set_mesh the cache is typed by that mesh, as the caller's shard_map wants."""
   mesh = make_mesh((4,), ("seq",))
   q, k, v = _data(2, 12, 4, 2)
-  cache = init_cache(2, 12, 2, 8, mesh=mesh)
-  _, cache = prefill_attention(q[:, :10], k[:, :10], v[:, :10], cache, mesh=mesh)
   new = lambda x: x[:, 10:12]
-  cache = update_cache(cache, new(k), new(v), mesh=mesh)
-  expected = decode_attention(new(q), cache, mesh=mesh)
-  specs = jax_ring.KVCache(P(None, "seq"), P(None, "seq"), P(None, "seq"), P(None, "seq"), P(), P(), P())
-  inner = lambda q, c: jax_ring.decode_attention_shard(q, c, axis_name="seq")
-  got = jax.jit(jax.shard_map(inner, mesh=mesh, in_specs=(P(), specs), out_specs=P()))(new(q), cache)
+  with jax.set_mesh(mesh):
+    cache = init_cache(2, 12, 2, 8, mesh=mesh)
+    _, cache = prefill_attention(q[:, :10], k[:, :10], v[:, :10], cache, mesh=mesh)
+    cache = update_cache(cache, new(k), new(v), mesh=mesh)
+    expected = decode_attention(new(q), cache, mesh=mesh)
+    specs = jax_ring.KVCache(P(None, "seq"), P(None, "seq"), P(None, "seq"), P(None, "seq"), P(), P(), P())
+    inner = lambda q, c: jax_ring.decode_attention_shard(q, c, axis_name="seq")
+    got = jax.jit(jax.shard_map(inner, mesh=mesh, in_specs=(P(), specs), out_specs=P()))(new(q), cache)
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-6)
 
 
@@ -151,6 +154,8 @@ def test_decode_step_moves_partials_not_the_cache():
     stats[length] = (collective_bytes(compiled), compiled.memory_analysis().temp_size_in_bytes)
   for length, (ops, _) in stats.items():
     assert set(ops) == {"all-reduce"}, (length, ops)
+    # Two all-reduces: the max of lse (B x Tq x N) and the sum of [w o, w] (B x Tq x N x (H + 1)).
+    assert ops["all-reduce"] == 4 * (2 * 4 + 2 * 4 * (16 + 1)), (length, ops)
   assert stats[2048][0] == stats[8192][0]  # bytes on the wire: independent of the cache
   assert stats[8192][1] <= stats[2048][1] * 1.05, stats  # temp memory: too
 
@@ -184,3 +189,26 @@ def test_init_cache_inside_jit_leaves_no_tracer_behind():
   outside = jax_ring.init_cache(1, 16, 1, 8, mesh=mesh)  # same shape: once a leaked tracer
   assert float(inside) == 0.0 and float(jnp.sum(outside.k)) == 0.0
   assert (np.asarray(outside.positions) == -1).all()
+
+
+@pytest.mark.parametrize("devices", [1, 3, 8])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_max_length_is_what_a_row_may_hold(devices, layout):
+  """init_cache(max_length): a prompt buffer of T plus n appended tokens fits whenever
+  T + n <= max_length (the capacity is p * (ceil(max_length / p) + 3)); appending past
+  a device's slots is a ValueError that names the capacity."""
+  mesh = make_mesh((devices,), ("seq",))
+  max_length = 20
+  for t in (1, 7, max_length):
+    cache = init_cache(1, max_length, 1, 8, mesh=mesh)
+    assert cache.capacity == devices * (-(-max_length // devices) + 3) >= max_length
+    x = np.ones((1, t, 1, 8), np.float32)
+    _, cache = prefill_attention(x, x, x, cache, mesh=mesh, layout=layout)
+    if t < max_length:
+      new = np.ones((1, max_length - t, 1, 8), np.float32)
+      cache = update_cache(cache, new, new, mesh=mesh)
+    assert int(cache.lengths[0]) == max_length
+  room = cache.capacity // devices - int(cache.prefilled) - -(-(max_length - t) // devices)
+  past = np.ones((1, devices * room + 1, 1, 8), np.float32)
+  with pytest.raises(ValueError, match=rf"capacity {cache.capacity} over {devices} devices"):
+    update_cache(cache, past, past, mesh=mesh)

@@ -86,6 +86,39 @@ def test_launcher_kills_everything_on_failure_and_on_timeout():
   assert time.monotonic() - started < 20
 
 
+DYING = """
+import os, sys, time
+i = os.environ["JAX_PROCESS_ID"]
+gloo = "[Gloo] Rank {} is connected to 7 peer ranks. Expected number of connected peer ranks is : "
+print(gloo.format(2 * int(i)) + gloo.format(2 * int(i) + 1) + "7", flush=True)  # torn by threads
+print("7", flush=True)
+print("hello from", i, flush=True)
+if i == "1":
+  time.sleep(0.5)
+  raise RuntimeError("worker one broke")
+time.sleep(0.2)
+print("Traceback (most recent call last):", flush=True)  # one the launcher's kill cuts
+print('  File "survivor.py", line 3, in <module>', flush=True)
+time.sleep(60)
+"""
+
+
+def test_launcher_names_each_exit_cause_and_never_cuts_a_traceback():
+  """After a failure: one line per process with its exit cause (the failing one's
+  code and first error line; the survivor killed by the launcher), the failing
+  process's traceback whole, the survivor's unfinished one absent, gloo's lines gone."""
+  code, out = run("--", sys.executable, "-c", DYING, timeout=30)
+  assert code == 1, out
+  assert "[launch] process 1: exit code 1: RuntimeError: worker one broke" in out, out
+  assert "[launch] process 0: killed by the launcher (SIGKILL)" in out, out
+  lines = out.splitlines()
+  start = lines.index("[p1] Traceback (most recent call last):")
+  assert lines[start + 1].startswith("[p1]   File") and "[p1] RuntimeError: worker one broke" in lines[start:]
+  assert "survivor.py" not in out and "[p0] Traceback" not in out, out
+  assert "Gloo" not in out and "[p0] 7" not in out and "[p1] 7" not in out, out
+  assert "[p0] hello from 0" in out and "[p1] hello from 1" in out
+
+
 def _losses(**changes):
   return np.array(train(dataclasses.replace(SMALL, **changes), TASK, log=lambda *_: None)["loss"])
 

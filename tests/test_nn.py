@@ -1,5 +1,7 @@
 """Flax NNX modules and models: equal to their dense paths, bad configs rejected."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -361,3 +363,58 @@ def test_short_conv_is_a_causal_depthwise_convolution():
     row = np.concatenate([h[b, :n], nxt[b]])
     want = row[-1] + sum(w[s] * row[-1 - s] for s in range(3) if n - s >= 0)
     np.testing.assert_allclose(got[b, 0], want, rtol=1e-6, atol=1e-6)
+
+
+def _decode_pair(fn, shape, **options):
+  """Flax's MultiHeadAttention in decode mode with `fn` and with Flax's own attention,
+  the same parameters, caches made for `shape`."""
+  make = lambda **extra: nnx.MultiHeadAttention(
+    num_heads=2, in_features=3, qkv_features=6, decode=True, rngs=nnx.Rngs(0), **options, **extra
+  )
+  ours, theirs = make(attention_fn=fn), make()
+  dtype = options.get("dtype") or jnp.float32
+  ours.init_cache(shape, dtype=dtype)
+  theirs.init_cache(shape, dtype=dtype)
+  return ours, theirs
+
+
+@pytest.mark.parametrize("shape", [(7, 3), (1, 3), (1, 1, 3), (1, 7, 3), (2, 5, 3), (2, 2, 5, 3)])
+def test_make_attention_fn_decodes_every_shape_flax_decodes(shape):
+  """No batch axis, one, or two; caches of length 1 and more: every step's output and
+  cache_index equal Flax's default attention's."""
+  fn = ring_nn.make_attention_fn(mesh=make_mesh((2,), ("seq",)))
+  ours, theirs = _decode_pair(fn, shape)
+  x = jax.random.normal(jax.random.PRNGKey(1), shape, jnp.float32)
+  for i in range(min(3, shape[-2])):
+    a, b = ours(x[..., i : i + 1, :]), theirs(x[..., i : i + 1, :])
+    assert a.shape == b.shape == (*shape[:-2], 1, 3)
+    np.testing.assert_allclose(a, b, atol=1e-6)
+    assert int(ours.cache_index[...]) == int(theirs.cache_index[...]) == i + 1
+
+
+def test_flax_linen_consistency_decode_grid():
+  """The decode points of Flax's own TestLinenConsistency grid (tests/nnx/nn/
+  attention_test.py: bias, dtype, param_dtype, precision, normalize_qk over one
+  unbatched token with a cache of length 1), against Flax's default attention."""
+  fn = ring_nn.make_attention_fn(mesh=make_mesh((2,), ("seq",)))
+  x = jnp.ones((1, 3), jnp.float32)
+  grid = itertools.product(
+    [True, False],
+    [jnp.float32, jnp.float16],
+    [jnp.float32, jnp.float16],
+    [jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST],
+    [True, False],
+  )
+  points = 0
+  for use_bias, dtype, param_dtype, precision, normalize_qk in grid:
+    options = dict(
+      use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, normalize_qk=normalize_qk
+    )
+    ours, theirs = _decode_pair(fn, x.shape, out_features=6, **options)
+    a, b = ours(x), theirs(x)
+    assert a.dtype == b.dtype, options
+    np.testing.assert_allclose(
+      np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-3, err_msg=str(options)
+    )
+    points += 1
+  assert points == 48

@@ -1,12 +1,16 @@
 """Bad input raises a clear ValueError/TypeError naming the argument, before XLA."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 from conftest import make_mesh
+from jax.sharding import PartitionSpec as P
 
 import jax_ring
+import jax_ring.nn
 
 MESH = make_mesh((2,), ("seq",))
+MESH_AUTO = jax.make_mesh((2,), ("seq",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
 Q = jnp.zeros((2, 8, 4, 8))
 KV = jnp.zeros((2, 8, 2, 8))
 
@@ -116,3 +120,61 @@ def test_kv_heads_per_pass_validated():
   q, kv = jnp.zeros((2, 8, 6, 8)), jnp.zeros((2, 8, 3, 8))
   with pytest.raises(ValueError, match=r"BlockSizes.kv_heads=2 must divide the number of kv heads .* 3"):
     jax_ring.ring_attention(q, kv, kv, mesh=MESH, block_sizes=jax_ring.BlockSizes(kv_heads=2))
+
+
+def test_mixed_dtypes_are_refused_as_in_jax_nn():
+  with pytest.raises(ValueError, match=r"query.dtype=float32, key.dtype=bfloat16, value.dtype=float32"):
+    call(query=Q.astype(jnp.float32), key=KV.astype(jnp.bfloat16), value=KV.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"query.dtype=float16, key.dtype=float32, value.dtype=float32"):
+    jax_ring.reference_attention(Q.astype(jnp.float16), KV.astype(jnp.float32), KV.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("flag", ["is_causal", "return_residual"])
+def test_flags_must_be_bools(flag):
+  """ "False" is a truthy string: taking it as a flag would compute the wrong thing."""
+  with pytest.raises(TypeError, match=rf"{flag}='False' must be a bool"):
+    call(**{flag: "False"})
+
+
+@pytest.mark.parametrize(
+  "call_with_flag",
+  [
+    lambda v: jax_ring.reference_attention(Q, KV, KV, is_causal=v),
+    lambda v: jax_ring.dilated_attention(Q, KV, KV, segment_lengths=(8,), dilation_rates=(1,), is_causal=v),
+    lambda v: jax_ring.reference_dilated_attention(
+      Q, KV, KV, segment_lengths=(8,), dilation_rates=(1,), is_causal=v
+    ),
+    lambda v: jax_ring.work_report(layout="contiguous", num_devices=2, seq_len=16, is_causal=v),
+    lambda v: jax_ring.nn.make_attention_fn(mesh=MESH, is_causal=v),
+  ],
+)
+def test_is_causal_must_be_a_bool_everywhere(call_with_flag):
+  with pytest.raises(TypeError, match=r"is_causal='yes' must be a bool"):
+    call_with_flag("yes")
+
+
+@pytest.mark.parametrize("name", ["mask", "bias"])
+def test_dense_mask_or_bias_names_what_to_use_instead(name):
+  with pytest.raises(ValueError, match=r"no dense .*is_causal, local_window_size=.*segment_ids"):
+    call(**{name: jnp.ones((2, 4, 8, 8), bool)})
+
+
+def _shard_call(**options):
+  """ring_attention_shard inside a shard_map over MESH's "seq" axis."""
+  inner = lambda q, k, v: jax_ring.ring_attention_shard(q, k, v, **options)
+  seq = P(None, "seq")
+  return jax.shard_map(inner, mesh=MESH_AUTO, in_specs=(seq, seq, seq), out_specs=seq)(Q, KV, KV)
+
+
+def test_shard_variant_names_an_unbound_axis():
+  with pytest.raises(ValueError, match=r"axis_name='ring' is not an axis of a surrounding jax.shard_map"):
+    _shard_call(axis_name="ring")
+  with pytest.raises(ValueError, match=r"axis_name='seq' is not an axis of a surrounding jax.shard_map"):
+    jax_ring.ring_attention_shard(Q, KV, KV, axis_name="seq")  # no shard_map at all
+
+
+def test_shard_variant_refuses_auto_layout():
+  """Only the caller knows how its shards are laid out: "auto" would guess (zigzag when
+  causal) and compute wrong answers for natural-order shards."""
+  with pytest.raises(ValueError, match=r"layout='auto'.*'contiguous'.*jax_ring.layouts.to_layout"):
+    _shard_call(axis_name="seq", layout="auto", is_causal=True)

@@ -1,0 +1,38 @@
+"""Every script's command line: --help gives every option one help line with its
+default, once."""
+
+import contextlib
+import importlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "scripts").glob("*.py"))
+SCRIPTS = [name for name in SCRIPTS if not name.startswith("_")]
+
+
+def _help(name: str) -> str:
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+    importlib.import_module(name).parse_args(["--help"])
+  return out.getvalue()
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_option_has_help_and_one_default(name):
+  options = _help(name).split("\noptions:\n", 1)[1]
+  entries = re.split(r"\n(?=  -)", options.strip("\n"))
+  assert len(entries) > 1, options
+  for entry in entries:
+    if entry.lstrip().startswith("-h, --help"):
+      continue
+    flag = entry.split()[0]
+    described = re.sub(r"\(default[^)]*\)", "", entry).split()[1:]
+    assert any(w.islower() for w in described), f"{name} {flag}: no help text:\n{entry}"
+    assert entry.count("(default") == 1, f"{name} {flag}: its default is not said once:\n{entry}"
+
+
+def test_scripts_are_all_covered():
+  assert {"demo", "launch", "needle_demo", "train", "bench"} <= set(SCRIPTS)
