@@ -1,0 +1,37 @@
+"""The documentation's code runs as written: every Python block of README.md and of
+docs/guides/, each in a fresh process on 8 simulated CPU devices."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+TIMEOUT = 300  # seconds per block; subprocess.run kills (SIGKILL) past it
+
+
+def blocks():
+  for page in PAGES:
+    for i, match in enumerate(BLOCK.finditer(page.read_text())):
+      yield pytest.param(match.group(1), id=f"{page.relative_to(ROOT)}:{i}")
+
+
+@pytest.mark.parametrize("code", list(blocks()))
+def test_python_block_runs_as_written(code):
+  # conftest's XLA_FLAGS: 8 simulated devices, and the tests' faster compiles
+  env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
+  env["JAX_PLATFORMS"] = "cpu"
+  done = subprocess.run(
+    [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT
+  )
+  assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-4000:]}"
+
+
+def test_every_page_has_examples_or_none_was_lost():
+  counts = {page.name: len(BLOCK.findall(page.read_text())) for page in PAGES}
+  assert counts["README.md"] >= 1 and sum(counts.values()) >= 8, counts
