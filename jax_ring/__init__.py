@@ -4,6 +4,8 @@ Legend used in every docstring: B batch, T query length, S key length, N query h
 K key/value heads, G = N // K query heads per kv head, H head dim.
 """
 
+__version__ = "0.2.0"
+
 from jax_ring import hlo, layouts
 from jax_ring._attention import ring_attention, ring_attention_shard
 from jax_ring._decode import (
@@ -20,6 +22,7 @@ from jax_ring._pallas import KernelChoice, choose_kernel
 from jax_ring._policy import PRESETS, Policy, policy_for
 from jax_ring._reference import reference_attention, reference_dilated_attention
 from jax_ring._tiles import BlockSizes
+from jax_ring._topology import ring_mesh
 from jax_ring._work import work_report
 
 
@@ -55,5 +58,6 @@ __all__ = [
   "reference_dilated_attention",
   "ring_attention",
   "ring_attention_shard",
+  "ring_mesh",
   "work_report",
 ]

@@ -23,11 +23,12 @@ from jax_ring._mesh import (
   output_spec,
   pad_seq,
   place_attention_inputs,
+  traced_device,
   usable_mesh,
 )
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import RingConfig, ring, schedule
-from jax_ring._tiles import BlockSizes, check_block_sizes, fit_tile_budget, local_blocks
+from jax_ring._tiles import BlockSizes, check_block_sizes, fit_tile_budget, local_blocks, mesh_platform
 
 
 def check_arguments(
@@ -88,7 +89,7 @@ def ring_attention_shard(
       [i * T, (i + 1) * T)), "striped" or "zigzag"; the tokens must already be in that
       layout (`jax_ring.layouts.to_layout` puts a global array in one). "auto" is
       refused: the shards' layout is the caller's to say.
-    policy: a `Policy` or preset name; None means `policy_for()` the first device.
+    policy: a `Policy` or preset name; None means `policy_for` the mesh's devices.
     block_sizes: `BlockSizes` for the tiles inside a device.
     positions: int [T] global positions of this shard's queries; overrides `layout`.
     kv_positions: int [S] global positions of this shard's keys; default `positions`
@@ -101,8 +102,10 @@ def ring_attention_shard(
       that position's ring shard (which is in `layout`); every argument above is this
       device's piece. An all-to-all over it trades the pieces for heads around the ring
       (N must divide by u), and the output comes back as this device's piece.
-    kernel: the block kernel, as in `ring_attention`; the platform is JAX's default
-      backend.
+    kernel: the block kernel, as in `ring_attention`. It, the tiles, the heads per
+      pass and the default policy follow the devices of the mesh the surrounding
+      `shard_map` runs on (so a program compiled on a CPU host for GPUs or TPUs gets
+      their defaults).
 
   Returns:
     [B, T, N, H] output shard in the policy's output dtype; with `return_residual`,
@@ -132,8 +135,8 @@ def ring_attention_shard(
   if ulysses_axis is not None:
     group = lax.axis_size(ulysses_axis)
     _ulysses.check_heads(n, group, ulysses_axis)
-  policy = get_policy(policy)
-  choice = _pallas.choose_kernel(kernel, jax.default_backend(), query.shape[-1], policy)
+  policy = get_policy(policy, traced_device())
+  choice = _pallas.choose_kernel(kernel, mesh_platform(), query.shape[-1], policy)
   if choice.interpret:
     _pallas.check_vma_off(query, "ring_attention_shard")
   with jax.named_scope("jax_ring.ring_attention_shard"):
@@ -214,7 +217,7 @@ def _ring_shard(
     bk = block_sizes.block_kv or _pallas.block_for(s)
     padded_t, padded_s = -(-t // bq) * bq, -(-s // bk) * bk
     problem = _pallas.blocks_problem(padded_t, padded_s, query.shape[3], bq, bk)
-    if problem is None and jax.default_backend() == "tpu":
+    if problem is None and mesh_platform() == "tpu":
       problem = _mosaic.blocks_problem(padded_t, padded_s, bq, bk)
     if problem is not None and not kernel.auto:
       raise ValueError(f"kernel='pallas': {problem}")

@@ -662,8 +662,9 @@ def prefill_attention(
       prompt is its first lengths[b] tokens; the rest is padding, which sees nothing,
       is seen by no one, and is not cached. Generation continues at lengths[b].
     segment_ids: int [B, T] as in `ring_attention` (negative: padding, not cached).
-    mesh, seq_axis, batch_axis, head_axis, local_window_size, scale, layout, policy,
-    block_sizes: as in `ring_attention` (the mask is causal).
+    mesh, seq_axis, batch_axis, head_axis: as in `ring_attention`.
+    local_window_size, scale, layout, policy, block_sizes: as in `ring_attention`
+      (the mask is causal).
 
   Returns:
     ([B, T, N, H] output, the filled cache).

@@ -43,6 +43,13 @@ def explicit_axes(mesh) -> tuple:
   return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit)
 
 
+def traced_device():
+  """The (abstract) device of the mesh being traced under, e.g. inside `shard_map`: its
+  platform and device kind; None outside any mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh.empty else getattr(mesh, "abstract_device", None)
+
+
 def usable_mesh(mesh, *inputs):
   """The mesh a public call runs on: `mesh`, or its Auto twin (the same devices and
   axis names, every axis Auto) where `mesh` has Explicit axes (`jax.make_mesh`'s

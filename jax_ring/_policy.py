@@ -113,6 +113,22 @@ def get_policy(policy: Policy | str | None, device=None) -> Policy:
       raise TypeError(f"policy={policy!r} must be a jax_ring.Policy, a preset name or None")
 
 
+# NVIDIA device kinds by compute capability major, for devices that name only their
+# kind (the abstract device of a mesh being traced inside `shard_map`).
+_KIND_CAPABILITY = (
+  (("H100", "H200", "H800", "GH200", "B100", "B200", "GB200"), 9),
+  (("A100", "A800", "A10", "A30", "A40", "L4", "L40", "RTX A", "RTX 30", "RTX 40"), 8),
+  (("V100", "T4", "TITAN V", "RTX 20", "Quadro RTX"), 7),
+)
+
+
+def _capability_of_kind(kind: str) -> str | None:
+  for names, major in _KIND_CAPABILITY:
+    if any(name in kind for name in names):
+      return f"{major}.0"
+  return None
+
+
 def _preset_name_for(device) -> tuple[str, str | None]:
   """The preset name for a device, and a warning when the device is unknown."""
   platform = getattr(device, "platform", None)
@@ -123,6 +139,8 @@ def _preset_name_for(device) -> tuple[str, str | None]:
       return "bfloat16", None
     case "gpu" | "cuda" | "rocm":
       capability = getattr(device, "compute_capability", None)
+      if capability is None:
+        capability = _capability_of_kind(getattr(device, "device_kind", ""))
       if capability is None:
         kind = getattr(device, "device_kind", "?")
         return "float32", f"GPU {kind!r} has no compute_capability; using float32"

@@ -3,8 +3,9 @@
 Forward: every device keeps its queries and an online-softmax state (output and
 log-sum-exp in the accumulation dtype); K/V blocks, their global positions and segment
 ids travel the ring with `ppermute`, the next transfer issued before the current block
-is computed. Backward (custom VJP): the ring runs again, and dK/dV accumulators travel
-with the K/V they belong to, then one final ppermute brings them home. Residuals are
+is computed. Backward (custom VJP): the ring runs again, and dK/dV accumulators follow
+the K/V they belong to one step behind (so every step's transfer is issued before its
+compute), then one final ppermute brings them home. Residuals are
 the local q, k, v, output and log-sum-exp: memory per device is O(seq / devices).
 
 What other modules use: `RingConfig`, `ring_permutation`, `schedule`, `prepare` with
@@ -106,18 +107,30 @@ def _pass_forward(cfg: RingConfig, compute, kv, acc, transfers: int, shift: int)
   return compute(kv, acc)
 
 
-def _pass_backward(cfg: RingConfig, compute, kv, dkv, dq, transfers: int, shift: int, home: int):
-  """Like _pass_forward; dK/dV travel with their K/V, then move `home` devices back."""
+def _pass_backward(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int, home: int):
+  """Like _pass_forward; each shard's dK/dV follow it one device behind, then move
+  `home` devices back.
+
+  A step sends the K/V it holds together with the finished dK/dV of the shard it held
+  one step before, both before its own compute, so the whole step's compute hides the
+  transfer (sending dK/dV with their own K/V would wait for that compute). The dK/dV
+  arriving meanwhile are those of the shard now in hand, from the devices before; the
+  step's own share is added to them once it is computed."""
+  send = lambda tree: _send(tree, cfg, shift)
+  incoming = send(kv) if transfers else None
+  dq, dkv = compute(kv, zeros_kv(), dq)
   if transfers:
 
     def step(carry, _):
       kv, dkv, dq = carry
-      incoming = _send(kv, cfg, shift)
-      dq, dkv = compute(kv, dkv, dq)
-      return (incoming, _send(dkv, cfg, shift), dq), None
+      (after, arrived) = send((kv, dkv))
+      dq, own = compute(kv, zeros_kv(), dq)
+      return (after, jax.tree.map(jnp.add, arrived, own), dq), None
 
-    (kv, dkv, dq), _ = lax.scan(step, (kv, dkv, dq), None, length=transfers)
-  dq, dkv = compute(kv, dkv, dq)
+    (kv, dkv, dq), _ = lax.scan(step, (incoming, dkv, dq), None, length=transfers - 1)
+    arrived = send(dkv)
+    dq, own = compute(kv, zeros_kv(), dq)
+    dkv = jax.tree.map(jnp.add, arrived, own)
   if home % cfg.ring_size:
     dkv = _send(dkv, cfg, home)
   return dkv, dq
@@ -169,13 +182,13 @@ def _forward_passes(cfg: RingConfig, compute, kv, acc):
 
 def _backward_passes(cfg: RingConfig, compute, kv, zeros_kv, dq):
   """((dk, dv) of the local K/V, dq) after `compute(kv, dkv, dq)` with every K/V
-  shard the schedule visits; dK/dV travel with their K/V and come home."""
+  shard the schedule visits; dK/dV follow their K/V and come home."""
   back = cfg.steps_back
-  (dk, dv), dq = _pass_backward(cfg, compute, kv, zeros_kv(), dq, back, +1, -back)
+  (dk, dv), dq = _pass_backward(cfg, compute, kv, zeros_kv, dq, back, +1, -back)
   if cfg.steps_fwd:
     # These K/V started one device ahead and end `steps_fwd` ahead of their owner.
     fwd = cfg.steps_fwd
-    (dk2, dv2), dq = _pass_backward(cfg, compute, _send(kv, cfg, -1), zeros_kv(), dq, fwd - 1, -1, fwd)
+    (dk2, dv2), dq = _pass_backward(cfg, compute, _send(kv, cfg, -1), zeros_kv, dq, fwd - 1, -1, fwd)
     dk, dv = dk + dk2, dv + dv2
   return (dk, dv), dq
 

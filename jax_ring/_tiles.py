@@ -42,12 +42,24 @@ TILE_ELEMENTS = 1 << 20
 # before stays (unmeasured: there a ring step's latency may weigh more than the cache).
 CPU_PASS_TOKENS = 512
 PASS_TOKENS = 4096
+# On GPUs a pass holds more: the Pallas kernels launch a program per (block of 128
+# queries or keys, query head), so 32K tokens x kv heads a pass give at least 256
+# programs (an H100 has 132 SMs) at any shard length; unmeasured on a device.
+GPU_PASS_TOKENS = 32768
 
 
 def default_tiles(platform: str, devices: int, cores: int | None = None) -> tuple[int, int]:
   """(block_q, block_kv) for `devices` running at once on `platform`."""
   cores = (os.cpu_count() or 1) if cores is None else cores
   return SHARED_CORE_TILES if platform == "cpu" and devices > cores else TILES
+
+
+def mesh_platform() -> str:
+  """The platform of the devices of the mesh being traced under (a `shard_map`'s or
+  `jax.set_mesh`'s), else JAX's default backend: so a program compiled on a CPU host
+  for GPUs or TPUs (`jax.experimental.topologies`) gets their defaults, not the host's."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return getattr(device, "platform", None) or jax.default_backend()
 
 
 def devices_here(mesh_size: int) -> int:
@@ -76,7 +88,8 @@ class BlockSizes:
   # accumulators) by the same factor; more amortize the fixed cost of each ring step,
   # which dominates short shards. None picks per call: the most heads (a divisor of the
   # local kv heads, at least 1) whose local length x heads is at most `pass_tokens`
-  # (`tokens_per_pass`: None is CPU_PASS_TOKENS on CPU, else PASS_TOKENS).
+  # (`tokens_per_pass`: None is CPU_PASS_TOKENS on CPU, GPU_PASS_TOKENS on GPU, else
+  # PASS_TOKENS; the platform is the mesh's, `mesh_platform`).
   # Dilated attention's local patterns run in chunks of at most `pass_tokens` tokens x
   # kv heads (at least one segment of each; `_dilated.local_chunk`).
   kv_heads: int | None = None
@@ -91,11 +104,17 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{name}={value!r} must be a positive int or None")
 
   def tokens_per_pass(self, platform: str | None = None) -> int:
-    """`pass_tokens`, or where None the default of `platform` (JAX's default backend)."""
+    """`pass_tokens`, or where None the default of `platform` (`mesh_platform()`)."""
     if self.pass_tokens is not None:
       return self.pass_tokens
-    platform = jax.default_backend() if platform is None else platform
-    return CPU_PASS_TOKENS if platform == "cpu" else PASS_TOKENS
+    platform = mesh_platform() if platform is None else platform
+    match platform:
+      case "cpu":
+        return CPU_PASS_TOKENS
+      case "gpu" | "cuda" | "rocm":
+        return GPU_PASS_TOKENS
+      case _:
+        return PASS_TOKENS
 
   def head_groups(self, num_kv_heads: int, local_length: int) -> int:
     """How many passes `num_kv_heads` local kv heads take for a shard of `local_length`."""
@@ -148,7 +167,7 @@ def local_blocks(
   if devices is None:
     mesh = jax.sharding.get_abstract_mesh()
     devices = 1 if mesh.empty else devices_here(mesh.size)
-  auto_q, auto_kv = default_tiles(jax.default_backend(), devices)
+  auto_q, auto_kv = default_tiles(mesh_platform(), devices)
 
   halves = layout == "zigzag" and length % 2 == 0
   unit = length // 2 if halves else length

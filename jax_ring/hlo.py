@@ -1,9 +1,12 @@
 """What a compiled program sends between devices, read from its HLO text.
 
+`ring_overlap(compiled)` reads, for every loop body that sends with collective-permute
+(each ring step), how much of its compute runs while a transfer is in flight.
+
 `collective_bytes(compiled)` adds up the result bytes of every collective op per
-device, with each op inside a while loop counted once per iteration (XLA records the
-trip counts of the loops it can bound, as `known_trip_count`, which covers every
-`lax.scan`). A conditional counts its most expensive branch. The result buffer of a
+device, with each op inside a while loop counted once per iteration (`trip_count`: XLA
+records `known_trip_count` on CPU and GPU; on TPU it is read from the loop's condition).
+A conditional counts its most expensive branch. The result buffer of a
 collective-permute is what each device sends (and receives); an all-to-all's result is
 the device's whole rearranged array, of which (u - 1) / u came from the u - 1 other
 devices of its group.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import NamedTuple
 
 COLLECTIVES = (
   "all-to-all",
@@ -38,6 +42,10 @@ _BRANCHES = re.compile(
   r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)"
 )
 _CALLS = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
+_COND = re.compile(r"\bcondition=%?([\w.\-]+)")
+_INIT = re.compile(r"\bwhile\(%([\w.\-]+)\)")
+_CONST = re.compile(r"\s*%([\w.\-]+) = s(?:32|64)\[\][^ ]* constant\((-?\d+)\)")
+_INSTR = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = .*? ([a-z][a-z0-9\-]*)\(")
 
 
 def shape_bytes(text: str) -> int:
@@ -71,6 +79,131 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
   return comps, entry
 
 
+def _instruction(line: str) -> tuple[str, str] | None:
+  """(name, opcode) of one HLO instruction line, or None."""
+  m = _INSTR.match(line)
+  return (m.group(1), m.group(2)) if m else None
+
+
+def trip_count(line: str, comps: dict[str, list[str]]) -> int | None:
+  """Iterations of the while loop on `line`: XLA's `known_trip_count` where it recorded
+  one (CPU, GPU), else read from the loop's condition (TPU records none): an induction
+  variable compared "LT" with a constant, counting from the constant it starts at
+  (`lax.scan` and `fori_loop` with static bounds count from 0 by 1)."""
+  if trips := _TRIPS.search(line):
+    return int(trips.group(1))
+  cond = _COND.search(line)
+  if cond is None:
+    return None
+  consts = {}
+  for body_line in comps.get(cond.group(1), ()):
+    if m := _CONST.match(body_line):
+      consts[m.group(1)] = int(m.group(2))
+  for body_line in comps.get(cond.group(1), ()):
+    if "compare(" in body_line and "direction=LT" in body_line:
+      operands = re.findall(r"%([\w.\-]+)", body_line.split("compare(", 1)[1].split(")", 1)[0])
+      if len(operands) == 2 and operands[1] in consts:
+        start = 0
+        init = _INIT.search(line)
+        if init is not None:
+          start = _tuple_constant(comps, init.group(1), _gte_index(comps[cond.group(1)], operands[0]))
+        return consts[operands[1]] - start
+  return None
+
+
+def _gte_index(lines: list[str], name: str) -> int | None:
+  for line in lines:
+    if re.match(rf"\s*(?:ROOT )?%{re.escape(name)} = .*get-tuple-element\(", line):
+      m = re.search(r"index=(\d+)", line)
+      return int(m.group(1)) if m else None
+  return None
+
+
+def _tuple_constant(comps, tuple_name: str, index: int | None) -> int:
+  """The integer constant at `index` of the tuple instruction `tuple_name` (0 when it
+  is not a constant or cannot be found)."""
+  if index is None:
+    return 0
+  for lines in comps.values():
+    for line in lines:
+      if re.match(rf"\s*%{re.escape(tuple_name)} = ", line) and " tuple(" in line:
+        operands = re.findall(r"%([\w.\-]+)", line.split(" tuple(", 1)[1])
+        if index < len(operands):
+          for other in lines:
+            if (m := _CONST.match(other)) and m.group(1) == operands[index]:
+              return int(m.group(2))
+        return 0
+  return 0
+
+
+class LoopOverlap(NamedTuple):
+  """One loop body with collective-permutes (a ring step), from `ring_overlap`."""
+
+  body: str  # the body computation's name
+  starts: int  # asynchronous collective-permutes (start/done pairs)
+  synchronous: int  # collective-permutes that block (no start/done)
+  compute: int  # heavy ops in the body: loops, conditionals, kernel calls, GEMM fusions
+  hidden: int  # of those, the ones between the start and the done of some permute
+
+  @property
+  def overlapped(self) -> bool:
+    """Every transfer asynchronous, and all the step's compute under one."""
+    return self.synchronous == 0 and self.starts > 0 and self.hidden == self.compute
+
+
+def _heavy(opcode: str, line: str, comps) -> bool:
+  """Whether an instruction is compute worth hiding a transfer under."""
+  if opcode in ("while", "conditional", "custom-call", "call", "dot", "convolution"):
+    return True
+  if opcode == "fusion":
+    called = _CALLS.findall(line)
+    return any(
+      re.search(r" (dot|convolution|custom-call)\(", body) for name in called for body in comps.get(name, ())
+    )
+  return False
+
+
+def ring_overlap(compiled) -> list[LoopOverlap]:
+  """Per loop body that sends with collective-permute (each ring step of a compiled
+  program, forward and backward), how much of its compute runs while a transfer is in
+  flight: the instructions of a scheduled module are listed in their execution order,
+  so an op lies under a transfer when it comes after the transfer's start and before
+  its done. `compiled`: a `jax.stages.Compiled` or its `as_text()`."""
+  hlo = compiled if isinstance(compiled, str) else compiled.as_text()
+  comps, _ = _computations(hlo)
+  bodies = {m.group(1) for lines in comps.values() for line in lines if (m := _WHILE.search(line))}
+  found = []
+  for body in sorted(bodies):
+    ops = [(i, op, line) for line in comps.get(body, ()) if (i := _instruction(line)) for op in [i[1]]]
+    starts = [n for (n, op), _, _ in ops if op == "collective-permute-start"]
+    sync = sum(op == "collective-permute" for (_, op), _, _ in ops)
+    if not starts and not sync:
+      continue
+    open_, hidden, compute = set(), 0, 0
+    for (name, op), _, line in ops:
+      if op == "collective-permute-start":
+        open_.add(name)
+      elif op == "collective-permute-done":
+        open_.discard(_operand(line))
+      elif op == "while" and (m := _WHILE.search(line)) and _sends(comps, m.group(1)):
+        continue  # a nested ring loop: counted as a body of its own
+      elif _heavy(op, line, comps):
+        compute += 1
+        hidden += bool(open_)
+    found.append(LoopOverlap(body, len(starts), sync, compute, hidden))
+  return found
+
+
+def _sends(comps, body: str) -> bool:
+  """Whether computation `body` itself holds a collective-permute."""
+  return any(re.search(r" collective-permute(-start)?\(", line) for line in comps.get(body, ()))
+
+
+def _operand(line: str) -> str:
+  m = re.search(r"\(%([\w.\-]+)", line.split("=", 1)[1])
+  return m.group(1) if m else ""
+
+
 def collective_bytes(compiled) -> dict[str, int]:
   """op name ("all-to-all", "collective-permute", ...) -> bytes of its results per
   device over one run of the program; ops that do not occur are absent.
@@ -90,13 +223,17 @@ def collective_bytes(compiled) -> dict[str, int]:
 
     for line in comps.get(name, ()):
       if m := _OP.search(line):
-        found[m.group(2)] = found.get(m.group(2), 0) + shape_bytes(m.group(1))
+        shapes = m.group(1)
+        if m.group(3) and m.group(2) == "collective-permute":
+          # An asynchronous start's result is (operand, result, contexts): the result.
+          shapes = " ".join(f"{t}[{d}]" for t, d in _SHAPE.findall(shapes)[1:2])
+        found[m.group(2)] = found.get(m.group(2), 0) + shape_bytes(shapes)
       elif m := _WHILE.search(line):
         body = cost(m.group(1))
-        trips = _TRIPS.search(line)
-        if body and trips is None:
+        trips = trip_count(line, comps) if body else 0
+        if trips is None:
           raise ValueError(f"a while loop with collectives has no known trip count: {line.strip()[:200]}")
-        add(body, int(trips.group(1)) if trips else 0)
+        add(body, trips)
       elif m := _BRANCHES.search(line):
         names = m.group(1).split(",") if m.group(1) else [m.group(2), m.group(3)]
         branches = [dict(cost(n.strip().lstrip("%"))) for n in names]

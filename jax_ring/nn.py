@@ -237,10 +237,11 @@ class RingAttention(_Cached, _Projected):
       attends only within itself; a baseline, not exact attention).
     num_kv_heads: K for GQA/MQA (default N). head_dim: H (default D // N).
     out_features: default D.
-    mesh, seq_axis, batch_axis, head_axis, ulysses_axis, is_causal, local_window_size,
-      layout, policy, block_sizes: as in `jax_ring.ring_attention`. With
-      `ulysses_axis`, training calls run the Ulysses hybrid; prefill and decode run the
-      ring over `seq_axis` alone, with the KV cache replicated over `ulysses_axis`.
+    mesh, seq_axis, batch_axis, head_axis, ulysses_axis: as in `jax_ring.ring_attention`.
+      With `ulysses_axis`, training calls run the Ulysses hybrid; prefill and decode
+      run the ring over `seq_axis` alone, with the KV cache replicated over it.
+    is_causal, local_window_size, layout, policy, block_sizes: as in
+      `jax_ring.ring_attention`.
     attention_kernel: `jax_ring.ring_attention`'s `kernel` ("auto", "xla" or
       "pallas") for training and prompt calls (named apart from Flax's `kernel`, the
       projection weights).

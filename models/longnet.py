@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ring import nn as ring_nn
-from models.transformer import decode_model, forward, prefill_model
+
+from .transformer import decode_model, forward, prefill_model
 
 
 @dataclasses.dataclass(frozen=True)

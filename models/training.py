@@ -2,8 +2,8 @@
 cosine decay and gradient clipping (optax), periodic evaluation, orbax checkpoints with
 resume from the latest, a history of losses.
 
-    from models.tasks import KeyValueTask
-    from models.training import TrainConfig, train
+    from jax_ring.models.tasks import KeyValueTask
+    from jax_ring.models.training import TrainConfig, train
 
     history = train(TrainConfig(attention="ring", steps=300), KeyValueTask(seq_len=256))
 
@@ -28,8 +28,8 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.report import plot_history
-from models.transformer import DecoderLM, LMConfig
+from .report import plot_history
+from .transformer import DecoderLM, LMConfig
 
 ATTENTIONS = ("ring", "local", "dense", "dilated")
 

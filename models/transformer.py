@@ -39,6 +39,8 @@ class LMConfig:
   sharded over (seq_axis, ulysses_axis) and attention runs the Ulysses hybrid
   (`jax_ring.ring_attention(..., ulysses_axis=)`); num_heads must divide by its size.
   Generation runs the ring over seq_axis alone.
+  attention_kernel: the block kernel of "ring" and "dilated" attention, "auto", "xla" or
+  "pallas" (`jax_ring.ring_attention`'s `kernel`).
   """
 
   vocab_size: int
@@ -61,6 +63,7 @@ class LMConfig:
   remat: bool = False
   scan_layers: bool = False
   ulysses_axis: str | None = None
+  attention_kernel: str = "auto"
 
   def validate(self, mesh=None, seq_axis="seq") -> None:
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden"):
@@ -152,6 +155,7 @@ def make_attention(config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rn
     rope_max_wavelength=config.rope_max_wavelength,
     dtype=_dtype(config.dtype),
     param_dtype=_dtype(config.param_dtype),
+    attention_kernel=config.attention_kernel,
     rngs=rngs,
   )
   if config.attention.startswith("dilated"):

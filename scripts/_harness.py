@@ -13,7 +13,7 @@ import os
 import time
 from typing import NamedTuple
 
-from models.runtime import simulate_devices
+from jax_ring.models.runtime import simulate_devices
 
 __all__ = [
   "Measured",

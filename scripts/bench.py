@@ -35,7 +35,7 @@ from _harness import (
   simulate_devices,
 )
 
-from models import cli
+from jax_ring.models import cli
 
 QUICK = dict(lengths="1024,2048", devices="1,8", causal="both", dtypes="float32", repeats=2, budget_mib=32)
 

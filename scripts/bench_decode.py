@@ -28,7 +28,7 @@ import time
 
 from _harness import header, median_time, publish, simulate_devices
 
-from models import cli
+from jax_ring.models import cli
 
 
 def parse_args(argv):

@@ -20,7 +20,7 @@ import sys
 
 from _harness import header, publish, simulate_devices
 
-from models import cli
+from jax_ring.models import cli
 
 # (name, B, T, N, K, H, devices, options): the first is JAX's test_sdpa_large_head_size.
 SHAPES = [

@@ -24,7 +24,7 @@ import time
 
 from _harness import header, inputs, median_time, publish, simulate_devices
 
-from models import cli
+from jax_ring.models import cli
 
 
 def peak_rss_gib() -> float:

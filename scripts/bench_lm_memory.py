@@ -17,7 +17,7 @@ import time
 
 from _harness import header, memory_mib, publish, simulate_devices
 
-from models import cli
+from jax_ring.models import cli
 
 
 def parse_args(argv):
@@ -47,8 +47,8 @@ def step_memory(args, seq_len: int, remat: bool, scan: bool, policy="float32", d
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from models import DecoderLM, LMConfig
-  from models.training import make_mesh
+  from jax_ring.models import DecoderLM, LMConfig
+  from jax_ring.models.training import make_mesh
 
   mesh = make_mesh(1, args.devices)
   cfg = LMConfig(

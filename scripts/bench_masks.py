@@ -13,7 +13,7 @@ import sys
 
 from _harness import header, inputs, measure, publish, simulate_devices
 
-from models import cli
+from jax_ring.models import cli
 
 
 def parse_args(argv=None):

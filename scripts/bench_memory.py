@@ -14,7 +14,7 @@ import sys
 
 from _harness import fwd_bwd, header, memory_mib, publish, simulate_devices
 
-from models import cli
+from jax_ring.models import cli
 
 
 def parse_args(argv=None):

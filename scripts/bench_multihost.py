@@ -22,7 +22,7 @@ import time
 from _harness import header, publish
 from launch import free_port, process_env
 
-from models import cli
+from jax_ring.models import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,7 +19,7 @@ import sys
 
 from _harness import fwd_bwd, header, inputs, memory_mib, publish, run_times, simulate_devices
 
-from models import cli
+from jax_ring.models import cli
 
 
 def parse_args(argv=None):

@@ -17,7 +17,7 @@ import sys
 
 from _harness import header, matmul_rate, publish, run_times, simulate_devices
 
-from models import cli
+from jax_ring.models import cli
 
 # name -> (einsum over [heads, ...] operands, lhs dims, rhs dims); s: score rows or
 # columns (block), h: head dim.

@@ -17,7 +17,7 @@ import time
 
 from _harness import fwd_bwd, header, measure, publish, simulate_devices
 
-from models import cli
+from jax_ring.models import cli
 
 
 def parse_args(argv=None):

@@ -17,7 +17,7 @@ import json
 import os
 import time
 
-from models import cli, runtime
+from jax_ring.models import cli, runtime
 
 
 def parse_args(argv=None):
@@ -38,8 +38,8 @@ def run(args, log=print):
   """Trains both models; returns the report dict."""
   import jax
 
-  from models.tasks import KeyValueTask
-  from models.training import TrainConfig, train
+  from jax_ring.models.tasks import KeyValueTask
+  from jax_ring.models.training import TrainConfig, train
 
   task = KeyValueTask(seq_len=args.seq_len)
   report = {"task": vars(task) | {"vocab_size": task.vocab_size, "chance": task.chance}, "runs": {}}
@@ -83,8 +83,8 @@ def answer_questions(model, task, seed: int, count: int):
   last token; `models.generate` writes one token after it (greedy, with the KV cache)."""
   import numpy as np
 
-  from models.generate import generate
-  from models.tasks import row_rng
+  from jax_ring.models.generate import generate
+  from jax_ring.models.tasks import row_rng
 
   rows = [task.row(row_rng(seed + 50_000, 0, r)) for r in range(count)]
   prompts = np.stack([tokens for tokens, _ in rows])
@@ -103,7 +103,7 @@ def answer_questions(model, task, seed: int, count: int):
 def main(argv=None):
   args = parse_args(argv)
   runtime.setup(args)
-  from models.report import plot_history
+  from jax_ring.models.report import plot_history
 
   report = run(args, log=print if runtime.is_main_process() else lambda *_: None)
   if not runtime.is_main_process():

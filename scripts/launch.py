@@ -35,7 +35,8 @@ import time
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
   """The docstring as written, each option's default after its help (as models.cli's,
-  which would make this light launcher import jax)."""
+  which imports jax: this one serves the scripts that must not, this launcher and
+  scripts/aot.py)."""
 
   def _get_help_string(self, action):
     return action.help if "(default" in (action.help or "") else super()._get_help_string(action)

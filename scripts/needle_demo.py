@@ -39,7 +39,7 @@ import json
 import os
 import time
 
-from models import cli, runtime
+from jax_ring.models import cli, runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INIT = os.path.join(ROOT, "data", "needle_init.npz")
@@ -88,9 +88,9 @@ def run(args, log=print):
   """Trains and evaluates the three models; returns the report dict."""
   import jax
 
-  from models.needle import accuracy_grid, generated_answers
-  from models.tasks import NeedleTask
-  from models.training import TrainConfig, _batch_spec, make_mesh, train
+  from jax_ring.models.needle import accuracy_grid, generated_answers
+  from jax_ring.models.tasks import NeedleTask
+  from jax_ring.models.training import TrainConfig, _batch_spec, make_mesh, train
 
   devices = jax.device_count()
   task = NeedleTask(seq_len=args.seq_len)
@@ -155,7 +155,7 @@ def run(args, log=print):
 def main(argv=None):
   args = parse_args(argv)
   runtime.setup(args)
-  from models.needle import plot_report
+  from jax_ring.models.needle import plot_report
 
   report = run(args, log=print if runtime.is_main_process() else lambda *_: None)
   if not runtime.is_main_process():

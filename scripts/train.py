@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import json
 
-from models import cli, runtime
-from models.cli import add_config_flags, config_from_flags
-from models.tasks import KeyValueTask, NeedleTask
-from models.training import TrainConfig, train
+from jax_ring.models import cli, runtime
+from jax_ring.models.cli import add_config_flags, config_from_flags
+from jax_ring.models.tasks import KeyValueTask, NeedleTask
+from jax_ring.models.training import TrainConfig, train
 
 
 def parse_args(argv=None):

@@ -38,6 +38,7 @@ def _compile_faster(flags: str) -> str:
 
 os.environ["XLA_FLAGS"] = _compile_faster(os.environ["XLA_FLAGS"])
 
+import chex  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -131,10 +132,10 @@ def compare_with_reference(fn, ref_fn, args, tol, seed=3):
   args64 = tuple(a.astype(jnp.float64) for a in args)
   ref, ref_grads = _forward_and_vjp(ref_fn)(args64, jax.tree.map(lambda c: c.astype(jnp.float64), cot))
   for i, (o, r) in enumerate(zip(jax.tree.leaves(out), jax.tree.leaves(ref))):
-    assert o.shape == r.shape
+    chex.assert_equal_shape([o, r])
     assert_close(o, r, tol, f"output {i}")
   for name, g, rg, a in zip("qkv", grads, ref_grads, args):
-    assert g.dtype == a.dtype, f"d{name} dtype {g.dtype} != input dtype {a.dtype}"
+    chex.assert_trees_all_equal_dtypes(g, a, custom_message=f"d{name} dtype != input dtype")
     assert_close(g, rg, tol, f"d{name}")
   return out, grads
 

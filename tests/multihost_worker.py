@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ring
-from models import runtime
+from jax_ring.models import runtime
 
 TOL = 1e-5
 

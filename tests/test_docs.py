@@ -32,6 +32,24 @@ def test_python_block_runs_as_written(code):
   assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-4000:]}"
 
 
+def test_api_reference_builds_strict(tmp_path):
+  """mkdocs with mkdocstrings renders the API reference from the docstrings in strict
+  mode: a reference to a name that no longer exists, or a docstring it cannot read,
+  fails the build."""
+  mkdocs = Path(sys.executable).with_name("mkdocs")
+  done = subprocess.run(
+    [str(mkdocs), "build", "--strict", "-d", str(tmp_path / "site")],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+  )
+  assert done.returncode == 0, done.stderr[-4000:]
+  api = (tmp_path / "site" / "api" / "index.html").read_text()
+  for name in ("ring_attention", "ring_mesh", "decode_attention", "make_attention_fn", "collective_bytes"):
+    assert 'id="jax_ring.' in api and name in api, name
+
+
 def test_every_page_has_examples_or_none_was_lost():
   counts = {page.name: len(BLOCK.findall(page.read_text())) for page in PAGES}
   assert counts["README.md"] >= 1 and sum(counts.values()) >= 8, counts

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ring
 import jax_ring.nn
-import models
+from jax_ring import models
 
 B, T, N, K, H = 1, 64, 4, 2, 16
 TOL = 1e-5

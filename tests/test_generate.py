@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from jax_ring import nn as ring_nn
-from models import DecoderLM, LMConfig, LongNet, LongNetConfig, generate
+from jax_ring.models import DecoderLM, LMConfig, LongNet, LongNetConfig, generate
 
 V = 37
 CONFIG = LMConfig(vocab_size=V, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64)

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models.tasks import KeyValueTask
-from models.training import TrainConfig, train
+from jax_ring.models.tasks import KeyValueTask
+from jax_ring.models.training import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, str(ROOT / "scripts" / "launch.py")]

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from jax_ring import nn as ring_nn
-from models import DecoderLM, LMConfig, LongNet, LongNetConfig
+from jax_ring.models import DecoderLM, LMConfig, LongNet, LongNetConfig
 
 TOL = 1e-5
 
@@ -343,7 +343,7 @@ def test_p_rope_drops_long_wavelengths_and_stays_relative():
 
 
 def test_short_conv_is_a_causal_depthwise_convolution():
-  from models.transformer import ShortConv
+  from jax_ring.models.transformer import ShortConv
 
   conv = ShortConv(4, 3, dtype=None, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
   h = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (2, 7, 4)))

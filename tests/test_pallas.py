@@ -437,11 +437,11 @@ def test_unknown_kernel_names_the_argument():
 
 
 def test_auto_on_an_accelerator_falls_back_where_block_sizes_do_not_suit(monkeypatch, caplog):
-  """ "auto" where the Pallas kernel is picked (JAX's backend reported as a GPU; the
-  program still lowers for this CPU, so the kernel runs interpreted): the call's own
+  """ "auto" where the Pallas kernel is picked (the mesh's platform reported as a GPU;
+  the program still lowers for this CPU, so the kernel runs interpreted): the call's own
   BlockSizes that Triton cannot take send it to the XLA tiles, logged, not to an error;
   "pallas" with the same BlockSizes is a ValueError. Both results are exact."""
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax_ring._attention, "mesh_platform", lambda: "gpu")
   mesh = make_mesh((2,), ("seq",))
   seq = P(None, "seq")
   args = qkv(1, 64, 4, 2, 16)

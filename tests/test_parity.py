@@ -4,6 +4,7 @@ cross-attention (S != T), and the bf16 backward's delta."""
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,7 +56,8 @@ def test_cross_attention_lengths_ids_and_lse_match_reference(devices, layout):
     q, k, v, mesh=mesh, layout=layout, block_sizes=SMALL_BLOCKS, return_residual=True, **options
   )
   (out, lse), _ = compare_with_reference(fn, REFERENCES[layout], (q, k, v), TOL)
-  assert out.shape == (B, T, N, H) and lse.shape == (B, T, N) and lse.dtype == jnp.float32
+  chex.assert_shape([out, lse], [(B, T, N, H), (B, T, N)])
+  chex.assert_type(lse, jnp.float32)
   if "query_seq_lengths" in options:  # padded queries: output 0, lse -inf
     assert bool(jnp.all(out[1] == 0)) and bool(jnp.all(jnp.isneginf(lse[1])))
 
@@ -76,7 +78,7 @@ def test_rank3_inputs_as_jax_nn_takes_them():
   )
   ref = lambda q, k, v: reference_attention(q, k, v, return_residual=True, **options)
   (out, lse), _ = compare_with_reference(fn, ref, (q[0], k[0], v[0]), TOL)
-  assert out.shape == (T, N, H) and lse.shape == (T, N)
+  chex.assert_shape([out, lse], [(T, N, H), (T, N)])
 
 
 @functools.cache

@@ -195,7 +195,7 @@ def test_one_head_per_pass_divides_ring_buffers_by_heads():
 
 def test_heads_per_pass_chosen_by_shard_length():
   default = jax_ring.BlockSizes()
-  assert [default.tokens_per_pass(p) for p in ("cpu", "gpu", "tpu")] == [512, 4096, 4096]
+  assert [default.tokens_per_pass(p) for p in ("cpu", "gpu", "tpu")] == [512, 32768, 4096]
   # On CPU (these tests' backend): at most 512 local tokens x heads per pass.
   assert [default.head_groups(8, t) for t in (64, 128, 256, 512, 4096)] == [1, 2, 4, 8, 8]
   bs = jax_ring.BlockSizes(pass_tokens=4096)

@@ -8,8 +8,8 @@ import demo
 import numpy as np
 import pytest
 
-from models.tasks import NAMES, KeyValueTask, NeedleTask, corpus, decode
-from models.training import TrainConfig, build, load_params, make_mesh, train
+from jax_ring.models.tasks import NAMES, KeyValueTask, NeedleTask, corpus, decode
+from jax_ring.models.training import TrainConfig, build, load_params, make_mesh, train
 
 SMALL = TrainConfig(batch=4, dim=32, layers=1, eval_batches=0, progress=False, out=None)
 TASK = KeyValueTask(seq_len=64)

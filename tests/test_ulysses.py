@@ -6,6 +6,7 @@ the bytes they move."""
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,7 +68,7 @@ def test_hybrid_matches_reference(shape, layout):
     **CASES[layout],
   )
   (out, lse), _ = compare_with_reference(fn, REFERENCES[layout], (q, k, v), TOL)
-  assert out.shape == (B, T, N, H) and lse.shape == (B, T, N)
+  chex.assert_shape([out, lse], [(B, T, N, H), (B, T, N)])
 
 
 def test_hybrid_with_head_axis_and_bf16_policy():
@@ -186,7 +187,7 @@ def test_per_device_traffic_falls_with_ulysses():
 def test_module_and_model_match_the_ring():
   """RingAttention(ulysses_axis=) and DecoderLM(LMConfig(ulysses_axis=)) give the
   plain ring's outputs and gradients from the same parameters; generation works."""
-  from models import DecoderLM, LMConfig, generate
+  from jax_ring.models import DecoderLM, LMConfig, generate
 
   auto = (jax.sharding.AxisType.Auto,) * 2
   mesh = jax.make_mesh((2, 4), ("u", "seq"), axis_types=auto, devices=jax.devices()[:8])
@@ -230,7 +231,7 @@ def test_errors(kwargs, message):
 
 
 def test_model_config_errors():
-  from models import DecoderLM, LMConfig
+  from jax_ring.models import DecoderLM, LMConfig
 
   mesh = _mesh((4, 2))
   bad = {

@@ -1,0 +1,239 @@
+"""Compile for hardware that is not here: GPU and TPU targets described by name, and
+what their compiled programs show (memory, collectives, overlap, kernel launches).
+
+JAX compiles ahead of time for devices it does not have ("deviceless" AOT) from a
+topology description (`jax.experimental.topologies.get_topology_desc`): a GPU's
+`GpuTargetConfig` text proto (needs the CUDA plugin, `jax[cuda12]`), or a TPU slice's
+name (needs libtpu, `jax[tpu]`). Nothing runs; `compiled.as_text()` and
+`memory_analysis()` tell what would. Set `JAX_PLATFORMS=cpu` (and for TPU targets
+`TPU_SKIP_MDS_QUERY=1`, and `ALLOW_MULTIPLE_LIBTPU_LOAD=1` to compile in several
+processes at once) before jax is imported: without it the CUDA plugin tries to
+start a GPU and does not register. `scripts/aot.py` is the command line over this
+module.
+
+    from jax_ring import aot
+    mesh = aot.target_mesh("h100x8")
+    compiled = aot.compile_attention(mesh, seq_len=65536, heads=32, kv_heads=8, head_dim=128)
+    aot.report(compiled)   # memory, collective bytes, overlap per ring step, launch grids
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+# NVIDIA's published figures (H100 SXM5 80GB, A100 SXM4 80GB) in XLA's GpuTargetConfig
+# text format (openxla/xla, xla/stream_executor/device_description.proto).
+_GPU = """gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {smem_core}
+  shared_memory_per_block_optin: {smem_optin}
+  threads_per_core_limit: 2048
+  core_count: {cores}
+  fpus_per_core: {fpus}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth}
+  l2_cache_size: {l2}
+  clock_rate_ghz: {clock}
+  device_memory_size: {memory}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  cuda_compute_capability {{ major: {major} minor: 0 }}
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 12 minor: 9 }}
+device_description_str: "{name}"
+"""
+H100 = _GPU.format(
+  smem_core=233472,
+  smem_optin=232448,
+  cores=132,
+  fpus=128,
+  bandwidth=3352320000000,
+  l2=52428800,
+  clock=1.98,
+  memory=84929347584,
+  major=9,
+  name="NVIDIA H100 80GB HBM3",
+)
+A100 = _GPU.format(
+  smem_core=167936,
+  smem_optin=166912,
+  cores=108,
+  fpus=64,
+  bandwidth=2039000000000,
+  l2=41943040,
+  clock=1.41,
+  memory=85899345920,
+  major=8,
+  name="NVIDIA A100-SXM4-80GB",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A compile-only target: `platform` "cuda" (a GPU config and "1x1xN" of them) or
+  "tpu" (a slice by name, e.g. "v5e:8x8")."""
+
+  name: str
+  platform: str
+  devices: int
+  topology: str
+  config: str | None = None  # GpuTargetConfig text proto
+  sms: int | None = None  # streaming multiprocessors per GPU
+  memory_bytes: int | None = None  # per device
+
+  def describe(self):
+    """The `jax.experimental.topologies` description of the target."""
+    from jax.experimental import topologies
+
+    if self.platform == "cuda":
+      return topologies.get_topology_desc(platform="cuda", target_config=self.config, topology=self.topology)
+    return topologies.get_topology_desc(topology_name=self.topology, platform="tpu")
+
+
+GiB = 1 << 30
+TARGETS = {
+  "h100x8": Target("h100x8", "cuda", 8, "1x1x8", H100, 132, 84929347584),
+  "a100x8": Target("a100x8", "cuda", 8, "1x1x8", A100, 108, 85899345920),
+  # TPU HBM per chip: v5e 16 GiB, v5p 95 GiB, v6e 32 GiB (Google Cloud's TPU pages).
+  "v5e:2x4": Target("v5e:2x4", "tpu", 8, "v5e:2x4", memory_bytes=16 * GiB),
+  "v5e:8x8": Target("v5e:8x8", "tpu", 64, "v5e:8x8", memory_bytes=16 * GiB),
+  "v5e:16x16": Target("v5e:16x16", "tpu", 256, "v5e:16x16", memory_bytes=16 * GiB),
+  "v5p:4x4x4": Target("v5p:4x4x4", "tpu", 64, "v5p:4x4x4", memory_bytes=95 * GiB),
+  "v6e:2x4": Target("v6e:2x4", "tpu", 8, "v6e:2x4", memory_bytes=32 * GiB),
+}
+
+
+def target(name: str) -> Target:
+  if name not in TARGETS:
+    raise ValueError(f"target={name!r} is not one of {sorted(TARGETS)}")
+  return TARGETS[name]
+
+
+def target_mesh(name: str, axis_shapes=None, axis_names=("seq",), *, ring_axis="seq", linked: bool = True):
+  """A mesh of the target's compile-only devices: `jax_ring.ring_mesh` (rings through
+  linked chips), or with `linked=False` `jax.make_mesh`'s order."""
+  import jax
+  from jax.experimental import topologies
+
+  from jax_ring._topology import ring_mesh
+
+  t = target(name)
+  axis_shapes = (t.devices,) if axis_shapes is None else tuple(axis_shapes)
+  devices = t.describe().devices
+  if linked:
+    return ring_mesh(axis_shapes, axis_names, ring_axis=ring_axis, devices=devices)
+  mesh = topologies.make_mesh(t.describe(), axis_shapes, axis_names)
+  return mesh.update(axis_types=(jax.sharding.AxisType.Explicit,) * len(axis_names))
+
+
+def attention_inputs(mesh, *, seq_len, heads, kv_heads, head_dim, batch=1, dtype="bfloat16", seq_axis="seq"):
+  """q, k, v as `jax.ShapeDtypeStruct`s sharded along the sequence."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  sharding = NamedSharding(mesh, P(None, seq_axis))
+  shape = lambda n: jax.ShapeDtypeStruct((batch, seq_len, n, head_dim), jnp.dtype(dtype), sharding=sharding)
+  return shape(heads), shape(kv_heads), shape(kv_heads)
+
+
+def compile_attention(mesh, *, backward: bool = True, kernel: str = "auto", is_causal: bool = True, **shape):
+  """The compiled forward (+backward) of `ring_attention` on `mesh` for inputs of
+  `shape` (`attention_inputs`' arguments)."""
+  import jax
+
+  from jax_ring._attention import ring_attention
+
+  q, k, v = attention_inputs(mesh, **shape)
+  attend = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=is_causal, kernel=kernel)
+
+  def step(q, k, v):
+    if not backward:
+      return attend(q, k, v)
+    out, vjp = jax.vjp(attend, q, k, v)
+    return vjp(out)
+
+  with jax.set_mesh(mesh):
+    return jax.jit(step).lower(q, k, v).compile()
+
+
+_TRITON = re.compile(
+  r'op_name="[^"]*/(jax_ring_\w+)/pallas_call".*?grid_x = (\d+).*?grid_y = (\d+).*?grid_z = (\d+)'
+)
+
+
+def launch_grids(compiled) -> dict[str, int]:
+  """Programs per launch of each Triton kernel in a compiled GPU program (the product
+  of its grid), by kernel name; the smallest where a kernel is launched at several
+  shapes."""
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  grids: dict[str, int] = {}
+  for line in text.splitlines():
+    if "xla.gpu.triton" not in line:
+      continue
+    for name, *grid in _TRITON.findall(line):
+      programs = math.prod(int(g) for g in grid)
+      grids[name] = min(grids.get(name, programs), programs)
+  return grids
+
+
+def report(compiled) -> dict:
+  """What a compiled program shows: per-device memory, bytes per collective, each
+  ring-step loop's overlap, and (GPU) the kernels' launch grids."""
+  from jax_ring import hlo
+
+  text = compiled.as_text()
+  memory = compiled.memory_analysis()
+  return {
+    "temp_mib": memory.temp_size_in_bytes / 2**20,
+    "argument_mib": memory.argument_size_in_bytes / 2**20,
+    "output_mib": memory.output_size_in_bytes / 2**20,
+    "collective_bytes": hlo.collective_bytes(text),
+    "ring_steps": [o._asdict() | {"overlapped": o.overlapped} for o in hlo.ring_overlap(text)],
+    "launch_grids": launch_grids(text),
+    "custom_calls": custom_calls(text),
+  }
+
+
+def custom_calls(compiled) -> dict[str, int]:
+  """How many custom calls of each target a compiled program makes (Triton kernels are
+  "__gpu$xla.gpu.triton", Mosaic kernels "tpu_custom_call")."""
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  found: dict[str, int] = {}
+  for name in re.findall(r'custom_call_target="([^"]+)"', text):
+    found[name] = found.get(name, 0) + 1
+  return found
+
+
+def attention_flops(*, seq_len, heads, head_dim, batch=1, is_causal=True, backward=True) -> float:
+  """Useful FLOPs of attention by formula (compile-only programs have no cost
+  analysis): 4 B T² N H forward (two matmuls), 2.5x that with the backward (five),
+  halved when causal."""
+  forward = 4 * batch * seq_len**2 * heads * head_dim
+  total = forward * (3.5 if backward else 1.0)
+  return total / 2 if is_causal else total
+
+
+def max_length(fits, low: int, high: int, granularity: int) -> int:
+  """The largest multiple of `granularity` in [low, high] for which `fits(length)` is
+  true, by bisection (`fits` monotone: true up to some length); 0 when `low` does not
+  fit."""
+  lo, hi = low // granularity, high // granularity
+  if not fits(lo * granularity):
+    return 0
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    if fits(mid * granularity):
+      lo = mid
+    else:
+      hi = mid - 1
+  return lo * granularity

@@ -1,0 +1,177 @@
+"""Compile ring attention (or a whole `models.DecoderLM` training step) for a GPU or
+TPU target that is not here, and print what the compiled program shows: per-device
+memory, bytes per collective, each ring-step loop's overlap of transfer and compute,
+and the Pallas kernels' launch grids. Nothing runs: this checks a cluster
+configuration before you have the cluster.
+
+    python scripts/aot.py --target h100x8 --seq-len 65536
+    python scripts/aot.py --target v5e:8x8 --seq-len 1048576 --kernel xla
+    python scripts/aot.py --target h100x8 --max-length --budget-gib 70
+    python scripts/aot.py --target v5e:8x8 --model --layers 2 --max-length
+
+Needs the AOT extra in its own environment (`pip install -e ".[aot]"`: jax[cuda12]
+and jax[tpu] at the installed jax's version); `JAX_PLATFORMS=cpu` is set here.
+Targets: h100x8, a100x8, v5e:2x4, v5e:8x8, v5e:16x16, v5p:4x4x4, v6e:2x4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+# Before jax is imported: JAX stays on the CPU (the CUDA plugin would otherwise try to
+# start a GPU, fail and not register), and libtpu does not look for a TPU VM's metadata.
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several compiles at once (the tests)
+
+from launch import HelpFormatter  # noqa: E402  (the launcher's: no jax imported before the env is set)
+
+from jax_ring import aot  # noqa: E402
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+  p.add_argument(
+    "--target", default="h100x8", choices=sorted(aot.TARGETS), help="the hardware to compile for"
+  )
+  p.add_argument("--seq-len", type=int, default=65536, help="tokens of the sequence (all devices)")
+  p.add_argument("--batch", type=int, default=1, help="batch size")
+  p.add_argument("--heads", type=int, default=32, help="query heads N (Llama-3-8B: 32)")
+  p.add_argument("--kv-heads", type=int, default=8, help="kv heads K (Llama-3-8B: 8)")
+  p.add_argument("--head-dim", type=int, default=128, help="head dim H")
+  p.add_argument("--dtype", default="bfloat16", help="input dtype")
+  p.add_argument("--kernel", default="auto", choices=["auto", "xla", "pallas"], help="the block kernel")
+  p.add_argument("--no-causal", action="store_true", help="full attention instead of causal")
+  p.add_argument("--forward-only", action="store_true", help="compile the forward pass alone")
+  p.add_argument("--make-mesh", action="store_true", help="jax.make_mesh's device order, not ring_mesh's")
+  p.add_argument("--model", action="store_true", help="a DecoderLM training step (loss and gradients)")
+  p.add_argument("--layers", type=int, default=2, help="--model: transformer blocks")
+  p.add_argument("--mlp-hidden", type=int, default=14336, help="--model: SwiGLU width (Llama-3-8B: 14336)")
+  p.add_argument("--vocab", type=int, default=128256, help="--model: vocabulary (Llama-3: 128256)")
+  p.add_argument("--max-length", action="store_true", help="bisect for the longest sequence that fits")
+  p.add_argument("--budget-gib", type=float, default=None, help="per-device memory (default: the target's)")
+  p.add_argument(
+    "--granularity", type=int, default=None, help="bisect to this many tokens (default: 2 x devices x 1024)"
+  )
+  p.add_argument("--upper", type=int, default=1 << 24, help="--max-length: the longest length tried")
+  p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+  return p.parse_args(argv)
+
+
+def compile_model(mesh, args, seq_len: int):
+  """The compiled loss-and-gradients of a DecoderLM of the arguments' width."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jax_ring import models
+
+  config = models.LMConfig(
+    vocab_size=args.vocab,
+    dim=args.heads * args.head_dim,
+    num_layers=args.layers,
+    num_heads=args.heads,
+    num_kv_heads=args.kv_heads,
+    mlp_hidden=args.mlp_hidden,
+    dtype=args.dtype,
+    param_dtype=args.dtype,
+    attention_kernel=args.kernel,
+  )
+  with jax.set_mesh(mesh):
+    abstract = nnx.eval_shape(lambda: models.DecoderLM(config, mesh=mesh, rngs=nnx.Rngs(0)))
+    graph, params = nnx.split(abstract)
+
+    def loss(params, tokens):
+      model = nnx.merge(graph, params)
+      logits = model(tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    tokens = jax.ShapeDtypeStruct((args.batch, seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P()))
+    return jax.jit(jax.grad(loss)).lower(params, tokens).compile()
+
+
+def compile_for(mesh, args, seq_len: int):
+  if args.model:
+    return compile_model(mesh, args, seq_len)
+  return aot.compile_attention(
+    mesh,
+    backward=not args.forward_only,
+    kernel=args.kernel,
+    is_causal=not args.no_causal,
+    seq_len=seq_len,
+    heads=args.heads,
+    kv_heads=args.kv_heads,
+    head_dim=args.head_dim,
+    batch=args.batch,
+    dtype=args.dtype,
+  )
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  target = aot.target(args.target)
+  mesh = aot.target_mesh(args.target, linked=not args.make_mesh)
+  result = {"target": args.target, "kernel": args.kernel, "model": args.model}
+  if args.max_length:
+    budget = (args.budget_gib * 2**30) if args.budget_gib else target.memory_bytes
+    step = args.granularity or 2 * target.devices * 1024
+
+    def fits(length: int) -> bool:
+      try:
+        memory = compile_for(mesh, args, length).memory_analysis()
+      except Exception as e:  # a compiler that refuses a size (out of memory) says so
+        if "memory" in str(e).lower() or "RESOURCE_EXHAUSTED" in str(e):
+          return False
+        raise
+      used = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
+      return used <= budget
+
+    result["budget_gib"] = budget / 2**30
+    result["max_length"] = aot.max_length(fits, step, args.upper, step)
+    args.seq_len = result["max_length"] or step
+  compiled = compile_for(mesh, args, args.seq_len)
+  result["seq_len"] = args.seq_len
+  result |= aot.report(compiled)
+  if not args.model:
+    result["flops_per_device"] = (
+      aot.attention_flops(
+        seq_len=args.seq_len,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        batch=args.batch,
+        is_causal=not args.no_causal,
+        backward=not args.forward_only,
+      )
+      / target.devices
+    )
+  if args.json:
+    print(json.dumps(result))
+    return
+  what = "DecoderLM step" if args.model else "ring attention"
+  print(f"{args.target}: {what}, T={args.seq_len}, kernel={args.kernel}")
+  if "max_length" in result:
+    print(f"  longest sequence within {result['budget_gib']:.1f} GiB per device: {result['max_length']}")
+  print(f"  memory per device: temp {result['temp_mib']:.1f} MiB, arguments {result['argument_mib']:.1f} MiB")
+  for op, n in sorted(result["collective_bytes"].items()):
+    print(f"  {op}: {n / 2**20:.1f} MiB per device")
+  for step in result["ring_steps"]:
+    state = "all compute under a transfer" if step["overlapped"] else "NOT overlapped"
+    print(
+      f"  ring loop {step['body']}: {step['starts']} async / {step['synchronous']} sync permutes, "
+      f"{step['hidden']} of {step['compute']} compute ops hidden: {state}"
+    )
+  for name, programs in sorted(result["launch_grids"].items()):
+    print(f"  {name}: {programs} programs per launch")
+  if "flops_per_device" in result:
+    print(f"  attention FLOPs per device (formula): {result['flops_per_device']:.3e}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,136 @@
+"""Compiled for 8 x H100 and TPU slices on this CPU (deviceless AOT, `jax_ring.aot`,
+`scripts/aot.py`): every ring-step loop, forward and backward, with either kernel, has
+all of its compute under an asynchronous transfer; no ring permute is synchronous
+(on a 64-chip slice thanks to `ring_mesh`); every Triton launch has a program per SM;
+the defaults (kernel, heads per pass, tiles, policy) are the target's, not this host's.
+
+These run in .venv-aot, which the test command sets up with the [aot] extra
+(jax[cuda12], jax[tpu]), each compile in its own process with a hard timeout.
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = os.environ.get("JAX_RING_AOT_PYTHON", str(ROOT / ".venv-aot" / "bin" / "python"))
+TIMEOUT = 400  # seconds per compile process; subprocess.run kills it (SIGKILL) past that
+# 8K tokens a device at 8 devices (the tile sizes of real runs), heads fewer than
+# Llama-3-8B's so each compile takes seconds.
+SHAPE = ["--seq-len=65536", "--heads=8", "--kv-heads=2", "--head-dim=128"]
+
+
+def _run(args: list[str]) -> str:
+  if not Path(PYTHON).exists():
+    pytest.fail(f"{PYTHON} is missing: run the tests with `bash scripts/run_tests.sh`, which makes .venv-aot")
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_ENABLE_X64")}
+  done = subprocess.run([PYTHON, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+  assert done.returncode == 0, done.stderr[-4000:]
+  return done.stdout
+
+
+def aot(*args: str) -> dict:
+  return json.loads(_run(["scripts/aot.py", "--json", *args]).strip().splitlines()[-1])
+
+
+def _all_overlapped(report):
+  steps = report["ring_steps"]
+  assert len(steps) >= 2, steps  # the forward's ring loop and the backward's
+  for step in steps:
+    assert step["synchronous"] == 0 and step["overlapped"], step
+
+
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_h100x8_overlaps_every_ring_step_and_fills_the_sms(kernel):
+  report = aot("--target=h100x8", f"--kernel={kernel}", *SHAPE)
+  _all_overlapped(report)
+  if kernel == "pallas":
+    grids = report["launch_grids"]
+    assert set(grids) == {"jax_ring_forward", "jax_ring_backward_dq", "jax_ring_backward_dkv"}, grids
+    # 8192 / 128 query or key blocks x 8 query heads a pass (2 kv heads: 32K tokens a
+    # pass on GPU), at least one program per SM (132) in every launch.
+    assert all(programs == 512 for programs in grids.values()), grids
+  # K, V (bf16) around the ring forward and backward, dK, dV (float32) backward and
+  # home: 7 steps each way of 2 x 8192 x 2 x 128 x 2 bytes, ...; checked as a bound.
+  kv_step = 2 * 8192 * 2 * 128 * 2
+  assert report["collective_bytes"]["collective-permute"] >= 14 * kv_step, report["collective_bytes"]
+  assert report["temp_mib"] < 1024, report["temp_mib"]
+
+
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_v5e_2x4_overlaps_every_ring_step(kernel):
+  report = aot("--target=v5e:2x4", f"--kernel={kernel}", *SHAPE)
+  _all_overlapped(report)
+  calls = report["custom_calls"]
+  assert ("tpu_custom_call" in calls) == (kernel == "pallas"), calls
+  assert report["collective_bytes"]["collective-permute"] > 0  # TPU loops' trip counts are read
+
+
+def test_v5e_8x8_needs_ring_mesh():
+  """64 chips: jax.make_mesh's row-major order gives synchronous ring permutes;
+  ring_mesh's cycle through linked chips gives asynchronous, overlapped ones."""
+  row_major = aot("--target=v5e:8x8", "--kernel=xla", "--make-mesh", *SHAPE)
+  assert any(step["synchronous"] for step in row_major["ring_steps"]), row_major["ring_steps"]
+  _all_overlapped(aot("--target=v5e:8x8", "--kernel=xla", *SHAPE))
+
+
+DEFAULTS = """
+import os, sys, json
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+import jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jax_ring import aot, BlockSizes, choose_kernel, policy_for
+from jax_ring._mesh import traced_device
+from jax_ring._tiles import local_blocks, mesh_platform
+found = {}
+for name in ("h100x8", "v5e:2x4"):
+  mesh = aot.target_mesh(name)
+  def inner(x, name=name):
+    platform = mesh_platform()
+    found[name] = dict(
+      platform=platform,
+      pass_tokens=BlockSizes().tokens_per_pass(),
+      blocks=local_blocks(8192, BlockSizes(), devices=8)[1:],
+      kernel=choose_kernel("auto", platform, 128, policy_for(traced_device())).kernel,
+      policy=str(policy_for(traced_device()).compute_dtype),
+    )
+    return x
+  spec = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P("seq")))
+  jax.jit(jax.shard_map(inner, mesh=mesh, in_specs=P("seq"), out_specs=P("seq"))).lower(spec)
+print(json.dumps(found))
+"""
+
+
+def test_defaults_come_from_the_target_not_this_cpu():
+  found = json.loads(_run(["-c", DEFAULTS]).strip().splitlines()[-1])
+  assert found["h100x8"] == {
+    "platform": "gpu",
+    "pass_tokens": 32768,
+    "blocks": [1024, 512],
+    "kernel": "pallas",
+    "policy": "bfloat16",
+  }, found
+  assert found["v5e:2x4"] == {
+    "platform": "tpu",
+    "pass_tokens": 4096,
+    "blocks": [1024, 512],
+    "kernel": "pallas",
+    "policy": "bfloat16",
+  }, found
+
+
+def test_max_length_bisects_compiled_memory():
+  """--max-length: the longest sequence (a multiple of 64K tokens, up to 1M) whose
+  compiled forward+backward fits 1 GiB per device; the next multiple does not."""
+  options = ["--target=h100x8", "--kernel=xla", *SHAPE[1:], "--budget-gib=1", "--granularity=65536"]
+  report = aot(*options, "--max-length", "--upper=1048576")
+  longest = report["max_length"]
+  assert 65536 <= longest < 1048576 and longest % 65536 == 0, report
+  used = lambda r: (r["temp_mib"] + r["argument_mib"] + r["output_mib"]) / 1024
+  assert used(report) <= 1.0, report
+  assert used(aot(*options, f"--seq-len={longest + 65536}")) > 1.0

@@ -1,0 +1,41 @@
+"""The wheel: one top-level package (jax_ring, with jax_ring.models), the LICENSE and
+py.typed inside, and it imports from a clean venv."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 600  # seconds per step; subprocess.run kills (SIGKILL) past it
+
+
+def _run(*args, **options):
+  done = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT, **options)
+  assert done.returncode == 0, f"{args}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+  return done.stdout
+
+
+def test_wheel_installs_one_package_and_imports(tmp_path):
+  _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(ROOT))
+  (wheel,) = tmp_path.glob("jax_ring-*.whl")
+  names = zipfile.ZipFile(wheel).namelist()
+  assert {n.split("/")[0] for n in names} == {"jax_ring", wheel.name.split("-py")[0] + ".dist-info"}, names
+  for member in ("jax_ring/models/__init__.py", "jax_ring/models/transformer.py", "jax_ring/py.typed"):
+    assert member in names, member
+  assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names)
+
+  venv = tmp_path / "venv"
+  _run(sys.executable, "-m", "venv", str(venv))
+  python = venv / "bin" / "python"
+  _run(str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel))
+  # Dependencies from this environment, on PYTHONPATH (whose .pth files, the editable
+  # install's among them, are not read): jax_ring itself comes from the wheel.
+  env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"], JAX_PLATFORMS="cpu")
+  code = "import jax_ring, jax_ring.models, jax_ring.nn; print(jax_ring.__version__, jax_ring.__file__)"
+  out = _run(str(python), "-c", code, env=env, cwd=tmp_path)
+  version, location = out.split()
+  assert location.startswith(str(venv)), location
+  assert version == _run(sys.executable, "-c", "import jax_ring; print(jax_ring.__version__)").strip()
