@@ -337,3 +337,29 @@ def test_tile_class_from_bounds_agrees_with_the_mask(spec):
       )
       exact_seen.update(np.unique(cls).tolist())
   assert exact_seen == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+  "devices, options",
+  [
+    (1, {"is_causal": True}),
+    (2, {"is_causal": True, "segment_ids": padded_segments(2, 44)}),
+    (3, {"is_causal": True}),
+    (4, {"local_window_size": (12, 7), "layout": "contiguous"}),  # passes both ways
+    (8, {"is_causal": True, "kernel": "pallas"}),
+  ],
+)
+def test_late_dkv_backward_matches_reference(monkeypatch, devices, options):
+  """The backward that sends each shard's dK/dV one step behind its K/V (what GPUs and
+  TPUs run, so that every transfer overlaps compute), run here on CPU: outputs and
+  gradients against float64. Shapes no other test uses, so no compiled program of the
+  other scheme is reused."""
+  monkeypatch.setattr(jax_ring._ring, "LATE_DKV_PLATFORMS", ("cpu",))
+  q, k, v = qkv(2, 44, 4, 2, 16, seed=7)
+  mesh = make_mesh((devices,), ("seq",))
+  blocks = jax_ring.BlockSizes(block_q=8, block_kv=8) if "kernel" not in options else None
+  fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, block_sizes=blocks, **options)
+  ref = lambda q, k, v: reference_attention(
+    q, k, v, **{k: v for k, v in options.items() if k not in ("layout", "kernel")}
+  )
+  compare_with_reference(fn, ref, (q, k, v), 1e-5)
