@@ -186,9 +186,48 @@ def launch_grids(compiled) -> dict[str, int]:
   return grids
 
 
+_MOSAIC_BODY = re.compile(
+  r'%(jax_ring_tpu_\w+?)(?:\.\d+)? = .*custom_call_target="tpu_custom_call".*?"body":"([^"]+)"'
+)
+
+
+def tpu_grids(compiled) -> dict[str, dict]:
+  """Each Mosaic kernel's grid in a compiled TPU program, read back from the kernel
+  module the program carries: {name: {"bounds": [...], "parallel": [...]}}, the grid's
+  extent per axis and whether the axis is marked parallel (the axes a megacore chip
+  splits between its two TensorCores). The smallest grid where a kernel is called at
+  several shapes."""
+  import base64
+
+  from jax._src.interpreters import mlir
+  from jax._src.lib import tpu
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.passmanager import PassManager
+
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  grids: dict[str, dict] = {}
+  for name, body in _MOSAIC_BODY.findall(text):
+    ctx = mlir.make_ir_context()
+    tpu.register_dialect(ctx)
+    with ctx, ir.Location.unknown():
+      ctx.allow_unregistered_dialects = True
+      module = ir.Module.parse(base64.b64decode(body))
+      PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
+      kernel = str(module)
+    bounds = [
+      int(b) for b in re.search(r"iteration_bounds = array<i64: ([\d, ]+)>", kernel).group(1).split(",")
+    ]
+    semantics = re.search(r"dimension_semantics = \[([^\]]*)\]", kernel).group(1)
+    parallel = [kind == "parallel" for kind in re.findall(r"dimension_semantics<(\w+)>", semantics)]
+    if name not in grids or math.prod(bounds) < math.prod(grids[name]["bounds"]):
+      grids[name] = {"bounds": bounds, "parallel": parallel}
+  return grids
+
+
 def report(compiled) -> dict:
   """What a compiled program shows: per-device memory, bytes per collective, each
-  ring-step loop's overlap, and (GPU) the kernels' launch grids."""
+  ring-step loop's overlap, and the kernels' grids (Triton launches on GPU, Mosaic
+  grids on TPU)."""
   from jax_ring import hlo
 
   text = compiled.as_text()
@@ -200,6 +239,7 @@ def report(compiled) -> dict:
     "collective_bytes": hlo.collective_bytes(text),
     "ring_steps": [o._asdict() | {"overlapped": o.overlapped} for o in hlo.ring_overlap(text)],
     "launch_grids": launch_grids(text),
+    "tpu_grids": tpu_grids(text) if "tpu_custom_call" in text else {},
     "custom_calls": custom_calls(text),
   }
 

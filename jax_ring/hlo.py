@@ -151,9 +151,26 @@ class LoopOverlap(NamedTuple):
     return self.synchronous == 0 and self.starts > 0 and self.hidden == self.compute
 
 
+# Custom calls that only place or reinterpret buffers (XLA's TPU backend allocates a
+# loop's carried buffers with AllocateBuffer and joins slices with ConcatBitcast):
+# no compute to hide a transfer under.
+_BUFFER_CALLS = (
+  "AllocateBuffer",
+  "ConcatBitcast",
+  "SliceToDynamic",
+  "PadToStatic",
+  "MoveToHost",
+  "MoveToDevice",
+)
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
 def _heavy(opcode: str, line: str, comps) -> bool:
   """Whether an instruction is compute worth hiding a transfer under."""
-  if opcode in ("while", "conditional", "custom-call", "call", "dot", "convolution"):
+  if opcode == "custom-call":
+    target = _TARGET.search(line)
+    return not (target and target.group(1) in _BUFFER_CALLS)
+  if opcode in ("while", "conditional", "call", "dot", "convolution"):
     return True
   if opcode == "fusion":
     called = _CALLS.findall(line)

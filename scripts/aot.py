@@ -169,6 +169,11 @@ def main(argv=None):
     )
   for name, programs in sorted(result["launch_grids"].items()):
     print(f"  {name}: {programs} programs per launch")
+  for name, grid in sorted(result["tpu_grids"].items()):
+    axes = " x ".join(
+      f"{n}{'' if par else ' (sequential)'}" for n, par in zip(grid["bounds"], grid["parallel"])
+    )
+    print(f"  {name}: grid {axes}")
   if "flops_per_device" in result:
     print(f"  attention FLOPs per device (formula): {result['flops_per_device']:.3e}")
 
