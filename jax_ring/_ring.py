@@ -367,12 +367,17 @@ def _pallas_forward_state(cfg: RingConfig, x: Inputs):
   out = zeros_varying_like(q.shape, jnp.float32, x.q, x.kv.k)
   lse = jnp.full_like(out, -jnp.inf, shape=q.shape[:-1])
 
+  # A step merges the previous step's kernel result and then runs its own kernel, so
+  # the kernel is the step's last compute: XLA's TPU scheduler, which starts a
+  # transfer as late as its estimate of the transfer's time allows, would otherwise
+  # start it after the kernel and hide it under the merge alone (v5p, v6e).
   def compute(kv, acc):
+    merged = merge_local(*zip(acc[:2], acc[2:]))
     kv = _as_compute(kv, cfg.policy)
-    step = _run_kernel("forward", q, kv.k, kv.v, q_pos, kv.pos, q_seg, kv.seg, **opts)
-    return merge_local(*zip(acc, step))
+    return (*merged, *_run_kernel("forward", q, kv.k, kv.v, q_pos, kv.pos, q_seg, kv.seg, **opts))
 
-  out, lse = _forward_passes(cfg, compute, kv, (out, lse))
+  out, lse, *last = _forward_passes(cfg, compute, kv, (out, lse, out, lse))
+  out, lse = merge_local(*zip((out, lse), last))
   return _q_blocked(out, x.q), _q_blocked(lse, x.q)
 
 
