@@ -3,7 +3,7 @@
 Shapes (BTNH legend, blocked): B batch, K kv heads, G = N // K query heads per kv head,
 H head dim, bq / bk block lengths, nq / nk numbers of blocks. Heads come before rows;
 each tile is reshaped (for free) to 3-d, [B * K, G * bq, ...], so every product is a
-batched matmul with one batch axis whose operands need no copy (scripts/bench_tile.py):
+batched matmul with one batch axis whose operands need no copy (scripts/bench/bench_tile.py):
 
     q blocks   [nq, B, K, G, bq, H]      k, v blocks   [nk, B, K, bk, H]
     q pos      [nq, bq] int32            k pos         [nk, bk] int32 (-1: padding)

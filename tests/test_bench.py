@@ -1,4 +1,4 @@
-"""scripts/bench.py --quick runs end to end on tiny sizes and writes its tables and plots."""
+"""scripts/bench/bench.py --quick runs end to end on tiny sizes and writes its tables and plots."""
 
 import bench
 import pytest

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "scripts").glob("*.py"))
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(
+  p.stem for p in [*(ROOT / "scripts").glob("*.py"), *(ROOT / "scripts" / "bench").glob("*.py")]
+)
 SCRIPTS = [name for name in SCRIPTS if not name.startswith("_")]
 
 
@@ -35,4 +38,6 @@ def test_every_option_has_help_and_one_default(name):
 
 
 def test_scripts_are_all_covered():
-  assert {"demo", "launch", "needle_demo", "train", "bench"} <= set(SCRIPTS)
+  assert {"demo", "launch", "needle_demo", "train", "aot", "bench", "bench_memory", "bench_tile"} <= set(
+    SCRIPTS
+  )

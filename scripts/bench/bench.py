@@ -9,9 +9,9 @@ causal), forward+backward 3.5x that (the FlashAttention-2 convention). A max-len
 finder then looks for the longest sequence whose compiled forward+backward fits a
 per-device budget (compile only, nothing runs), for jax_ring and the reference.
 
-    python scripts/bench.py --quick                   # under 3 minutes, results/bench/
-    python scripts/bench.py                           # the full suite -> docs/benchmarks.md
-    python scripts/bench.py --lengths 8192 --devices 8 --no-max-length
+    python scripts/bench/bench.py --quick                   # under 3 minutes, results/bench/
+    python scripts/bench/bench.py                           # the full suite -> docs/benchmarks.md
+    python scripts/bench/bench.py --lengths 8192 --devices 8 --no-max-length
 
 The reference package is optional (`pip install -e .[bench]`); it needs a small
 import shim on current JAX (`jax.lib.xla_bridge` is gone), which lives here, not in

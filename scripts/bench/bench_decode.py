@@ -17,7 +17,7 @@ Prefill (ring attention writing the cache) is timed at the lengths given by
 --prefill-token-cap (causal attention's forward grows as T^2: a 512K prefill takes
 about 16x a 128K one).
 
-  python scripts/bench_decode.py --out docs/benchmarks.md
+  python scripts/bench/bench_decode.py --out docs/benchmarks.md
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def header(script: str, argv, num_devices: int) -> list[str]:
 
   device = jax.devices()[0]
   return [
-    f"\n### `{' '.join([f'python scripts/{script}', *argv])}`\n",
+    f"\n### `{' '.join([f'python scripts/bench/{script}', *argv])}`\n",
     f"{datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
     f"{num_devices} x {device.device_kind} ({device.platform}), jax {jax.__version__}\n",
   ]

@@ -2,7 +2,7 @@
 and with 2 processes x 4 devices (scripts/launch.py), and how long a process survives
 its peer's death when no launcher watches them.
 
-    python scripts/bench_multihost.py --out docs/benchmarks.md
+    python scripts/bench/bench_multihost.py --out docs/benchmarks.md
 
 Step times are medians over the steps after the first two (which compile), read from
 the run's history.json. The survivor test starts two processes directly (no launcher),
@@ -19,12 +19,13 @@ import sys
 import tempfile
 import time
 
-from _harness import header, publish
-from launch import free_port, process_env
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))  # launch.py, beside the other command lines
 
-from jax_ring.models import cli
+from _harness import header, publish  # noqa: E402
+from launch import free_port, process_env  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from jax_ring.models import cli  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -7,8 +7,8 @@ device. It is how the kernel's layouts were chosen: a product that contracts ove
 query rows of a row-major score tile (p^T dO) makes the CPU compiler transpose the
 tile first, and runs at about half the rate of the others (docs/benchmarks.md).
 
-    python scripts/bench_tile.py                       # 8 simulated devices
-    python scripts/bench_tile.py --devices 1 --out docs/benchmarks.md
+    python scripts/bench/bench_tile.py                       # 8 simulated devices
+    python scripts/bench/bench_tile.py --devices 1 --out docs/benchmarks.md
 """
 
 from __future__ import annotations

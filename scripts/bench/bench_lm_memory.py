@@ -7,7 +7,7 @@ step's arguments + temp from `memory_analysis()` (parameters, AdamW state, the b
 activations, attention's O(T / devices) buffers). The search doubles the length until
 the budget is exceeded, then bisects to `--granularity` tokens.
 
-  python scripts/bench_lm_memory.py --out docs/benchmarks.md
+  python scripts/bench/bench_lm_memory.py --out docs/benchmarks.md
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ errors beside them (on one device), and per device the bytes the forward keeps f
 the backward (the vjp residuals) and the forward+backward's temp memory, both from the
 compiler's memory_analysis().
 
-    python scripts/bench_delta.py
-    python scripts/bench_delta.py --out docs/benchmarks.md
+    python scripts/bench/bench_delta.py
+    python scripts/bench/bench_delta.py --out docs/benchmarks.md
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ jax_ring columns force a layout (`--layouts`) or tokens x heads per pass around 
 ring (`--pass-tokens`, `BlockSizes.pass_tokens`); a second table gives each program's
 memory per device (temp + arguments, from the compiler).
 
-    python scripts/bench_short.py --out docs/benchmarks.md
-    python scripts/bench_short.py --lengths 8192 --pass-tokens 4096 --rounds 4 --per-round 2
+    python scripts/bench/bench_short.py --out docs/benchmarks.md
+    python scripts/bench/bench_short.py --lengths 8192 --pass-tokens 4096 --rounds 4 --per-round 2
 """
 
 from __future__ import annotations

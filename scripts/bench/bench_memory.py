@@ -5,7 +5,7 @@ forward+backward, B=1, N=8, H=64, float32, non-causal, for each length and devic
 count. These are the sizes where the fixed overhead (padding, tiles, copies) shows,
 and where the max-length finder of `bench.py --quick` (32 MiB) works.
 
-    python scripts/bench_memory.py --out docs/benchmarks.md
+    python scripts/bench/bench_memory.py --out docs/benchmarks.md
 """
 
 from __future__ import annotations

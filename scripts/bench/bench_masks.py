@@ -2,9 +2,9 @@
 against full attention in the same run, and the work tables (score tiles per ring step
 and device, from `jax_ring.work_report`) that explain the ratios.
 
-    python scripts/bench_masks.py                     # T=8192 on 8 devices
-    python scripts/bench_masks.py --lengths 8192 32768 --layouts zigzag --out docs/benchmarks.md
-    python scripts/bench_masks.py --suite work        # the tables only, no timing
+    python scripts/bench/bench_masks.py                     # T=8192 on 8 devices
+    python scripts/bench/bench_masks.py --lengths 8192 32768 --layouts zigzag --out docs/benchmarks.md
+    python scripts/bench/bench_masks.py --suite work        # the tables only, no timing
 """
 
 from __future__ import annotations

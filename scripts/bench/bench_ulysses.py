@@ -6,8 +6,8 @@ from the compiler), and the bytes each device's collectives produce in the
 forward+backward (from the compiled HLO, `jax_ring.hlo.collective_bytes`), split into
 all-to-all and collective-permute. (1, p) is the pure ring, (p, 1) pure Ulysses.
 
-    python scripts/bench_ulysses.py
-    python scripts/bench_ulysses.py --length 32768 --out docs/benchmarks.md
+    python scripts/bench/bench_ulysses.py
+    python scripts/bench/bench_ulysses.py --length 32768 --out docs/benchmarks.md
 """
 
 from __future__ import annotations
