@@ -26,6 +26,7 @@ from jax_ring._mesh import (
   traced_device,
   usable_mesh,
 )
+from jax_ring._mods import NO_MODS, ScoreArgs, ScoreMods, with_sinks
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import RingConfig, ring, schedule
 from jax_ring._tiles import BlockSizes, check_block_sizes, fit_tile_budget, local_blocks, mesh_platform
@@ -71,7 +72,15 @@ def ring_attention_shard(
   return_residual: bool = False,
   ulysses_axis=None,
   kernel: str = "auto",
+  logit_soft_cap: float | None = None,
+  sinks=None,
+  alibi_slopes=None,
+  dropout_rate: float = 0.0,
+  dropout_rng=None,
+  score_mod=None,
   _valid_lengths: tuple[int, int] | None = None,
+  _offsets: tuple | None = None,
+  _seed=None,
 ):
   """Ring attention for code already inside `jax.shard_map`: shards in, shard out.
 
@@ -106,10 +115,16 @@ def ring_attention_shard(
       pass and the default policy follow the devices of the mesh the surrounding
       `shard_map` runs on (so a program compiled on a CPU host for GPUs or TPUs gets
       their defaults).
+    logit_soft_cap, sinks, alibi_slopes, dropout_rate, dropout_rng, score_mod: the
+      score modifiers, as in `ring_attention`, for this device's heads: `sinks` [N]
+      and `alibi_slopes` [N] or [B, N] are this shard's heads' (and rows'), and
+      score_mod's `head` and dropout's batch row and head are indices into this
+      shard's heads and rows (positions are global, as everywhere here).
 
   Returns:
     [B, T, N, H] output shard in the policy's output dtype; with `return_residual`,
-    (output, lse [B, T, N] in the accumulation dtype).
+    (output, lse [B, T, N] in the accumulation dtype; with `sinks`, the log of the
+    softmax's whole denominator, sink included).
   """
   query, key, value, unbatched = _validation.add_batch_axis(query, key, value)
   (_, t, s, n, k), (q_seg, kv_seg), window, scale, block_sizes = check_arguments(
@@ -135,6 +150,21 @@ def ring_attention_shard(
   if ulysses_axis is not None:
     group = lax.axis_size(ulysses_axis)
     _ulysses.check_heads(n, group, ulysses_axis)
+  rate = dropout_rate if _seed is None else 0.0
+  mods, sinks, slopes, seed = _validation.check_score_mods(
+    logit_soft_cap, sinks, alibi_slopes, rate, dropout_rng, score_mod, batch=query.shape[0], heads=n
+  )
+  if _seed is not None:
+    mods, seed = dataclasses.replace(mods, dropout=float(dropout_rate)), _seed
+  batch0, head0 = (0, 0) if _offsets is None else _offsets
+  if group > 1:  # this device keeps heads [i * N / u, (i + 1) * N / u) of the N it has
+    width = n // group
+    first = lax.axis_index(ulysses_axis) * width
+    part = lambda x, axis: None if x is None else lax.dynamic_slice_in_dim(x, first, width, axis)
+    slopes, sinks, head0 = part(slopes, 1), part(sinks, 0), head0 + first
+  args = None
+  if mods.active:
+    args = ScoreArgs(slopes, seed, jnp.asarray(head0, jnp.int32), jnp.asarray(batch0, jnp.int32))
   policy = get_policy(policy, traced_device())
   choice = _pallas.choose_kernel(kernel, mesh_platform(), query.shape[-1], policy)
   if choice.interpret:
@@ -164,7 +194,11 @@ def ring_attention_shard(
       kernel=choice,
       unbatched=unbatched,
       valid_lengths=_valid_lengths,
+      mods=mods,
+      args=args,
     )
+    if sinks is not None:
+      out, lse = with_sinks(out, lse, sinks)
     if group > 1:
       out, lse = _ulysses.to_sequence(out, ulysses_axis), _ulysses.to_sequence(lse, ulysses_axis)
   if unbatched:
@@ -193,6 +227,8 @@ def _ring_shard(
   unbatched,
   valid_lengths,
   kernel: _pallas.KernelChoice,
+  mods: ScoreMods = NO_MODS,
+  args: ScoreArgs | None = None,
 ):
   """The ring on checked rank-4 shards: positions (None: the layout's) to masks, the
   tiles padded, and (output, lse) of the T local queries."""
@@ -212,6 +248,12 @@ def _ring_shard(
     k_pos = jnp.where(k_pos < valid_lengths[1], k_pos, -1)
   q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, q_pos, k_pos)
   use_pallas = kernel.kernel == "pallas"
+  if use_pallas and mods.active:
+    why = f"the Pallas kernels do not apply {', '.join(mods.names())} (the XLA tiles do)"
+    if not kernel.auto:
+      raise ValueError(f"kernel='pallas': {why}; use kernel='auto' or 'xla'")
+    _pallas.log_fallback(why)
+    use_pallas = False
   if use_pallas:
     bq = block_sizes.block_q or _pallas.block_for(t)
     bk = block_sizes.block_kv or _pallas.block_for(s)
@@ -254,8 +296,9 @@ def _ring_shard(
     steps_fwd=fwd,
     head_groups=groups,
     kernel="pallas" if use_pallas else "xla",
+    mods=mods,
   )
-  out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg)
+  out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg, args)
   return out[:, :t], lse[:, :t]
 
 
@@ -276,6 +319,7 @@ class GlobalConfig:
   return_residual: bool = False
   ulysses_axis: Any = None
   kernel: str = "auto"
+  mods: ScoreMods = NO_MODS
 
   @property
   def seq_spec(self):
@@ -303,7 +347,18 @@ def _write_cache(cache, k, v, seg, pos):
 
 
 def global_impl(
-  query, key, value, q_seg, kv_seg, q_len=None, kv_len=None, cache=None, *, gc: GlobalConfig, in_context: bool
+  query,
+  key,
+  value,
+  q_seg,
+  kv_seg,
+  q_len=None,
+  kv_len=None,
+  cache=None,
+  modifiers=(None, None, None),
+  *,
+  gc: GlobalConfig,
+  in_context: bool,
 ):
   """Pads, shards, relayouts, runs the ring, and undoes it all. In a mesh context
   (Explicit axes made Auto by `auto_axes`) specs are bare; otherwise NamedShardings.
@@ -312,7 +367,8 @@ def global_impl(
 
   With `cache` (k, v, positions, segment ids of a sequence-sharded KV cache; needs
   S == T and one segment-id array), each device also writes its K/V shard, as the
-  layout placed it, into its cache shard; returns (output, cache)."""
+  layout placed it, into its cache shard; returns (output, cache). `modifiers`: the
+  score modifiers' arrays (sinks [N], ALiBi slopes [B, N], dropout seed [2]) or Nones."""
   mesh = gc.mesh
   p = mesh.shape[gc.seq_axis]
   u = 1 if gc.ulysses_axis is None else mesh.shape[gc.ulysses_axis]
@@ -335,15 +391,28 @@ def global_impl(
   args += [c(q_len, row_spec), c(kv_len, row_spec)]
   specs = [spec, spec, spec, seg_spec, seg_spec, row_spec, row_spec]
   specs = [None if a is None else sp for a, sp in zip(args, specs)]
+  sinks, slopes, seed = modifiers
+  mod_specs = (P(gc.head_axis), P(gc.batch_axis, gc.head_axis), P())
+  args.append(tuple(None if x is None else c(x, sp) for x, sp in zip(modifiers, mod_specs)))
+  specs.append(tuple(None if x is None else sp for x, sp in zip(modifiers, mod_specs)))
   if cache is not None:
     args.append(tuple(c(x, sp) for x, sp in zip(cache, cache_specs)))
     specs.append(cache_specs)
   padded = padded_t != t or padded_s != s
 
-  def body(q, k, v, qs, ks, ql, kl, cache=None):
+  def body(q, k, v, qs, ks, ql, kl, mod_arrays, cache=None):
+    sinks, slopes, seed = mod_arrays
+    # This device's first batch row and query head among the call's, for dropout's
+    # keep decisions and score_mod's head (both on global indices).
+    first = lambda axis, size: 0 if axis is None else lax.axis_index(axis) * size
+    batch0, head0 = first(gc.batch_axis, q.shape[0]), first(gc.head_axis, q.shape[2])
     to = lambda x: None if x is None else layouts.relayout_shard(x, gc.layout, gc.seq_axis, p)
     back = lambda x: layouts.relayout_shard(x, gc.layout, gc.seq_axis, p, inverse=True)
     if u > 1:  # the group's pieces -> its whole contiguous ring shard, N / u heads
+      width = q.shape[2] // u
+      part = lambda x, axis: None if x is None else lax.dynamic_slice_in_dim(x, head * width, width, axis)
+      head = lax.axis_index(gc.ulysses_axis)
+      sinks, slopes, head0 = part(sinks, 0), part(slopes, 1), head0 + head * width
       (q, k, v), (qs, ks), _ = _ulysses.enter(q, k, v, (qs, ks), (), gc.ulysses_axis, u)
       back_ring = back
       back = lambda x: _ulysses.to_sequence(back_ring(x), gc.ulysses_axis)
@@ -364,7 +433,14 @@ def global_impl(
       key_value_seq_lengths=kl,
       return_residual=gc.return_residual,
       kernel=gc.kernel,
+      logit_soft_cap=gc.mods.soft_cap,
+      sinks=sinks,
+      alibi_slopes=slopes,
+      dropout_rate=gc.mods.dropout,
+      score_mod=gc.mods.score_mod,
       _valid_lengths=(t, s) if padded else None,
+      _offsets=(batch0, head0),
+      _seed=seed,
     )
     res = tuple(back(x) for x in res) if gc.return_residual else back(res)
     if cache is None:
@@ -398,11 +474,10 @@ def result_spec(gc: GlobalConfig, length: int):
 
 
 @functools.partial(jax.jit, static_argnames=("gc",))
-def _ring_attention_global(query, key, value, q_seg, kv_seg, q_len, kv_len, *, gc: GlobalConfig):
+def _ring_attention_global(query, key, value, q_seg, kv_seg, q_len, kv_len, modifiers, *, gc: GlobalConfig):
   impl = functools.partial(global_impl, gc=gc)
-  return call_on_mesh(
-    impl, gc.mesh, result_spec(gc, query.shape[1]), query, key, value, q_seg, kv_seg, q_len, kv_len
-  )
+  spec = result_spec(gc, query.shape[1])
+  return call_on_mesh(impl, gc.mesh, spec, query, key, value, q_seg, kv_seg, q_len, kv_len, None, modifiers)
 
 
 def ring_attention(
@@ -426,6 +501,12 @@ def ring_attention(
   return_residual: bool = False,
   ulysses_axis=None,
   kernel: str = "auto",
+  logit_soft_cap: float | None = None,
+  sinks=None,
+  alibi_slopes=None,
+  dropout_rate: float = 0.0,
+  dropout_rng=None,
+  score_mod=None,
   mask=None,
   bias=None,
 ):
@@ -477,6 +558,22 @@ def ring_attention(
       compute dtype other than float32 / bfloat16 / float16, `block_sizes` that are
       not powers of two >= 16). With the Pallas kernel, local lengths are padded to
       its block (a power of two, 16 to 128, unless `block_sizes` gives one).
+    logit_soft_cap: float c: scaled logits s become c * tanh(s / c) (Gemma 2: 50.0).
+    sinks: float [N]: per query head, the logit of a virtual key of value 0 that joins
+      every row's softmax (gpt-oss's attention sinks); differentiable. With
+      `return_residual`, lse includes it.
+    alibi_slopes: float [N] or [B, N]: ALiBi, s - slope * |i - j| on global positions
+      (constants: no gradient reaches them).
+    dropout_rate, dropout_rng: dropout on the normalized weights, kept ones scaled by
+      1 / (1 - rate); whether a weight is kept is a pure function of (dropout_rng,
+      batch row, query head, query position, key position), so the result is the same
+      on any number of devices and in any layout. A rate > 0 needs a PRNG key.
+    score_mod: a function (s, q_pos, k_pos, head) -> s', elementwise on the scaled
+      logits (after soft-cap and ALiBi, before the masks), q_pos and k_pos global int
+      positions and head the query head, all broadcastable to s; differentiated
+      through for q and k (arrays it closes over get no gradient).
+      These modifiers run in the XLA tiles: "auto" falls back to them (logged) and
+      kernel="pallas" refuses them, sinks excepted (applied after either kernel).
     mask, bias: not accepted (a ValueError that names what to use instead): a dense
       [B, N, T, S] matrix is what ring attention never builds. The masks it usually
       carries are `is_causal`, `local_window_size`, `segment_ids` and the lengths.
@@ -513,6 +610,14 @@ def ring_attention(
   _validation.check_divides(k, nh, "num_kv_heads", "head_axis", head_axis)
   if ulysses_axis is not None:
     _ulysses.check_heads(n // nh, nu, ulysses_axis)
+  mods, sinks, slopes, seed = _validation.check_score_mods(
+    logit_soft_cap, sinks, alibi_slopes, dropout_rate, dropout_rng, score_mod, batch=b, heads=n
+  )
+  if kernel == "pallas" and mods.active:
+    raise ValueError(
+      f"kernel='pallas': the Pallas kernels do not apply {', '.join(mods.names())} (the XLA tiles do); "
+      "use kernel='auto' or 'xla'"
+    )
   layout = layouts.resolve(layout, is_causal, shard_len=-(-t // mesh.shape[seq_axis]))
   policy = get_policy(policy, mesh.devices.flat[0])
   # Checked here, for the mesh's platform (a ValueError before anything is traced);
@@ -532,6 +637,7 @@ def ring_attention(
     return_residual,
     ulysses_axis,
     kernel,
+    mods,
   )
   with jax.named_scope("jax_ring.ring_attention"):
     placed = place_attention_inputs(
@@ -548,7 +654,7 @@ def ring_attention(
       kv_len=kv_len,
     )
     names = ("query", "key", "value", "q_seg", "kv_seg", "q_len", "kv_len")
-    res = _ring_attention_global(*(placed[n] for n in names), gc=gc)
+    res = _ring_attention_global(*(placed[n] for n in names), (sinks, slopes, seed), gc=gc)
   if unbatched:
     res = tuple(x[0] for x in res) if return_residual else res[0]
   return res

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ring._mods import NO_MODS, ScoreArgs, ScoreMods, keep, modify
 from jax_ring._policy import Policy
 
 
@@ -54,6 +55,47 @@ class KVBlocks(NamedTuple):
   v: jax.Array
   pos: jax.Array
   seg: jax.Array | None
+
+
+class Tile(NamedTuple):
+  """What score modifiers need of one tile: the static modifiers, the tile's global
+  query and key positions [bq], [bk] and the call's `ScoreArgs`."""
+
+  mods: ScoreMods
+  q_pos: jax.Array
+  k_pos: jax.Array
+  args: ScoreArgs
+
+
+def _tile_of(mods: ScoreMods, args, q_pos, k_pos):
+  return Tile(mods, q_pos, k_pos, args) if mods.active else None
+
+
+def _modified(tile: Tile | None, s, q_shape, derivative: bool = False):
+  """Scores s [B * K, G * bq, bk] after the tile's soft-cap, ALiBi and score_mod, and
+  with `derivative` their elementwise derivative (None where it is 1)."""
+  if tile is None or not tile.mods.on_scores:
+    return s, None
+  b, kh, g, bq = q_shape[:4]
+  qp = tile.q_pos[:, None].astype(jnp.int32)
+  kp = tile.k_pos[None, :].astype(jnp.int32)
+  heads = (tile.args.head0 + jnp.arange(kh * g, dtype=jnp.int32)).reshape(1, kh, g, 1, 1)
+  slopes = None if tile.args.slopes is None else tile.args.slopes.reshape(b, kh, g, 1, 1)
+  s, d = modify(tile.mods, s.reshape(b, kh, g, bq, -1), qp, kp, heads, slopes, derivative=derivative)
+  return s.reshape(b * kh, g * bq, -1), (None if d is None else d.reshape(b * kh, g * bq, -1))
+
+
+def _kept(tile: Tile | None, q_shape, dtype):
+  """Dropout's factor per weight of the tile, [B * K, G * bq, bk]: keep / (1 - rate)
+  (None without dropout)."""
+  if tile is None or tile.mods.dropout == 0:
+    return None
+  b, kh, g, bq = q_shape[:4]
+  rate = tile.mods.dropout
+  batch = (tile.args.batch0 + jnp.arange(b, dtype=jnp.int32)).reshape(b, 1, 1, 1, 1)
+  heads = (tile.args.head0 + jnp.arange(kh * g, dtype=jnp.int32)).reshape(1, kh, g, 1, 1)
+  kept = keep(tile.args.seed, batch, heads, tile.q_pos[:, None], tile.k_pos[None, :], rate)
+  return jnp.where(kept, jnp.asarray(1 / (1 - rate), dtype), jnp.zeros((), dtype)).reshape(b * kh, g * bq, -1)
 
 
 def block_mask(spec: MaskSpec, q_pos, k_pos, q_seg, k_seg):
@@ -90,15 +132,16 @@ def _flat(x):
   return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _scores(q, k, mask, policy: Policy):
+def _scores(q, k, mask, policy: Policy, tile: Tile | None = None):
   """Scores [B * K, G * bq, bk] of pre-scaled queries q [B, K, G, bq, H] against keys
-  k [B, K, bk, H], -inf where masked. mask: [B or 1, bq, bk], the same for every head,
-  or [B, K, G, bq, bk], one per query head.
+  k [B, K, bk, H], modified (`tile`'s modifiers) and -inf where masked. mask: [B or 1,
+  bq, bk], the same for every head, or [B, K, G, bq, bk], one per query head.
 
   The tile math runs on 3-d arrays, one batch axis: with the size-1 axes of B and G
   kept, the CPU compiler copied every score tile once more before its row maximum.
   """
-  return _where_visible(mask, _dot("xqh,xsh->xqs", _rows(q), _flat(k), policy), q.shape, -jnp.inf)
+  s, _ = _modified(tile, _dot("xqh,xsh->xqs", _rows(q), _flat(k), policy), q.shape)
+  return _where_visible(mask, s, q.shape, -jnp.inf)
 
 
 def _where_visible(mask, x, q_shape, hidden):
@@ -111,21 +154,23 @@ def _where_visible(mask, x, q_shape, hidden):
   return jnp.where(mask, x.reshape(b, kh, g, bq, -1), hidden).reshape(x.shape)
 
 
-def block_update(q, k, v, mask, policy: Policy, o, m, l):
+def block_update(q, k, v, mask, policy: Policy, o, m, l, tile: Tile | None = None):
   """Adds one key block to the unnormalized running state of one query block.
 
   o [B, K, G, bq, H] is the sum of exp(s - m) v so far, m [B, K, G, bq] the running
   row maximum (-inf before any visible key), l the sum of exp(s - m). Normalizing once
   at the end (`finalize`) instead of per block saves a division and a merge per tile.
   """
-  s = _scores(q, k, mask, policy)
+  s = _scores(q, k, mask, policy, tile)
   m0, l0 = _rows(m[..., None])[..., 0], _rows(l[..., None])[..., 0]
   m_new = jnp.maximum(m0, jnp.max(s, axis=-1))
   m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with no visible key yet
   probs = jnp.exp(s - m_safe[..., None])
   alpha = jnp.exp(m0 - m_safe)
   l_new = l0 * alpha + jnp.sum(probs, axis=-1)
-  pv = _dot("xqs,xsh->xqh", probs.astype(policy.compute_dtype), _flat(v), policy)
+  kept = _kept(tile, q.shape, probs.dtype)  # dropout: from P @ V, not from the normalizer
+  weights = probs if kept is None else probs * kept
+  pv = _dot("xqs,xsh->xqh", weights.astype(policy.compute_dtype), _flat(v), policy)
   o_new = _rows(o) * alpha[..., None] + pv
   return o_new.reshape(o.shape), m_new.reshape(m.shape), l_new.reshape(l.shape)
 
@@ -147,7 +192,7 @@ def finalize(o, m, l):
   return out, lse
 
 
-def block_backward(q, q_t, k, v, do, do_t, lse, delta, mask, policy: Policy):
+def block_backward(q, q_t, k, v, do, do_t, lse, delta, mask, policy: Policy, tile: Tile | None = None):
   """Gradients of one block given the final lse and delta = sum(dO * O, -1).
 
   The dK and dV products contract over query rows. With the rows on the left
@@ -159,18 +204,26 @@ def block_backward(q, q_t, k, v, do, do_t, lse, delta, mask, policy: Policy):
   Returns dq [B, K, G, bq, H], dk_t, dv_t, all in the accum dtype.
   """
   cd = policy.compute_dtype
-  s = _scores(q, k, mask, policy)
+  s, ds_raw = _modified(tile, _dot("xqh,xsh->xqs", _rows(q), _flat(k), policy), q.shape, derivative=True)
+  s = _where_visible(mask, s, q.shape, -jnp.inf)
   lse = _rows(lse[..., None])[..., 0]
   lse_safe = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
   probs = jnp.exp(s - lse_safe[..., None])
   dp = _dot("xqh,xsh->xqs", _rows(do), _flat(v), policy)
+  kept = _kept(tile, q.shape, probs.dtype)
+  weights = probs
+  if kept is not None:  # the output used p * kept: so do dV and dP
+    weights, dp = probs * kept, dp * kept
+  ds = probs * (dp - _rows(delta[..., None]))
+  if ds_raw is not None:  # the chain rule through soft-cap and score_mod
+    ds = ds * ds_raw
   # Hidden pairs get exactly 0: p = 0 there, but dp or delta may be NaN (a non-finite
   # value or output elsewhere), and 0 * NaN would reach rows and keys that see nothing.
-  ds = _where_visible(mask, probs * (dp - _rows(delta[..., None])), q.shape, 0.0).astype(cd)
+  ds = _where_visible(mask, ds, q.shape, 0.0).astype(cd)
   dq = _dot("xqs,xsh->xqh", ds, _flat(k), policy).reshape(q.shape)
   t_rows = lambda x: x.reshape(x.shape[0] * x.shape[1], x.shape[2], -1)  # [B*K, H, G*bq]
   dk_t = _dot("xhq,xqs->xhs", t_rows(q_t), ds, policy)
-  dv_t = _dot("xhq,xqs->xhs", t_rows(do_t), probs.astype(cd), policy)
+  dv_t = _dot("xhq,xqs->xhs", t_rows(do_t), weights.astype(cd), policy)
   shape_t = (*k.shape[:2], k.shape[3], k.shape[2])
   return dq, dk_t.reshape(shape_t), dv_t.reshape(shape_t)
 
@@ -221,7 +274,9 @@ def tile_class(spec: MaskSpec, q: Bounds, k: Bounds):
   return jnp.where(hidden, 0, jnp.where(whole, 2, 1)).astype(jnp.int32)
 
 
-def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, q_bounds: Bounds, kv: KVBlocks, acc):
+def chunk_forward(
+  spec: MaskSpec, policy, q, q_pos, q_seg, q_bounds: Bounds, kv: KVBlocks, acc, mods=NO_MODS, args=None
+):
   """Adds the keys of `kv` to the running state (o, m, l) of every query block.
   q_bounds: `block_bounds(q_pos, q_seg)`, the same at every ring step.
 
@@ -236,10 +291,10 @@ def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, q_bounds: Bounds, kv:
     if not masked:
 
       def over_k(state, ys):
-        k, v = ys
-        return block_update(q, k, v, None, policy, *state), None
+        k, v, kp = ys
+        return block_update(q, k, v, None, policy, *state, _tile_of(mods, args, qp, kp)), None
 
-      state, _ = lax.scan(over_k, state, (kv.k, kv.v))
+      state, _ = lax.scan(over_k, state, (kv.k, kv.v, kv.pos))
       return None, state
 
     classes = jax.vmap(lambda b: tile_class(spec, q_bound, b))(kb)
@@ -248,7 +303,7 @@ def chunk_forward(spec: MaskSpec, policy, q, q_pos, q_seg, q_bounds: Bounds, kv:
       def compute(j, state):
         k, v, kp, ks = _index(kv, j)
         mask = block_mask(spec, qp, kp, qs, ks) if with_mask else None
-        return block_update(q, k, v, mask, policy, *state)
+        return block_update(q, k, v, mask, policy, *state, _tile_of(mods, args, qp, kp))
 
       return compute
 
@@ -292,7 +347,9 @@ class QBlocks(NamedTuple):
   bounds: Bounds  # block_bounds(pos, seg)
 
 
-def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, dv_t):
+def chunk_backward(
+  spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, dv_t, mods=NO_MODS, args=None
+):
   """Adds the gradient contributions of the pair (all query blocks, kv) to dq, dk, dv.
 
   dk_t and dv_t are transposed, [nk, B, K, H, bk]; so are their updates.
@@ -307,7 +364,8 @@ def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, 
 
       def over_q(carry, ys):
         q, q_t, do, do_t, l, delta, qp, qs, q_bound, dqb = ys
-        g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, None, policy)
+        tile = _tile_of(mods, args, qp, kp)
+        g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, None, policy, tile)
         return (carry[0] + g_k, carry[1] + g_v), dqb + g_q
 
       (dkb, dvb), dq = lax.scan(over_q, (dkb, dvb), (*qb, dq))
@@ -327,7 +385,8 @@ def chunk_backward(spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, 
       def compute(i, dkb, dvb, dqb):
         q, q_t, do, do_t, l, delta, qp, qs, _ = _index(qb, i)
         mask = block_mask(spec, qp, kp, qs, ks) if with_mask else None
-        g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, mask, policy)
+        tile = _tile_of(mods, args, qp, kp)
+        g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, mask, policy, tile)
         return dkb + g_k, dvb + g_v, dqb + g_q
 
       return compute

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_ring import _validation
+from jax_ring import _mods, _validation
 
 
 def visibility_mask(
@@ -33,25 +33,38 @@ def visibility_mask(
   return mask
 
 
-def attention_with_lse(query, key, value, mask, scale):
+def attention_with_lse(query, key, value, mask, scale, *, modify=None, sinks=None, dropout=None):
   """Dense masked attention; returns output [B, T, N, H] and log-sum-exp [B, N, T].
 
   A query whose row of `mask` is empty gets output 0 and lse -inf. A NaN or inf in a
   query, or in a key or value the mask lets it see, makes its row non-finite.
+  `modify`: logits [B, N, T, S] -> logits, before the mask; `sinks` [N]: one more
+  logit per head in every row's denominator (lse includes it); `dropout`: weights
+  [B, N, T, S] -> dropped weights, after the normalization.
   """
   num_heads, num_kv_heads = query.shape[2], key.shape[2]
   groups = num_heads // num_kv_heads
   key = jnp.repeat(key, groups, axis=2)
   value = jnp.repeat(value, groups, axis=2)
   logits = jnp.einsum("btnh,bsnh->bnts", query, key, precision="highest") * scale
+  if modify is not None:
+    logits = modify(logits)
   mask = mask[:, None]  # [B, 1, T, S]
   logits = jnp.where(mask, logits, -jnp.inf)
-  row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  if sinks is not None:
+    sink = jnp.broadcast_to(sinks.astype(logits.dtype)[None, :, None, None], row_max.shape)
+    row_max = jnp.maximum(row_max, sink)
+  row_max = jax.lax.stop_gradient(row_max)
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   unnormalized = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
   denom = jnp.sum(unnormalized, axis=-1, keepdims=True)
+  if sinks is not None:
+    denom = denom + jnp.exp(sink - row_max)
   seen = denom != 0  # a NaN (from a NaN or inf in query or key) is not hidden
   probs = unnormalized / jnp.where(seen, denom, 1.0)
+  if dropout is not None:
+    probs = dropout(probs)
   # A non-finite value reaches exactly the rows that see its key (the dense product
   # alone would also spread it, as 0 * inf, to the rows that do not).
   finite = jnp.isfinite(value)
@@ -75,6 +88,12 @@ def reference_attention(
   query_seq_lengths=None,
   key_value_seq_lengths=None,
   return_residual=False,
+  logit_soft_cap=None,
+  sinks=None,
+  alibi_slopes=None,
+  dropout_rate=0.0,
+  dropout_rng=None,
+  score_mod=None,
 ):
   """Dense softmax attention on one device; works in float64.
 
@@ -94,6 +113,9 @@ def reference_attention(
       length are padding.
     return_residual: also return the log-sum-exp of each query's logits, [B, T, N]
       (-inf where it sees no key), in the computation's dtype.
+    logit_soft_cap, sinks, alibi_slopes, dropout_rate, dropout_rng, score_mod: the
+      score modifiers' definitions (`jax_ring.ring_attention`), with positions 0..T-1
+      and 0..S-1, batch rows 0..B-1 and heads 0..N-1.
 
   Returns:
     [B, T, N, H] in the query's dtype; queries that see no key get 0. With
@@ -117,8 +139,30 @@ def reference_attention(
     q_segment_ids=q_seg,
     k_segment_ids=kv_seg,
   )
+  mods, sinks, slopes, seed = _validation.check_score_mods(
+    logit_soft_cap, sinks, alibi_slopes, dropout_rate, dropout_rng, score_mod, batch=b, heads=query.shape[2]
+  )
   dtype = jnp.promote_types(query.dtype, jnp.float32)
-  out, lse = attention_with_lse(query.astype(dtype), key.astype(dtype), value.astype(dtype), mask, scale)
+  q_pos, k_pos = jnp.arange(t)[:, None], jnp.arange(s)[None, :]  # [T, 1], [1, S]
+  heads = jnp.arange(query.shape[2])[None, :, None, None]  # [1, N, 1, 1]
+  modify = dropout = None
+  if mods.on_scores:
+    per_row = None if slopes is None else slopes.astype(dtype)[:, :, None, None]
+    modify = lambda x: _mods.modify(mods, x, q_pos, k_pos, heads, per_row)[0]
+  if mods.dropout > 0:
+    rows = jnp.arange(b)[:, None, None, None]
+    kept = _mods.keep(seed, rows, heads, q_pos, k_pos, mods.dropout)
+    dropout = lambda p: jnp.where(kept, p / (1 - mods.dropout), 0.0)
+  out, lse = attention_with_lse(
+    query.astype(dtype),
+    key.astype(dtype),
+    value.astype(dtype),
+    mask,
+    scale,
+    modify=modify,
+    sinks=None if sinks is None else sinks.astype(dtype),
+    dropout=dropout,
+  )
   out, lse = out.astype(query.dtype), jnp.moveaxis(lse, 1, 2)
   if unbatched:
     out, lse = out[0], lse[0]

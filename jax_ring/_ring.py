@@ -34,6 +34,7 @@ from jax_ring._kernel import (
   finalize,
 )
 from jax_ring._merge import merge_local
+from jax_ring._mods import ScoreArgs, ScoreMods, group_args
 from jax_ring._policy import Policy
 from jax_ring._tiles import (
   block_kv,
@@ -71,6 +72,8 @@ class RingConfig:
   # The block kernel of every ring step: "xla" (`_kernel`'s tiles) or "pallas"
   # (`_pallas`, blocks block_q x block_kv; interpreted where lowered for CPU).
   kernel: str = "xla"
+  # Score modifiers (soft-cap, ALiBi, score_mod, dropout): the XLA tiles only.
+  mods: ScoreMods = ScoreMods()
 
 
 def ring_permutation(ring_size: int, shift: int, axis_size: int | None = None):
@@ -194,9 +197,10 @@ class Inputs(NamedTuple):
   q_pos: jax.Array  # [nq, bq]
   q_seg: jax.Array | None  # [nq, B, bq]
   kv: KVBlocks  # blocks of the local K/V (wire dtype)
+  args: ScoreArgs | None = None  # the score modifiers' arrays for these heads
 
 
-def prepare(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg) -> Inputs:
+def prepare(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args: ScoreArgs | None = None) -> Inputs:
   """Blocks this device's q [B, T, N, H] (scaled) and k, v [B, T, K, H] with their
   positions [T] and segment ids [B, T] (or None) for the ring passes."""
   b, t, n, h = q.shape
@@ -210,7 +214,9 @@ def prepare(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg) -> Inputs:
     pos=k_pos.reshape(-1, cfg.block_kv),
     seg=block_seg(k_seg, cfg.block_kv),
   )
-  return Inputs(block_q(qg, cfg.block_q), q_pos.reshape(-1, cfg.block_q), block_seg(q_seg, cfg.block_q), kv)
+  return Inputs(
+    block_q(qg, cfg.block_q), q_pos.reshape(-1, cfg.block_q), block_seg(q_seg, cfg.block_q), kv, args
+  )
 
 
 def _as_compute(kv: KVBlocks, policy: Policy) -> KVBlocks:
@@ -249,7 +255,9 @@ def ring_forward_state(cfg: RingConfig, x: Inputs):
   q_bounds = block_bounds(x.q_pos, x.q_seg)  # once, outside the ring's loop
 
   def compute(kv, acc):
-    return chunk_forward(cfg.mask, pol, x.q, x.q_pos, x.q_seg, q_bounds, _as_compute(kv, pol), acc)
+    return chunk_forward(
+      cfg.mask, pol, x.q, x.q_pos, x.q_seg, q_bounds, _as_compute(kv, pol), acc, cfg.mods, x.args
+    )
 
   return finalize(*_forward_passes(cfg, compute, x.kv, (o, m, l)))
 
@@ -284,7 +292,7 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   )
 
   def compute(kv, dkv, dq):
-    dq, dk, dv = chunk_backward(cfg.mask, pol, qb, dq, _as_compute(kv, pol), *dkv)
+    dq, dk, dv = chunk_backward(cfg.mask, pol, qb, dq, _as_compute(kv, pol), *dkv, cfg.mods, x.args)
     return dq, (dk, dv)
 
   (dk, dv), dq = _backward_passes(cfg, compute, x.kv, zeros_kv, dq)
@@ -415,14 +423,15 @@ def _heads(x, j, width: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def ring(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg):
+def ring(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args: ScoreArgs | None = None):
   """Ring attention of this device's q [B, T, N, H] against every device's k, v
   [B, S, K, H], positions [T] / [S] and segment ids [B, T] / [B, S] (or None).
 
   Returns (out [B, T, N, H] in the policy's output dtype, lse [B, T, N] in the
   accumulation dtype, -inf where a query sees no key). Both are differentiable: the
-  cotangent of lse enters the backward as a shift of delta."""
-  outputs, _ = _ring_fwd(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg)
+  cotangent of lse enters the backward as a shift of delta. `args`: the score
+  modifiers' arrays (`cfg.mods`) for these query heads; no gradient reaches them."""
+  outputs, _ = _ring_fwd(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg, args)
   return outputs
 
 
@@ -436,9 +445,10 @@ class _Residuals(NamedTuple):
   k_pos: jax.Array
   q_seg: jax.Array | None
   k_seg: jax.Array | None
+  args: ScoreArgs | None
 
 
-def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg):
+def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args=None):
   # Head groups run one after another, so the ring's buffers (blocked copies, K/V in
   # flight, accumulators) hold one group's heads at a time.
   groups, wq, wk = _head_groups(cfg, q, k)
@@ -447,7 +457,17 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg):
 
   def group(carry, j):
     out, lse = carry
-    x = prepare(cfg, _heads(q, j, wq), _heads(k, j, wk), _heads(v, j, wk), q_pos, k_pos, q_seg, k_seg)
+    x = prepare(
+      cfg,
+      _heads(q, j, wq),
+      _heads(k, j, wk),
+      _heads(v, j, wk),
+      q_pos,
+      k_pos,
+      q_seg,
+      k_seg,
+      group_args(args, j * wq, wq),
+    )
     o, l = ring_forward_state(cfg, x)
     o = unblock_q(o).reshape(b, t, wq, q.shape[3])
     l = unblock_rows(l).reshape(b, t, wq)
@@ -460,7 +480,7 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg):
   lse = zeros_varying_like(q.shape[:3], pol.accum_dtype, q, k)
   (kept, lse), _ = lax.scan(group, (kept, lse), jnp.arange(groups))
   out = kept.astype(pol.out_dtype(q.dtype))
-  return (out, lse), _Residuals(q, k, v, kept, lse, q_pos, k_pos, q_seg, k_seg)
+  return (out, lse), _Residuals(q, k, v, kept, lse, q_pos, k_pos, q_seg, k_seg, args)
 
 
 def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
@@ -473,7 +493,7 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
 
   def group(grads, j):
     q, k, v = _heads(res.q, j, wq), _heads(res.k, j, wk), _heads(res.v, j, wk)
-    x = prepare(cfg, q, k, v, res.q_pos, res.k_pos, res.q_seg, res.k_seg)
+    x = prepare(cfg, q, k, v, res.q_pos, res.k_pos, res.q_seg, res.k_seg, group_args(res.args, j * wq, wq))
     nq, b, kh, grp, bq, h = x.q.shape
     do = block_q(_heads(g_out, j, wq).astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
     rows = lambda r: block_rows(_heads(r, j, wq).reshape(b, -1, kh, grp), bq)
@@ -488,7 +508,7 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
 
   zeros = tuple(zeros_varying_like(x.shape, x.dtype, x, res.k) for x in (res.q, res.k, res.v))
   (dq, dk, dv), _ = lax.scan(group, zeros, jnp.arange(groups))
-  return dq, dk, dv, None, None, None, None
+  return dq, dk, dv, None, None, None, None, None
 
 
 ring.defvjp(_ring_fwd, _ring_bwd)

@@ -232,3 +232,60 @@ def mask_beyond(ids, lengths, positions):
     jnp.zeros((lengths.shape[0], positions.shape[0]), jnp.int32) if ids is None else ids.astype(jnp.int32)
   )
   return jnp.where(positions[None] < lengths[:, None], base, -1)
+
+
+def check_score_mods(
+  logit_soft_cap, sinks, alibi_slopes, dropout_rate, dropout_rng, score_mod, *, batch: int, heads: int
+):
+  """The score modifiers' arguments checked: (ScoreMods, sinks float32 [N] or None,
+  slopes float32 [B, N] or None, dropout seed uint32 [2] or None)."""
+  import jax
+
+  from jax_ring._mods import ScoreMods, dropout_seed
+
+  cap = None
+  if logit_soft_cap is not None:
+    if isinstance(logit_soft_cap, bool) or not isinstance(logit_soft_cap, (int, float, np.number)):
+      raise TypeError(
+        f"logit_soft_cap={logit_soft_cap!r} must be a positive float (Gemma 2 uses 50.0) or None"
+      )
+    cap = float(logit_soft_cap)
+    if not (np.isfinite(cap) and cap > 0):
+      raise ValueError(f"logit_soft_cap={logit_soft_cap!r} must be a positive finite float or None")
+  if sinks is not None:
+    sinks = _array(sinks, "sinks")
+    if sinks.shape != (heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+      raise ValueError(
+        f"sinks shape={tuple(sinks.shape)} dtype={sinks.dtype} must be float [{heads}]: one logit per "
+        "query head"
+      )
+  slopes = None
+  if alibi_slopes is not None:
+    slopes = _array(alibi_slopes, "alibi_slopes")
+    if slopes.shape not in ((heads,), (batch, heads)) or not jnp.issubdtype(slopes.dtype, jnp.floating):
+      raise ValueError(
+        f"alibi_slopes shape={tuple(slopes.shape)} dtype={slopes.dtype} must be float [{heads}] or "
+        f"[{batch}, {heads}]: one slope per query head (per batch row)"
+      )
+    slopes = jnp.broadcast_to(slopes.astype(jnp.float32), (batch, heads))
+  if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float, np.number)):
+    raise TypeError(f"dropout_rate={dropout_rate!r} must be a float in [0, 1)")
+  rate = float(dropout_rate)
+  if not 0 <= rate < 1:
+    raise ValueError(f"dropout_rate={dropout_rate!r} must be in [0, 1)")
+  seed = None
+  if rate > 0:
+    if dropout_rng is None:
+      raise ValueError(f"dropout_rate={rate} needs dropout_rng, a PRNG key (jax.random.key(0))")
+    is_key = jnp.issubdtype(getattr(dropout_rng, "dtype", None), jax.dtypes.prng_key) or (
+      getattr(dropout_rng, "dtype", None) == jnp.uint32 and getattr(dropout_rng, "shape", None) == (2,)
+    )
+    if not is_key:
+      raise TypeError(
+        f"dropout_rng={dropout_rng!r} must be a PRNG key (jax.random.key or jax.random.PRNGKey)"
+      )
+    seed = dropout_seed(dropout_rng)
+  if score_mod is not None and not callable(score_mod):
+    raise TypeError(f"score_mod={score_mod!r} must be a function (s, q_pos, k_pos, head) -> s, or None")
+  mods = ScoreMods(soft_cap=cap, alibi=slopes is not None, score_mod=score_mod, dropout=rate)
+  return mods, (None if sinks is None else sinks), slopes, seed

@@ -1,0 +1,220 @@
+"""Score modifiers over the ring (soft-cap, ALiBi, sinks, score_mod, dropout): outputs
+and gradients against the float64 reference on 1, 2, 3, 4 and 8 devices, in every
+layout, with windows, segment ids, GQA and the Ulysses hybrid; dropout's keep
+decisions the same on any device count and layout; sinks' gradient; the Pallas
+kernel's refusal and "auto"'s fallback."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import compare_with_reference, make_mesh, padded_segments, qkv, rel_err
+
+import jax_ring
+from jax_ring import reference_attention, ring_attention
+
+TOL = 1e-5
+SMALL = jax_ring.BlockSizes(block_q=8, block_kv=16, kv_heads=1)  # several tiles and passes per call
+N = 4
+SLOPES = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
+SINKS = jnp.asarray([0.0, 1.5, -1.0, 3.0])
+
+
+def _wave(s, q_pos, k_pos, head):
+  """A score_mod that depends on everything it is given (a relative-position bias
+  per head, nonlinear in s)."""
+  return s + 0.3 * jnp.sin(0.2 * (q_pos - k_pos) + head) - 0.05 * s * s
+
+
+MODIFIERS = {
+  "soft_cap": dict(logit_soft_cap=1.5),
+  "alibi": dict(alibi_slopes=SLOPES),
+  "alibi_per_row": dict(alibi_slopes=jnp.stack([SLOPES, SLOPES[::-1]])),
+  "sinks": dict(sinks=SINKS),
+  "score_mod": dict(score_mod=_wave),
+  "dropout": dict(dropout_rate=0.25, dropout_rng=jax.random.key(7)),
+}
+ALL = {k: v for case in MODIFIERS.values() for k, v in case.items()} | dict(alibi_slopes=SLOPES)
+
+
+def _compare(devices, options, length=48, heads=N, kv_heads=2, batch=2, **ring_options):
+  mesh = make_mesh((devices,), ("seq",))
+  args = qkv(batch, length, heads, kv_heads, 16)
+  fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, block_sizes=SMALL, **ring_options, **options)
+  ref_options = {k: v for k, v in ring_options.items() if k not in ("layout",)}
+  ref = lambda q, k, v: reference_attention(q, k, v, **ref_options, **options)
+  return compare_with_reference(fn, ref, args, TOL)
+
+
+@pytest.mark.parametrize("devices", [1, 3, 8])
+@pytest.mark.parametrize("name", sorted(MODIFIERS))
+def test_each_modifier_matches_reference(name, devices):
+  _compare(devices, MODIFIERS[name], is_causal=True)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3, 4, 8])
+def test_all_modifiers_together_match_reference(devices):
+  """Every modifier at once, causal with segment ids (tiles skipped, masked and whole)."""
+  seg = padded_segments(2, 48)
+  _compare(devices, ALL, is_causal=True, segment_ids=seg)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "striped", "zigzag"])
+def test_layouts_and_windows(layout):
+  _compare(4, ALL, is_causal=True, local_window_size=(9, 0), layout=layout, length=64)
+
+
+def test_bidirectional_window_gqa_mqa():
+  _compare(2, ALL, local_window_size=(5, 7), kv_heads=1)
+
+
+def test_cross_attention_lengths():
+  mesh = make_mesh((4,), ("seq",))
+  q, _, _ = qkv(2, 40, N, 2, 16)
+  _, k, v = qkv(2, 56, N, 2, 16, seed=1)
+  lengths = jnp.asarray([40, 31]), jnp.asarray([50, 56])
+  common = dict(is_causal=True, query_seq_lengths=lengths[0], key_value_seq_lengths=lengths[1], **ALL)
+  fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, block_sizes=SMALL, **common)
+  ref = lambda q, k, v: reference_attention(q, k, v, **common)
+  compare_with_reference(fn, ref, (q, k, v), TOL)
+
+
+@pytest.mark.parametrize(
+  "axes, names, extra",
+  [
+    ((2, 2, 2), ("data", "seq", "heads"), dict(batch_axis="data", head_axis="heads")),
+    ((2, 4), ("seq", "u"), dict(ulysses_axis="u")),
+  ],
+  ids=["batch_heads_sharded", "ulysses"],
+)
+def test_heads_and_batch_sharded_and_ulysses(axes, names, extra):
+  """Sharded heads, batch and the Ulysses hybrid: slopes, sinks, score_mod's head and
+  dropout's (row, head) are the global ones."""
+  seg = padded_segments(2, 64)
+  mesh = make_mesh(axes, names)
+  args = qkv(2, 64, 8, 4, 16)
+  options = ALL | dict(alibi_slopes=jnp.linspace(0.05, 0.6, 8), sinks=jnp.linspace(-1, 2, 8))
+  fn = lambda q, k, v: ring_attention(
+    q, k, v, mesh=mesh, is_causal=True, segment_ids=seg, block_sizes=SMALL, **extra, **options
+  )
+  ref = lambda q, k, v: reference_attention(q, k, v, is_causal=True, segment_ids=seg, **options)
+  compare_with_reference(fn, ref, args, TOL)
+
+
+def test_sinks_gradient_and_residual():
+  """gpt-oss learns its sinks: their gradient equals the reference's; with
+  return_residual the lse is the whole denominator's, sink included."""
+  mesh = make_mesh((4,), ("seq",))
+  q, k, v = qkv(2, 48, N, 2, 16)
+  cot = jax.random.normal(jax.random.key(5), q.shape)
+
+  def loss(attend, sinks, q, k, v):
+    out, lse = attend(q, k, v, is_causal=True, sinks=sinks, return_residual=True)
+    return jnp.sum(out * cot) + jnp.sum(jnp.sin(lse))
+
+  ring = lambda *a, **kw: ring_attention(*a, mesh=mesh, block_sizes=SMALL, **kw)
+  got = jax.grad(lambda s, *a: loss(ring, s, *a), argnums=(0, 1, 2, 3))(SINKS, q, k, v)
+  f64 = lambda x: x.astype(jnp.float64)
+  want = jax.grad(lambda s, *a: loss(reference_attention, s, *a), argnums=(0, 1, 2, 3))(
+    f64(SINKS), f64(q), f64(k), f64(v)
+  )
+  for name, g, w in zip(("sinks", "q", "k", "v"), got, want):
+    assert rel_err(g, w) < TOL, name
+  # Independent of the code under test: lse = logaddexp(lse without sinks, sink).
+  _, lse = ring(q, k, v, is_causal=True, sinks=SINKS, return_residual=True)
+  _, plain = reference_attention(f64(q), f64(k), f64(v), is_causal=True, return_residual=True)
+  assert rel_err(lse, jnp.logaddexp(plain, f64(SINKS))) < TOL
+
+
+def _dropped_weights(devices, layout, batch=2, length=48, rate=0.4, key=11):
+  """With V the identity (one value per key position, head dim = length), the output
+  is the dropped weight matrix itself."""
+  mesh = make_mesh((devices,), ("seq",))
+  q, k, _ = qkv(batch, length, N, 2, length)
+  v = jnp.broadcast_to(jnp.eye(length, dtype=q.dtype)[None, :, None, :], (batch, length, 2, length))
+  drop = dict(dropout_rate=rate, dropout_rng=jax.random.key(key))
+  out = ring_attention(q, k, v, mesh=mesh, is_causal=True, layout=layout, block_sizes=SMALL, **drop)
+  return np.asarray(out), (q, k)
+
+
+def test_dropout_same_on_every_device_count_and_layout():
+  first, _ = _dropped_weights(1, "contiguous")
+  for devices, layout in ((2, "striped"), (3, "contiguous"), (4, "zigzag"), (8, "zigzag"), (8, "striped")):
+    got, _ = _dropped_weights(devices, layout)
+    np.testing.assert_allclose(got, first, atol=2e-6, err_msg=f"{devices} devices, {layout}")
+
+
+def test_dropout_keeps_one_minus_rate_scaled():
+  """Each weight is 0 or the undropped softmax weight / (1 - rate), kept with
+  probability 1 - rate; another key keeps others."""
+  rate = 0.4
+  dropped, (q, k) = _dropped_weights(4, "zigzag", batch=2, length=48, rate=rate)
+  identity = jnp.broadcast_to(jnp.eye(48, dtype=q.dtype)[None, :, None, :], (2, 48, 2, 48))
+  weights = jax.nn.dot_product_attention(q, k, identity, is_causal=True)
+  weights = np.asarray(weights)  # [B, T, N, S]: the softmax weights, no dropout
+  visible = np.tril(np.ones((48, 48), bool))[None, :, None, :] & np.ones(weights.shape, bool)
+  kept = np.abs(dropped) > 0
+  assert not kept[~visible].any()
+  np.testing.assert_allclose(dropped[kept], weights[kept] / (1 - rate), rtol=1e-4)
+  fraction = kept[visible].mean()
+  count = visible.sum()  # 2 * 4 * 1176 weights: the fraction's standard error is about 0.005
+  assert abs(fraction - (1 - rate)) < 4 * np.sqrt(rate * (1 - rate) / count), fraction
+  other, _ = _dropped_weights(4, "zigzag", batch=2, length=48, rate=rate, key=12)
+  assert 0.3 < np.mean(kept[visible] != (np.abs(other) > 0)[visible]) < 0.7
+
+
+def test_dropout_gradient_recomputes_the_mask():
+  _compare(4, MODIFIERS["dropout"], is_causal=True, segment_ids=padded_segments(2, 48))
+
+
+def test_pallas_refuses_and_auto_falls_back(monkeypatch, caplog):
+  """kernel="pallas" with a modifier the kernels lack is a ValueError naming it; "auto"
+  where the Pallas kernel would run (the platform reported as a GPU; the program still
+  lowers for this CPU) runs the XLA tiles, logged, exactly. Sinks need nothing of the
+  kernel: the Pallas kernel runs with them."""
+  mesh = make_mesh((2,), ("seq",))
+  q, k, v = qkv(1, 64, N, 2, 16)
+  with pytest.raises(ValueError, match="do not apply logit_soft_cap, score_mod"):
+    ring_attention(q, k, v, mesh=mesh, kernel="pallas", logit_soft_cap=5.0, score_mod=_wave)
+  monkeypatch.setattr(jax_ring._attention, "mesh_platform", lambda: "gpu")
+  seq = jax.sharding.PartitionSpec(None, "seq")
+
+  def inner(q, k, v):
+    return jax_ring.ring_attention_shard(
+      q, k, v, axis_name="seq", is_causal=True, layout="contiguous", logit_soft_cap=1.5, sinks=SINKS
+    )
+
+  shard = jax.shard_map(inner, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq, check_vma=False)
+  sharded = jax.jit(lambda *a: shard(*(jax.reshard(x, jax.NamedSharding(mesh, seq)) for x in a)))
+  with caplog.at_level(logging.INFO, logger="jax_ring"):
+    got = sharded(q, k, v)
+  assert any("do not apply logit_soft_cap" in r.getMessage() for r in caplog.records)
+  assert "jax_ring_forward" not in str(jax.make_jaxpr(sharded)(q, k, v))
+  f64 = lambda x: x.astype(jnp.float64)
+  want = reference_attention(f64(q), f64(k), f64(v), is_causal=True, logit_soft_cap=1.5, sinks=SINKS)
+  assert rel_err(got, want) < TOL
+  monkeypatch.undo()
+  got = ring_attention(q, k, v, mesh=mesh, kernel="pallas", sinks=SINKS, is_causal=True)
+  assert rel_err(got, reference_attention(f64(q), f64(k), f64(v), sinks=SINKS, is_causal=True)) < TOL
+
+
+@pytest.mark.parametrize(
+  "options, error",
+  [
+    (dict(logit_soft_cap=0.0), "logit_soft_cap=0.0 must be a positive"),
+    (dict(logit_soft_cap="50"), "logit_soft_cap='50' must be a positive float"),
+    (dict(sinks=jnp.zeros(3)), r"sinks shape=\(3,\)"),
+    (dict(alibi_slopes=jnp.zeros((3, N))), r"alibi_slopes shape=\(3, 4\)"),
+    (dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), "dropout_rate=1.0 must be in"),
+    (dict(dropout_rate=0.1), "needs dropout_rng"),
+    (dict(dropout_rate=0.1, dropout_rng=3), "dropout_rng=3 must be a PRNG key"),
+    (dict(score_mod=3), "score_mod=3 must be a function"),
+  ],
+)
+def test_bad_modifiers_are_named(options, error):
+  mesh = make_mesh((2,), ("seq",))
+  q, k, v = qkv(2, 16, N, 2, 16)
+  with pytest.raises((ValueError, TypeError), match=error):
+    ring_attention(q, k, v, mesh=mesh, **options)
