@@ -36,9 +36,10 @@ from jax.sharding import PartitionSpec as P
 from jax_ring import _validation, layouts
 from jax_ring._attention import GlobalConfig, check_arguments, global_impl
 from jax_ring._dilated import check_patterns
-from jax_ring._kernel import block_update, finalize
+from jax_ring._kernel import Tile, block_update, finalize
 from jax_ring._merge import merge_local, merge_partials
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, place, place_on_mesh, usable_mesh
+from jax_ring._mods import NO_MODS, ScoreArgs, ScoreMods, with_sinks
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import zeros_varying_like
 from jax_ring._tiles import BlockSizes
@@ -302,12 +303,25 @@ def _pattern_mask(q_pos, k_pos, num_heads: int, kv_heads: int, pattern):
 
 
 def local_partial(
-  q, cache: KVCache, q_pos, q_seg, fill, *, window, scale: float, policy: Policy, tile: int, pattern=None
+  q,
+  cache: KVCache,
+  q_pos,
+  q_seg,
+  fill,
+  *,
+  window,
+  scale: float,
+  policy: Policy,
+  tile: int,
+  pattern=None,
+  mods: ScoreMods = NO_MODS,
+  args: ScoreArgs | None = None,
 ):
   """This device's (output, lse) of queries q [B, Tq, N, H] at positions q_pos [B, Tq]
   against its cache shard, visiting only the tiles below `fill` (skipping those every
   mask rules out): output [B, Tq, N, H] and lse [B, Tq, N] in the accumulation dtype.
-  pattern: a LongNet (segment length, rate) on top of the causal mask (`_pattern_mask`)."""
+  pattern: a LongNet (segment length, rate) on top of the causal mask (`_pattern_mask`).
+  mods, args: score modifiers (`jax_ring._mods`) on these heads, as in the ring."""
   b, tq, n, h = q.shape
   kh = cache.k.shape[2]
   acc = policy.accum_dtype
@@ -326,7 +340,8 @@ def local_partial(
     mask = _decode_mask(q_pos, q_seg, k_pos, take(cache.segment_ids), window)
     if pattern is not None:
       mask = mask[:, None, None] & _pattern_mask(q_pos, k_pos, n, kh, pattern)
-    compute = lambda st: block_update(qs, k, v, mask, policy, *st)
+    scores = Tile(mods, q_pos, k_pos, args) if mods.active else None
+    compute = lambda st: block_update(qs, k, v, mask, policy, *st, scores)
     return lax.cond(jnp.any(mask), compute, lambda st: st, state)
 
   tiles = (fill + tile - 1) // tile
@@ -346,24 +361,45 @@ class DecodeConfig:
   policy: Policy
   tile: int | None
   patterns: tuple[tuple[int, int], ...] | None = None
+  mods: ScoreMods = NO_MODS  # soft-cap, ALiBi, score_mod (decoding has no dropout)
 
 
-def _decode_shard(cfg: DecodeConfig, query, cache: KVCache, segment_ids):
-  """Per device: (merged output in the policy's output dtype, lse [B, Tq, N] float)."""
+def _decode_shard(
+  cfg: DecodeConfig, query, cache: KVCache, segment_ids, modifiers=(None, None), offsets=(0, 0)
+):
+  """Per device: (merged output in the policy's output dtype, lse [B, Tq, N] float).
+  modifiers: (sinks [N], ALiBi slopes [B, N]) of this device's heads and rows, or
+  Nones; offsets: the global index of its first batch row and query head."""
   devices = lax.axis_size(cfg.axis_name)
   index = lax.axis_index(cfg.axis_name)
   tq = query.shape[1]
   q_pos = cache.lengths[:, None] - tq + jnp.arange(tq)[None]
   fill = device_fill(cache.prefilled, cache.appended, index, devices)
   tile = cache_tile(cache.k.shape[1], cfg.tile)
+  sinks, slopes = modifiers
+  args = None
+  if cfg.mods.active:
+    args = ScoreArgs(slopes, None, jnp.asarray(offsets[1], jnp.int32), jnp.asarray(offsets[0], jnp.int32))
   partial = functools.partial(
-    local_partial, query, cache, q_pos, segment_ids, fill, scale=cfg.scale, policy=cfg.policy, tile=tile
+    local_partial,
+    query,
+    cache,
+    q_pos,
+    segment_ids,
+    fill,
+    scale=cfg.scale,
+    policy=cfg.policy,
+    tile=tile,
+    mods=cfg.mods,
+    args=args,
   )
   if cfg.patterns is None:
     o, lse = partial(window=cfg.window)
   else:  # every pattern on this shard, merged here; one merge over the devices for all
     o, lse = merge_local(*zip(*(partial(window=None, pattern=p) for p in cfg.patterns)))
   out, lse = merge_partials(o, lse, cfg.axis_name)
+  if sinks is not None:
+    out, lse = with_sinks(out, lse, sinks)
   return out.astype(cfg.policy.out_dtype(query.dtype)), lse
 
 
@@ -407,27 +443,42 @@ def _new_segment_ids(segment_ids, b: int, tq: int):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "axes", "return_residual"))
-def _decode_global(query, cache, segment_ids, *, cfg: DecodeConfig, axes: CacheAxes, return_residual: bool):
+def _decode_global(
+  query, cache, segment_ids, modifiers, *, cfg: DecodeConfig, axes: CacheAxes, return_residual: bool
+):
   mesh = axes.mesh
   qspec = axes.query_spec()
   specs = axes.specs()
   seg_spec = P(axes.batch_axis, None)
   lse_spec = P(axes.batch_axis, None, axes.head_axis)
 
-  def impl(query, cache, segment_ids, *, in_context):
+  mod_specs = (P(axes.head_axis), P(axes.batch_axis, axes.head_axis))
+
+  def impl(query, cache, segment_ids, modifiers, *, in_context):
     c = lambda x, sp: constrain(x, sp, mesh, in_context)
     cache = KVCache(*(c(x, sp) for x, sp in zip(cache, specs)))
-    body = functools.partial(_decode_shard, cfg)
+    modifiers = tuple(None if x is None else c(x, sp) for x, sp in zip(modifiers, mod_specs))
+
+    def body(query, cache, segment_ids, modifiers):
+      first = lambda axis, size: 0 if axis is None else lax.axis_index(axis) * size
+      offsets = (first(axes.batch_axis, query.shape[0]), first(axes.head_axis, query.shape[2]))
+      return _decode_shard(cfg, query, cache, segment_ids, modifiers, offsets)
+
     sharded = jax.shard_map(
       body,
       mesh=None if in_context else mesh,
-      in_specs=(qspec, specs, seg_spec),
+      in_specs=(
+        qspec,
+        specs,
+        seg_spec,
+        tuple(None if x is None else sp for x, sp in zip(modifiers, mod_specs)),
+      ),
       out_specs=(qspec, lse_spec),
     )
-    return sharded(c(query, qspec), cache, c(segment_ids, seg_spec))
+    return sharded(c(query, qspec), cache, c(segment_ids, seg_spec), modifiers)
 
   out_specs = (qspec, lse_spec)
-  out, lse = call_on_mesh(impl, mesh, out_specs, query, cache, segment_ids)
+  out, lse = call_on_mesh(impl, mesh, out_specs, query, cache, segment_ids, modifiers)
   return (out, lse.astype(jnp.float32)) if return_residual else out
 
 
@@ -447,6 +498,10 @@ def decode_attention(
   segment_lengths=None,
   dilation_rates=None,
   return_residual: bool = False,
+  logit_soft_cap: float | None = None,
+  sinks=None,
+  alibi_slopes=None,
+  score_mod=None,
 ):
   """Attention of Tq new tokens against a sequence-sharded `KVCache` that already holds
   them (`update_cache` first): exact, with no K/V moving between devices.
@@ -470,6 +525,9 @@ def decode_attention(
       instead of full causal attention; no window, no head_axis.
     return_residual: also return the log-sum-exp [B, Tq, N] (float32), as
       `jax.nn.dot_product_attention` does.
+    logit_soft_cap, sinks, alibi_slopes, score_mod: the score modifiers, as in
+      `ring_attention` (positions are the tokens' global ones), so a model trained
+      with them decodes with them; not with dilated patterns.
 
   Each device attends to its shard's filled tiles only, then the partial results are
   merged by two all-reduces, a max and a sum (see the module docstring). Rows that see no key get 0.
@@ -489,11 +547,29 @@ def decode_attention(
   if block_kv is not None and (isinstance(block_kv, bool) or not isinstance(block_kv, int) or block_kv < 1):
     raise ValueError(f"block_kv={block_kv!r} must be a positive int or None")
   patterns = _check_decode_patterns(segment_lengths, dilation_rates, window, head_axis)
+  mods, sinks, slopes = _decode_mods(
+    logit_soft_cap, sinks, alibi_slopes, score_mod, b, query.shape[2], patterns
+  )
   policy = get_policy(policy, mesh.devices.flat[0])
-  cfg = DecodeConfig(seq_axis, window, scale, policy, block_kv, patterns)
+  cfg = DecodeConfig(seq_axis, window, scale, policy, block_kv, patterns, mods)
   with jax.named_scope("jax_ring.decode_attention"):
     query, segment_ids = _place(axes, query=query, segment_ids=segment_ids)
-    return _decode_global(query, cache, segment_ids, cfg=cfg, axes=axes, return_residual=return_residual)
+    return _decode_global(
+      query, cache, segment_ids, (sinks, slopes), cfg=cfg, axes=axes, return_residual=return_residual
+    )
+
+
+def _decode_mods(logit_soft_cap, sinks, alibi_slopes, score_mod, batch: int, heads: int, patterns):
+  """(ScoreMods, sinks, slopes) of a decoding call: the ring's modifiers less dropout."""
+  mods, sinks, slopes, _ = _validation.check_score_mods(
+    logit_soft_cap, sinks, alibi_slopes, 0.0, None, score_mod, batch=batch, heads=heads
+  )
+  if patterns is not None and (mods.active or sinks is not None):
+    raise ValueError(
+      "score modifiers (logit_soft_cap, sinks, alibi_slopes, score_mod) and dilated patterns "
+      "(segment_lengths, dilation_rates): one or the other"
+    )
+  return mods, sinks, slopes
 
 
 def decode_attention_shard(
@@ -509,11 +585,17 @@ def decode_attention_shard(
   segment_lengths=None,
   dilation_rates=None,
   return_residual: bool = False,
+  logit_soft_cap: float | None = None,
+  sinks=None,
+  alibi_slopes=None,
+  score_mod=None,
 ):
   """`decode_attention` for code already inside `jax.shard_map`: query [B, Tq, N, H]
   the same on every device of `axis_name`, `cache` this device's shard (its k, v
   [B, S / p, K, H], positions and segment ids [B, S / p]; lengths and counters as in
-  the global cache). Returns the merged output (and lse), the same on every device."""
+  the global cache). Returns the merged output (and lse), the same on every device.
+  The score modifiers as in `decode_attention`, for this device's heads and rows
+  (score_mod's `head` indexes them)."""
   if not isinstance(cache, KVCache):
     raise TypeError(f"cache must be a jax_ring.KVCache shard, got {type(cache).__name__}")
   _validation.check_bound_axis(axis_name, "axis_name", "decode_attention_shard")
@@ -526,16 +608,15 @@ def decode_attention_shard(
     )
   segment_ids = _new_segment_ids(segment_ids, b, query.shape[1])
   window = _validation.normalize_window(local_window_size)
+  patterns = _check_decode_patterns(segment_lengths, dilation_rates, window, None)
+  mods, sinks, slopes = _decode_mods(
+    logit_soft_cap, sinks, alibi_slopes, score_mod, b, query.shape[2], patterns
+  )
   cfg = DecodeConfig(
-    axis_name,
-    window,
-    _validation.check_scale(scale, h),
-    get_policy(policy),
-    block_kv,
-    _check_decode_patterns(segment_lengths, dilation_rates, window, None),
+    axis_name, window, _validation.check_scale(scale, h), get_policy(policy), block_kv, patterns, mods
   )
   with jax.named_scope("jax_ring.decode_attention_shard"):
-    out, lse = _decode_shard(cfg, query, cache, segment_ids)
+    out, lse = _decode_shard(cfg, query, cache, segment_ids, (sinks, slopes))
   return (out, lse.astype(jnp.float32)) if return_residual else out
 
 
@@ -599,13 +680,13 @@ def update_cache(
 
 
 @functools.partial(jax.jit, static_argnames=("gc",))
-def _prefill_global(query, key, value, segment_ids, cache, *, gc: GlobalConfig):
+def _prefill_global(query, key, value, segment_ids, cache, modifiers, *, gc: GlobalConfig):
   t = query.shape[1]
   kv, rows = P(gc.batch_axis, gc.seq_axis, gc.head_axis, None), P(gc.batch_axis, gc.seq_axis)
   out_specs = (output_spec(gc.mesh, gc.seq_axis, gc.batch_axis, gc.head_axis, t), (kv, kv, rows, rows))
   impl = functools.partial(global_impl, gc=gc)
   return call_on_mesh(
-    impl, gc.mesh, out_specs, query, key, value, segment_ids, segment_ids, None, None, cache
+    impl, gc.mesh, out_specs, query, key, value, segment_ids, segment_ids, None, None, cache, modifiers
   )
 
 
@@ -648,6 +729,10 @@ def prefill_attention(
   layout: str = "auto",
   policy: Policy | str | None = None,
   block_sizes: BlockSizes | None = None,
+  logit_soft_cap: float | None = None,
+  sinks=None,
+  alibi_slopes=None,
+  score_mod=None,
 ):
   """Causal ring attention over a prompt that also writes its keys and values into
   `cache`, where the ring's layout put them (no relayout): (output, cache).
@@ -665,6 +750,7 @@ def prefill_attention(
     mesh, seq_axis, batch_axis, head_axis: as in `ring_attention`.
     local_window_size, scale, layout, policy, block_sizes: as in `ring_attention`
       (the mask is causal).
+    logit_soft_cap, sinks, alibi_slopes, score_mod: as in `ring_attention`.
 
   Returns:
     ([B, T, N, H] output, the filled cache).
@@ -689,12 +775,15 @@ def prefill_attention(
       f"{cs // axes.devices} per device (capacity {cs}); make it with a larger max_length"
     )
   lengths, segment_ids = prompt_rows(lengths, segment_ids, b, t)
+  mods, sinks, slopes = _decode_mods(logit_soft_cap, sinks, alibi_slopes, score_mod, b, n, None)
   policy = get_policy(policy, mesh.devices.flat[0])
-  gc = GlobalConfig(mesh, seq_axis, batch_axis, head_axis, True, window, scale, layout, policy, block_sizes)
+  gc = GlobalConfig(
+    mesh, seq_axis, batch_axis, head_axis, True, window, scale, layout, policy, block_sizes, mods=mods
+  )
   with jax.named_scope("jax_ring.prefill_attention"):
     placed = place_on_mesh(mesh, seq_axis, batch_axis, head_axis, query, key, value, segment_ids)
     lengths = place(mesh, {"lengths": (lengths, P(batch_axis))})["lengths"]
     fields = (cache.k, cache.v, cache.positions, cache.segment_ids)
-    out, (ck, cv, cpos, cseg) = _prefill_global(*placed, fields, gc=gc)
+    out, (ck, cv, cpos, cseg) = _prefill_global(*placed, fields, (sinks, slopes, None), gc=gc)
   zero = jnp.zeros((), jnp.int32)
   return out, KVCache(ck, cv, cpos, cseg, lengths, zero + local, zero)

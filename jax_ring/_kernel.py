@@ -71,14 +71,23 @@ def _tile_of(mods: ScoreMods, args, q_pos, k_pos):
   return Tile(mods, q_pos, k_pos, args) if mods.active else None
 
 
+def _tile_positions(tile: Tile):
+  """The tile's query and key positions shaped to broadcast against [B, K, G, bq, bk]:
+  [bq, 1] and [1, bk] (positions shared by the batch rows), or [B, 1, 1, bq, 1] and
+  [B, 1, 1, 1, bk] (per row, as a KV cache holds them)."""
+  qp, kp = tile.q_pos[..., :, None].astype(jnp.int32), tile.k_pos[..., None, :].astype(jnp.int32)
+  if qp.ndim == 3:
+    qp, kp = qp[:, None, None], kp[:, None, None]
+  return qp, kp
+
+
 def _modified(tile: Tile | None, s, q_shape, derivative: bool = False):
   """Scores s [B * K, G * bq, bk] after the tile's soft-cap, ALiBi and score_mod, and
   with `derivative` their elementwise derivative (None where it is 1)."""
   if tile is None or not tile.mods.on_scores:
     return s, None
   b, kh, g, bq = q_shape[:4]
-  qp = tile.q_pos[:, None].astype(jnp.int32)
-  kp = tile.k_pos[None, :].astype(jnp.int32)
+  qp, kp = _tile_positions(tile)
   heads = (tile.args.head0 + jnp.arange(kh * g, dtype=jnp.int32)).reshape(1, kh, g, 1, 1)
   slopes = None if tile.args.slopes is None else tile.args.slopes.reshape(b, kh, g, 1, 1)
   s, d = modify(tile.mods, s.reshape(b, kh, g, bq, -1), qp, kp, heads, slopes, derivative=derivative)
@@ -94,7 +103,7 @@ def _kept(tile: Tile | None, q_shape, dtype):
   rate = tile.mods.dropout
   batch = (tile.args.batch0 + jnp.arange(b, dtype=jnp.int32)).reshape(b, 1, 1, 1, 1)
   heads = (tile.args.head0 + jnp.arange(kh * g, dtype=jnp.int32)).reshape(1, kh, g, 1, 1)
-  kept = keep(tile.args.seed, batch, heads, tile.q_pos[:, None], tile.k_pos[None, :], rate)
+  kept = keep(tile.args.seed, batch, heads, *_tile_positions(tile), rate)
   return jnp.where(kept, jnp.asarray(1 / (1 - rate), dtype), jnp.zeros((), dtype)).reshape(b * kh, g * bq, -1)
 
 

@@ -40,23 +40,28 @@ def _decode_run(
   layout="auto",
   window=None,
   patterns=None,
+  mods=None,
 ):
   """Prefill, then `steps` rounds of appending tq tokens per row and decoding them;
   every output and lse checked against the reference over the whole sequence.
   patterns: ((segment lengths), (rates)) of dilated decoding, checked against
-  `reference_dilated_attention` (outputs; the prefill only fills the cache)."""
+  `reference_dilated_attention` (outputs; the prefill only fills the cache). mods:
+  score modifiers for prefill, decode and the reference alike."""
+  mods = mods or {}
   lengths = np.asarray(lengths, np.int32)
   b, total = len(lengths), prompt + tq * steps
   q, k, v = _data(b, total, heads, kv_heads)
   mesh = make_mesh((devices,), ("seq",))
   cache = init_cache(b, total, kv_heads, q.shape[-1], mesh=mesh)
   head = lambda x: x[:, :prompt]
-  out, cache = prefill_attention(head(q), head(k), head(v), cache, mesh=mesh, lengths=lengths, layout=layout)
+  out, cache = prefill_attention(
+    head(q), head(k), head(v), cache, mesh=mesh, lengths=lengths, layout=layout, **mods
+  )
   # Row b holds positions [0, lengths[b] + tq * steps); the rest of its row is padding.
   valid = np.arange(total)[None] < (lengths + tq * steps)[:, None]
   seg = jnp.asarray(np.where(valid, 0, -1), jnp.int32)
   as64 = lambda x: jnp.asarray(x, jnp.float64)
-  options = dict(is_causal=True, segment_ids=seg, local_window_size=window, return_residual=True)
+  options = dict(is_causal=True, segment_ids=seg, local_window_size=window, return_residual=True, **mods)
   ref, ref_lse = jax.jit(lambda q, k, v: jax_ring.reference_attention(q, k, v, **options))(
     as64(q), as64(k), as64(v)
   )
@@ -76,7 +81,7 @@ def _decode_run(
     pos = lengths[:, None] + step * tq + np.arange(tq)[None]
     cache = update_cache(cache, _at(k, pos), _at(v, pos), mesh=mesh)
     o, lse = decode_attention(
-      _at(q, pos), cache, mesh=mesh, local_window_size=window, return_residual=True, **dilated
+      _at(q, pos), cache, mesh=mesh, local_window_size=window, return_residual=True, **dilated, **mods
     )
     np.testing.assert_allclose(np.asarray(o), _at(ref, pos), atol=TOL, rtol=0)
     if patterns is not None:
@@ -96,6 +101,21 @@ def test_decode_matches_reference_gqa_rows_of_different_lengths(devices):
   positions = np.asarray(cache.positions)[0].reshape(devices, -1)
   appended = (positions >= 21).sum(axis=1)  # row 0's prompt is positions 0..20
   assert appended.sum() == 6 and appended.max() - appended.min() <= 1, appended
+
+
+SCORE_MODS = dict(
+  logit_soft_cap=1.5,
+  sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0]),
+  alibi_slopes=jnp.asarray([[0.5, 0.25, 0.125, 0.0625]] * 3),
+  score_mod=lambda s, i, j, h: s + 0.2 * jnp.cos(0.3 * (i - j) + h),
+)
+
+
+@pytest.mark.parametrize("devices", [1, 3, 8])
+def test_prefill_and_decode_with_score_modifiers(devices):
+  """Soft-cap, sinks, ALiBi and a score_mod in prefill and decoding, on global
+  positions (rows of different lengths, so a token's position differs by row)."""
+  _decode_run(devices, mods=SCORE_MODS, window=(9, 0) if devices == 3 else None)
 
 
 def test_decode_cache_shorter_than_the_devices():
