@@ -18,6 +18,7 @@ from jax_ring._decode import (
 )
 from jax_ring._dilated import dilated_attention
 from jax_ring._merge import merge_attention
+from jax_ring._mods import alibi_slopes
 from jax_ring._pallas import KernelChoice, choose_kernel
 from jax_ring._policy import PRESETS, Policy, policy_for
 from jax_ring._reference import reference_attention, reference_dilated_attention
@@ -38,6 +39,7 @@ def __getattr__(name: str):
 
 __all__ = [
   "KVCache",
+  "alibi_slopes",
   "decode_attention",
   "decode_attention_shard",
   "init_cache",

@@ -78,6 +78,7 @@ def ring_attention_shard(
   dropout_rate: float = 0.0,
   dropout_rng=None,
   score_mod=None,
+  dropout_broadcast: bool = False,
   _valid_lengths: tuple[int, int] | None = None,
   _offsets: tuple | None = None,
   _seed=None,
@@ -156,6 +157,10 @@ def ring_attention_shard(
   )
   if _seed is not None:
     mods, seed = dataclasses.replace(mods, dropout=float(dropout_rate)), _seed
+  if mods.dropout > 0:
+    mods = dataclasses.replace(
+      mods, dropout_broadcast=_validation.check_bool(dropout_broadcast, "dropout_broadcast")
+    )
   batch0, head0 = (0, 0) if _offsets is None else _offsets
   if group > 1:  # this device keeps heads [i * N / u, (i + 1) * N / u) of the N it has
     width = n // group
@@ -438,6 +443,7 @@ def global_impl(
       alibi_slopes=slopes,
       dropout_rate=gc.mods.dropout,
       score_mod=gc.mods.score_mod,
+      dropout_broadcast=gc.mods.dropout_broadcast,
       _valid_lengths=(t, s) if padded else None,
       _offsets=(batch0, head0),
       _seed=seed,
@@ -507,6 +513,7 @@ def ring_attention(
   dropout_rate: float = 0.0,
   dropout_rng=None,
   score_mod=None,
+  dropout_broadcast: bool = False,
   mask=None,
   bias=None,
 ):
@@ -568,6 +575,8 @@ def ring_attention(
       1 / (1 - rate); whether a weight is kept is a pure function of (dropout_rng,
       batch row, query head, query position, key position), so the result is the same
       on any number of devices and in any layout. A rate > 0 needs a PRNG key.
+      `dropout_broadcast`: one decision per (query, key) for all rows and heads
+      (Flax's `broadcast_dropout`).
     score_mod: a function (s, q_pos, k_pos, head) -> s', elementwise on the scaled
       logits (after soft-cap and ALiBi, before the masks), q_pos and k_pos global int
       positions and head the query head, all broadcastable to s; differentiated
@@ -611,7 +620,15 @@ def ring_attention(
   if ulysses_axis is not None:
     _ulysses.check_heads(n // nh, nu, ulysses_axis)
   mods, sinks, slopes, seed = _validation.check_score_mods(
-    logit_soft_cap, sinks, alibi_slopes, dropout_rate, dropout_rng, score_mod, batch=b, heads=n
+    logit_soft_cap,
+    sinks,
+    alibi_slopes,
+    dropout_rate,
+    dropout_rng,
+    score_mod,
+    batch=b,
+    heads=n,
+    dropout_broadcast=dropout_broadcast,
   )
   if kernel == "pallas" and mods.active:
     raise ValueError(

@@ -103,7 +103,10 @@ def _kept(tile: Tile | None, q_shape, dtype):
   rate = tile.mods.dropout
   batch = (tile.args.batch0 + jnp.arange(b, dtype=jnp.int32)).reshape(b, 1, 1, 1, 1)
   heads = (tile.args.head0 + jnp.arange(kh * g, dtype=jnp.int32)).reshape(1, kh, g, 1, 1)
+  if tile.mods.dropout_broadcast:
+    batch, heads = jnp.zeros((1, 1, 1, 1, 1), jnp.int32), jnp.zeros((1, 1, 1, 1, 1), jnp.int32)
   kept = keep(tile.args.seed, batch, heads, *_tile_positions(tile), rate)
+  kept = jnp.broadcast_to(kept, (b, kh, g, bq, kept.shape[-1]))
   return jnp.where(kept, jnp.asarray(1 / (1 - rate), dtype), jnp.zeros((), dtype)).reshape(b * kh, g * bq, -1)
 
 

@@ -39,6 +39,9 @@ class ScoreMods:
   alibi: bool = False
   score_mod: Callable | None = None
   dropout: float = 0.0
+  # One keep decision per (query, key) pair for every batch row and head (Flax's
+  # broadcast_dropout), instead of one per (row, head, query, key).
+  dropout_broadcast: bool = False
 
   @property
   def on_scores(self) -> bool:
@@ -138,3 +141,22 @@ def with_sinks(out, lse, sinks):
   total = jnp.logaddexp(lse, sinks.astype(acc))
   factor = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - jnp.where(jnp.isneginf(total), 0.0, total)))
   return (out.astype(acc) * factor[..., None]).astype(out.dtype), total
+
+
+def alibi_slopes(num_heads: int):
+  """ALiBi's head slopes (Press et al. 2022, "Train Short, Test Long"): for N a power
+  of two the geometric sequence 2^(-8 / N), 2^(-16 / N), ..., 2^(-8); otherwise those of
+  the largest power of two P < N, then every other slope of 2P's sequence for the rest
+  (the authors' code). float32 [N]."""
+  if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+    raise ValueError(f"num_heads={num_heads!r} must be a positive int")
+
+  def geometric(n):
+    start = 2.0 ** (-8.0 / n)
+    return [start ** (i + 1) for i in range(n)]
+
+  p = 1 << (num_heads.bit_length() - 1)
+  slopes = geometric(p)
+  if p < num_heads:
+    slopes += geometric(2 * p)[0::2][: num_heads - p]
+  return jnp.asarray(slopes, jnp.float32)

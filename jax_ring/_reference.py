@@ -94,6 +94,7 @@ def reference_attention(
   dropout_rate=0.0,
   dropout_rng=None,
   score_mod=None,
+  dropout_broadcast=False,
 ):
   """Dense softmax attention on one device; works in float64.
 
@@ -113,9 +114,9 @@ def reference_attention(
       length are padding.
     return_residual: also return the log-sum-exp of each query's logits, [B, T, N]
       (-inf where it sees no key), in the computation's dtype.
-    logit_soft_cap, sinks, alibi_slopes, dropout_rate, dropout_rng, score_mod: the
-      score modifiers' definitions (`jax_ring.ring_attention`), with positions 0..T-1
-      and 0..S-1, batch rows 0..B-1 and heads 0..N-1.
+    logit_soft_cap, sinks, alibi_slopes, dropout_rate, dropout_rng, score_mod,
+      dropout_broadcast: the score modifiers' definitions (`jax_ring.ring_attention`),
+      with positions 0..T-1 and 0..S-1, batch rows 0..B-1 and heads 0..N-1.
 
   Returns:
     [B, T, N, H] in the query's dtype; queries that see no key get 0. With
@@ -140,7 +141,15 @@ def reference_attention(
     k_segment_ids=kv_seg,
   )
   mods, sinks, slopes, seed = _validation.check_score_mods(
-    logit_soft_cap, sinks, alibi_slopes, dropout_rate, dropout_rng, score_mod, batch=b, heads=query.shape[2]
+    logit_soft_cap,
+    sinks,
+    alibi_slopes,
+    dropout_rate,
+    dropout_rng,
+    score_mod,
+    batch=b,
+    heads=query.shape[2],
+    dropout_broadcast=dropout_broadcast,
   )
   dtype = jnp.promote_types(query.dtype, jnp.float32)
   q_pos, k_pos = jnp.arange(t)[:, None], jnp.arange(s)[None, :]  # [T, 1], [1, S]
@@ -150,8 +159,10 @@ def reference_attention(
     per_row = None if slopes is None else slopes.astype(dtype)[:, :, None, None]
     modify = lambda x: _mods.modify(mods, x, q_pos, k_pos, heads, per_row)[0]
   if mods.dropout > 0:
-    rows = jnp.arange(b)[:, None, None, None]
-    kept = _mods.keep(seed, rows, heads, q_pos, k_pos, mods.dropout)
+    rows, each_head = jnp.arange(b)[:, None, None, None], heads
+    if mods.dropout_broadcast:
+      rows, each_head = 0, 0
+    kept = _mods.keep(seed, rows, each_head, q_pos, k_pos, mods.dropout)
     dropout = lambda p: jnp.where(kept, p / (1 - mods.dropout), 0.0)
   out, lse = attention_with_lse(
     query.astype(dtype),

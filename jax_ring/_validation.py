@@ -235,7 +235,16 @@ def mask_beyond(ids, lengths, positions):
 
 
 def check_score_mods(
-  logit_soft_cap, sinks, alibi_slopes, dropout_rate, dropout_rng, score_mod, *, batch: int, heads: int
+  logit_soft_cap,
+  sinks,
+  alibi_slopes,
+  dropout_rate,
+  dropout_rng,
+  score_mod,
+  *,
+  batch: int,
+  heads: int,
+  dropout_broadcast: bool = False,
 ):
   """The score modifiers' arguments checked: (ScoreMods, sinks float32 [N] or None,
   slopes float32 [B, N] or None, dropout seed uint32 [2] or None)."""
@@ -287,5 +296,12 @@ def check_score_mods(
     seed = dropout_seed(dropout_rng)
   if score_mod is not None and not callable(score_mod):
     raise TypeError(f"score_mod={score_mod!r} must be a function (s, q_pos, k_pos, head) -> s, or None")
-  mods = ScoreMods(soft_cap=cap, alibi=slopes is not None, score_mod=score_mod, dropout=rate)
+  broadcast = check_bool(dropout_broadcast, "dropout_broadcast")
+  mods = ScoreMods(
+    soft_cap=cap,
+    alibi=slopes is not None,
+    score_mod=score_mod,
+    dropout=rate,
+    dropout_broadcast=broadcast and rate > 0,
+  )
   return mods, (None if sinks is None else sinks), slopes, seed

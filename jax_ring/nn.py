@@ -33,6 +33,7 @@ from jax_ring._decode import (
   update_cache,
 )
 from jax_ring._dilated import check_patterns, dilated_attention
+from jax_ring._mods import alibi_slopes
 from jax_ring._policy import Policy
 from jax_ring._reference import reference_attention, reference_dilated_attention
 from jax_ring._tiles import BlockSizes
@@ -245,6 +246,15 @@ class RingAttention(_Cached, _Projected):
     attention_kernel: `jax_ring.ring_attention`'s `kernel` ("auto", "xla" or
       "pallas") for training and prompt calls (named apart from Flax's `kernel`, the
       projection weights).
+    logit_soft_cap: c: logits become c * tanh(s / c) (Gemma 2: 50.0).
+    sinks: True: a learned attention sink per query head (an `nnx.Param` [N], zeros at
+      first; gpt-oss); an array [N]: fixed sink logits; False: none.
+    alibi: True: ALiBi with the paper's slopes (`jax_ring.alibi_slopes`); an array
+      [N]: these slopes; False: none.
+    score_mod: a function (s, q_pos, k_pos, head) -> s, as in `jax_ring.ring_attention`.
+    attention_dropout_rate: dropout on the attention weights in training (after
+      `module.train()`; none after `module.eval()`), keys from `rngs`' "dropout"
+      stream, as `nnx.Dropout` draws them.
     rope_base: rotary embeddings with this base on q and k at global positions
       (None: none). rope_max_wavelength: frequencies of longer wavelength are dropped
       (`rope_frequencies`), for models run past the length they were trained at.
@@ -277,6 +287,11 @@ class RingAttention(_Cached, _Projected):
     policy: Policy | str | None = None,
     block_sizes: BlockSizes | None = None,
     attention_kernel: str = "auto",
+    logit_soft_cap: float | None = None,
+    sinks=False,
+    alibi=False,
+    score_mod=None,
+    attention_dropout_rate: float = 0.0,
     rope_base: float | None = None,
     rope_max_wavelength: float | None = None,
     use_bias: bool = False,
@@ -320,17 +335,39 @@ class RingAttention(_Cached, _Projected):
         kernel=attention_kernel,
       )
     )
+    self.score_options = nnx.static(_frozen(logit_soft_cap=logit_soft_cap, score_mod=score_mod))
+    self.sinks = _per_head("sinks", sinks, num_heads, lambda: nnx.Param(jnp.zeros((num_heads,), param_dtype)))
+    self.alibi_slopes = _per_head("alibi", alibi, num_heads, lambda: nnx.Variable(alibi_slopes(num_heads)))
+    if isinstance(attention_dropout_rate, bool) or not 0 <= attention_dropout_rate < 1:
+      raise ValueError(f"attention_dropout_rate={attention_dropout_rate!r} must be a float in [0, 1)")
+    self.attention_dropout_rate = float(attention_dropout_rate)
+    self.deterministic = False  # nnx's train() / eval() set it, as on nnx.Dropout
+    self.rngs = rngs["dropout"].fork() if self.attention_dropout_rate > 0 else nnx.data(None)
+
+  def _modifiers(self) -> dict:
+    """The score modifiers' arguments of every call (decoding too)."""
+    value = lambda v: None if v is None else v[...]
+    return dict(self.score_options) | dict(sinks=value(self.sinks), alibi_slopes=value(self.alibi_slopes))
 
   def attend(self, q, k, v, segment_ids):
     o = dict(self.options)
+    mods = self._modifiers()
+    if self.attention_dropout_rate > 0 and not self.deterministic:
+      mods |= dict(dropout_rate=self.attention_dropout_rate, dropout_rng=self.rngs())
     if self.kind == "dense":
       return reference_attention(
-        q, k, v, is_causal=o["is_causal"], segment_ids=segment_ids, local_window_size=o["local_window_size"]
+        q,
+        k,
+        v,
+        is_causal=o["is_causal"],
+        segment_ids=segment_ids,
+        local_window_size=o["local_window_size"],
+        **mods,
       )
     if self.kind == "local":
       segment_ids = shard_segments(q.shape[0], q.shape[1], o["mesh"].shape[o["seq_axis"]], segment_ids)
       o["layout"] = "contiguous"
-    return ring_attention(q, k, v, segment_ids=segment_ids, **o)
+    return ring_attention(q, k, v, segment_ids=segment_ids, **o, **mods)
 
   def __call__(self, x, *, segment_ids=None, positions=None):
     q, k, v = self.project(x, positions)
@@ -349,7 +386,9 @@ class RingAttention(_Cached, _Projected):
 
   def _decode_options(self) -> dict:
     o = dict(self.options)
-    return dict(local_window_size=o["local_window_size"], policy=o["policy"], **self._cache_axes())
+    return dict(
+      local_window_size=o["local_window_size"], policy=o["policy"], **self._cache_axes(), **self._modifiers()
+    )
 
   def prefill(self, x, *, lengths=None, segment_ids=None):
     """Causal attention over a prompt x [B, T, D] that fills the cache from scratch:
@@ -374,6 +413,21 @@ class RingAttention(_Cached, _Projected):
 
   def _output(self, out):
     return self.out(out.reshape(*out.shape[:2], -1))
+
+
+def _per_head(name: str, value, num_heads: int, default):
+  """A module's per-head array: `default()` for True, a fixed `nnx.Variable` for an
+  array [N], None for False / None."""
+  if value is None or value is False:
+    return nnx.data(None)
+  if value is True:
+    return default()
+  array = jnp.asarray(value)
+  if array.shape != (num_heads,) or not jnp.issubdtype(array.dtype, jnp.floating):
+    raise ValueError(
+      f"{name} shape={tuple(array.shape)} dtype={array.dtype} must be float [{num_heads}], True or False"
+    )
+  return nnx.Variable(array)
 
 
 @functools.cache
@@ -546,15 +600,23 @@ def make_attention_fn(
   policy: Policy | str | None = None,
   block_sizes: BlockSizes | None = None,
   kernel: str = "auto",
+  logit_soft_cap: float | None = None,
+  sinks=None,
+  alibi_slopes=None,
+  score_mod=None,
 ) -> Callable[..., Any]:
   """An `attention_fn` for `flax.nnx.MultiHeadAttention` that runs ring attention.
 
   The result takes (query, key, value, bias=None, mask=None, **kwargs) as Flax calls
-  it; `is_causal` is on if either the factory or the call asks for it. A dense `mask`
-  or `bias`, dropout in training, or `sow_weights` cannot be honoured without the
+  it; `is_causal` is on if either the factory or the call asks for it. Dropout follows
+  Flax's convention: with `dropout_rate > 0` and `deterministic=False` it drops with
+  the `dropout_rng` Flax passes (one decision per (query, key) shared by every row and
+  head when `broadcast_dropout`, Flax's default), exactly as `jax_ring.ring_attention`
+  does. A dense `mask` or `bias`, or `sow_weights`, cannot be honoured without the
   [T, T] matrix ring attention never builds: they raise ValueError. Express masks
   with `is_causal`, `local_window_size` here, or call `jax_ring.ring_attention` with
-  segment ids.
+  segment ids. `logit_soft_cap`, `sinks`, `alibi_slopes`, `score_mod`: as in
+  `jax_ring.ring_attention`, on every call (decoding included).
 
   Under `nnx.MultiHeadAttention(decode=True)` Flax passes one query against its whole
   cache (key, value [B, S, K, H]) with the mask of the filled prefix ([B, 1, 1, S]):
@@ -568,6 +630,7 @@ def make_attention_fn(
   _validation.check_mesh_axis(mesh, seq_axis, "seq_axis", allow_none=False)
   window = _validation.normalize_window(local_window_size)
   factory_causal = _validation.check_bool(is_causal, "is_causal")
+  modifiers = dict(logit_soft_cap=logit_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes, score_mod=score_mod)
 
   def attention_fn(
     query,
@@ -581,6 +644,8 @@ def make_attention_fn(
     dtype=None,
     module=None,
     is_causal: bool = False,
+    dropout_rng=None,
+    broadcast_dropout: bool = True,
     **kwargs,
   ):
     is_causal = _validation.check_bool(is_causal, "is_causal")
@@ -600,7 +665,7 @@ def make_attention_fn(
       # One query against its cache (Flax's decode step: mask [*batch, 1, 1, S]).
       visible = jnp.broadcast_to(mask, (*batch, *mask.shape[-3:]))[..., 0, 0, :].reshape(-1, key.shape[-3])
       out = _attend_cached_prefix(
-        flat(query), flat(key), flat(value), visible, mesh, seq_axis, batch_axis, policy, window
+        flat(query), flat(key), flat(value), visible, mesh, seq_axis, batch_axis, policy, window, modifiers
       )
       return restore(out)
     if mask is not None:
@@ -608,8 +673,15 @@ def make_attention_fn(
         f"mask of shape {tuple(mask.shape)} was passed: ring attention takes no dense mask; "
         "use is_causal=, local_window_size= or segment ids"
       )
+    dropout = {}
     if dropout_rate > 0.0 and not deterministic:
-      raise ValueError(f"dropout_rate={dropout_rate} in training: ring attention has no attention dropout")
+      if dropout_rng is None:
+        raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng")
+      dropout = dict(
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        dropout_broadcast=_validation.check_bool(broadcast_dropout, "broadcast_dropout"),
+      )
     if module is not None:
       raise ValueError("sow_weights=True: ring attention never materializes the attention weights")
     out = ring_attention(
@@ -627,6 +699,8 @@ def make_attention_fn(
       policy=policy,
       block_sizes=block_sizes,
       kernel=kernel,
+      **modifiers,
+      **dropout,
     )
     return restore(out)
 
@@ -640,7 +714,7 @@ def _is_key_mask(query, mask) -> bool:
   return query.shape[-3] == 1 and mask.ndim == query.ndim and mask.shape[-3:-1] == (1, 1)
 
 
-def _attend_cached_prefix(query, key, value, visible, mesh, seq_axis, batch_axis, policy, window):
+def _attend_cached_prefix(query, key, value, visible, mesh, seq_axis, batch_axis, policy, window, modifiers):
   """query [B, 1, N, H] against key, value [B, S, K, H] where `visible` [B, S] (Flax's
   decode cache and prefix mask): decode_attention over a cache of those slots."""
   b, s = key.shape[:2]
@@ -659,7 +733,14 @@ def _attend_cached_prefix(query, key, value, visible, mesh, seq_axis, batch_axis
     jnp.zeros((), jnp.int32),
   )
   return decode_attention(
-    query, cache, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, local_window_size=window, policy=policy
+    query,
+    cache,
+    mesh=mesh,
+    seq_axis=seq_axis,
+    batch_axis=batch_axis,
+    local_window_size=window,
+    policy=policy,
+    **modifiers,
   )
 
 

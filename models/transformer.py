@@ -41,6 +41,13 @@ class LMConfig:
   Generation runs the ring over seq_axis alone.
   attention_kernel: the block kernel of "ring" and "dilated" attention, "auto", "xla" or
   "pallas" (`jax_ring.ring_attention`'s `kernel`).
+  global_every: with `window`, every `global_every`-th layer (layers k-1, 2k-1, ...)
+  attends to all tokens before it and the others to the window (Gemma 2 and gpt-oss
+  alternate: 2); 0: every layer windowed.
+  logit_soft_cap, attention_sinks (learned, one per head), alibi (the paper's slopes),
+  attention_dropout: score modifiers of "ring", "local" and "dense" attention
+  (`jax_ring.nn.RingAttention`'s logit_soft_cap, sinks, alibi, attention_dropout_rate).
+  rope_base None: no rotary embeddings (ALiBi models).
   """
 
   vocab_size: int
@@ -64,6 +71,11 @@ class LMConfig:
   scan_layers: bool = False
   ulysses_axis: str | None = None
   attention_kernel: str = "auto"
+  global_every: int = 0
+  logit_soft_cap: float | None = None
+  attention_sinks: bool = False
+  alibi: bool = False
+  attention_dropout: float = 0.0
 
   def validate(self, mesh=None, seq_axis="seq") -> None:
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden"):
@@ -80,7 +92,22 @@ class LMConfig:
       raise ValueError(
         f"LMConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
       )
-    if (self.dim // self.num_heads) % 2:
+    if isinstance(self.global_every, bool) or not isinstance(self.global_every, int) or self.global_every < 0:
+      raise ValueError(
+        f"LMConfig.global_every={self.global_every!r} must be an int >= 0 (0: every layer windowed)"
+      )
+    if self.global_every and self.scan_layers:
+      raise ValueError(
+        f"LMConfig.global_every={self.global_every} alternates the layers' windows; "
+        "scan_layers=True runs one block for all"
+      )
+    modified = self.logit_soft_cap is not None or self.attention_sinks or self.alibi or self.attention_dropout
+    if modified and self.attention.startswith("dilated"):
+      raise ValueError(
+        "LMConfig.logit_soft_cap, attention_sinks, alibi and attention_dropout apply to attention 'ring', "
+        f"'local' and 'dense', not {self.attention!r}"
+      )
+    if self.rope_base is not None and (self.dim // self.num_heads) % 2:
       raise ValueError(f"head dim {self.dim // self.num_heads} (dim / num_heads) must be even for RoPE")
     if self.window is not None and (
       self.attention not in ("ring", "dense")
@@ -142,8 +169,8 @@ class SwiGLU(nnx.Module):
     return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
-def make_attention(config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs):
-  """The attention module of one block, as the config selects."""
+def make_attention(config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs, layer: int = 0):
+  """The attention module of block `layer`, as the config selects."""
   common = dict(
     num_kv_heads=config.num_kv_heads,
     mesh=mesh,
@@ -168,13 +195,18 @@ def make_attention(config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rn
       kind=kind,
       **common,
     )
-  window = None if config.window is None else (config.window, 0)
+  every = config.global_every
+  windowed = config.window is not None and not (every and layer % every == every - 1)
   return ring_nn.RingAttention(
     config.num_heads,
     config.dim,
     kind=config.attention,
-    local_window_size=window,
+    local_window_size=(config.window, 0) if windowed else None,
     ulysses_axis=config.ulysses_axis if config.attention != "dense" else None,
+    logit_soft_cap=config.logit_soft_cap,
+    sinks=config.attention_sinks,
+    alibi=config.alibi,
+    attention_dropout_rate=config.attention_dropout,
     **common,
   )
 
@@ -234,13 +266,15 @@ class ShortConv(nnx.Module):
 
 
 class Block(nnx.Module):
-  def __init__(self, config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs):
+  def __init__(self, config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs, layer: int = 0):
     dt, pdt = _dtype(config.dtype), _dtype(config.param_dtype)
     self.attn_norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.conv = (
       ShortConv(config.dim, config.conv, dtype=dt, param_dtype=pdt, rngs=rngs) if config.conv else None
     )
-    self.attn = make_attention(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
+    self.attn = make_attention(
+      config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs, layer=layer
+    )
     self.mlp_norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.mlp = SwiGLU(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
 
@@ -275,11 +309,14 @@ class DecoderLM(nnx.Module):
     self.config = config
     dt, pdt = _dtype(config.dtype), _dtype(config.param_dtype)
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
-    make = lambda rngs: Block(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
-    if config.scan_layers:
-      self.blocks = nnx.split_rngs(splits=config.num_layers)(nnx.vmap(make, in_axes=0, out_axes=0))(rngs)
+    make = lambda rngs, layer: Block(
+      config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs, layer=layer
+    )
+    if config.scan_layers:  # one block for every layer (global_every is refused with it)
+      one = lambda rngs: make(rngs, 0)
+      self.blocks = nnx.split_rngs(splits=config.num_layers)(nnx.vmap(one, in_axes=0, out_axes=0))(rngs)
     else:
-      self.blocks = nnx.List([make(rngs) for _ in range(config.num_layers)])
+      self.blocks = nnx.List([make(rngs, i) for i in range(config.num_layers)])
     self.norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.head = nnx.Linear(
       config.dim, config.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs

@@ -4,6 +4,7 @@ layout, with windows, segment ids, GQA and the Ulysses hybrid; dropout's keep
 decisions the same on any device count and layout; sinks' gradient; the Pallas
 kernel's refusal and "auto"'s fallback."""
 
+import dataclasses
 import logging
 
 import jax
@@ -218,3 +219,107 @@ def test_bad_modifiers_are_named(options, error):
   q, k, v = qkv(2, 16, N, 2, 16)
   with pytest.raises((ValueError, TypeError), match=error):
     ring_attention(q, k, v, mesh=mesh, **options)
+
+
+# Models: a Gemma-2-style DecoderLM (logits soft-capped at 50, sliding-window layers
+# alternating with global ones) and a gpt-oss-style one (learned sinks, alternating
+# windows, attention dropout in training): ring on 8 devices equals dense on 1.
+GEMMA2 = dict(logit_soft_cap=50.0, window=5, global_every=2)
+GPT_OSS = dict(attention_sinks=True, window=5, global_every=2, attention_dropout=0.2)
+
+
+def _models(config):
+  from flax import nnx
+
+  from jax_ring.models import DecoderLM, LMConfig
+
+  cfg = LMConfig(vocab_size=37, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=64, **config)
+  mesh = make_mesh((8,), ("seq",))
+  ring = DecoderLM(dataclasses.replace(cfg, attention="ring"), mesh=mesh, rngs=nnx.Rngs(0, dropout=3))
+  dense = DecoderLM(dataclasses.replace(cfg, attention="dense"), rngs=nnx.Rngs(0, dropout=3))
+  for model in (ring, dense):  # sinks away from their zero start, the same in both
+    for i, block in enumerate(model.blocks):
+      if block.attn.sinks is not None:
+        block.attn.sinks[...] = jnp.linspace(-1.0, 2.0, 4, dtype=jnp.float32) + i
+  return ring, dense
+
+
+@pytest.mark.parametrize("config", [GEMMA2, GPT_OSS], ids=["gemma2", "gpt_oss"])
+def test_model_training_step_ring_equals_dense(config):
+  from flax import nnx
+
+  ring, dense = _models(config)
+  tokens = np.random.default_rng(0).integers(0, 37, (2, 40)).astype(np.int32)
+
+  def loss(model):
+    logits = model(tokens[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+  step = nnx.jit(nnx.value_and_grad(loss))
+  (got, grads), (want, want_grads) = step(ring), step(dense)
+  assert abs(float(got) - float(want)) < 1e-5 * abs(float(want))
+  flat = lambda g: jax.tree.leaves(nnx.state(g, nnx.Param))
+  for g, w in zip(flat(grads), flat(want_grads)):
+    assert rel_err(g, w) < 1e-4
+  if config.get("attention_sinks"):
+    sinks = [
+      g for path, g in jax.tree_util.tree_leaves_with_path(grads) if "sinks" in jax.tree_util.keystr(path)
+    ]
+    assert len(sinks) == 2 and all(float(jnp.max(jnp.abs(g))) > 0 for g in sinks)
+
+
+@pytest.mark.parametrize("config", [GEMMA2, GPT_OSS], ids=["gemma2", "gpt_oss"])
+def test_model_cached_decoding_ring_equals_dense(config):
+  from flax import nnx
+
+  ring, dense = _models(config)
+  ring.eval()
+  dense.eval()
+  tokens = np.random.default_rng(1).integers(0, 37, (2, 20)).astype(np.int32)
+  full = np.asarray(nnx.jit(lambda m, t: m(t))(dense, tokens))
+  ring.init_cache(2, 24)
+  got = [np.asarray(nnx.jit(lambda m, t: m.prefill(t))(ring, tokens[:, :14]))]
+  decode = nnx.jit(lambda m, t: m.decode(t))
+  for i in range(14, 20, 2):
+    got.append(np.asarray(decode(ring, tokens[:, i : i + 2])))
+  np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=2e-5)
+
+
+def test_flax_multi_head_attention_dropout_and_modifiers():
+  """make_attention_fn in nnx.MultiHeadAttention: training with dropout uses the key
+  Flax passes (shared over rows and heads, Flax's broadcast_dropout) exactly as the
+  reference does with it; eval() drops nothing; the factory's soft-cap and sinks apply."""
+  from flax import nnx
+
+  mesh = make_mesh((4,), ("seq",))
+  mods = dict(logit_soft_cap=2.0, sinks=SINKS)
+  seen = {}
+
+  def reference_fn(query, key, value, *, dropout_rng=None, dropout_rate=0.0, deterministic=True, **_):
+    drop = {}
+    if dropout_rate > 0 and not deterministic:
+      seen["rng"] = dropout_rng
+      drop = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng, dropout_broadcast=True)
+    return reference_attention(query, key, value, is_causal=True, **mods, **drop)
+
+  def build(attention_fn):
+    return nnx.MultiHeadAttention(
+      N,
+      32,
+      qkv_features=64,
+      dropout_rate=0.3,
+      attention_fn=attention_fn,
+      decode=False,
+      deterministic=False,
+      rngs=nnx.Rngs(0, dropout=5),
+    )
+
+  ring = build(jax_ring.nn.make_attention_fn(mesh=mesh, is_causal=True, **mods))
+  ref = build(reference_fn)
+  x = jax.random.normal(jax.random.key(2), (2, 40, 32))
+  got, want = ring(x), ref(x)
+  assert "rng" in seen and rel_err(got, want) < TOL
+  ring.eval()
+  ref.eval()
+  no_drop = ring(x)
+  assert rel_err(no_drop, ref(x)) < TOL and rel_err(no_drop, got) > 1e-2
