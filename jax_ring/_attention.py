@@ -569,8 +569,8 @@ def ring_attention(
     sinks: float [N]: per query head, the logit of a virtual key of value 0 that joins
       every row's softmax (gpt-oss's attention sinks); differentiable. With
       `return_residual`, lse includes it.
-    alibi_slopes: float [N] or [B, N]: ALiBi, s - slope * |i - j| on global positions
-      (constants: no gradient reaches them).
+    alibi_slopes: float [N] or [B, N]: ALiBi, s - slope * |i - j| on global positions;
+      differentiable.
     dropout_rate, dropout_rng: dropout on the normalized weights, kept ones scaled by
       1 / (1 - rate); whether a weight is kept is a pure function of (dropout_rng,
       batch row, query head, query position, key position), so the result is the same
@@ -580,7 +580,8 @@ def ring_attention(
     score_mod: a function (s, q_pos, k_pos, head) -> s', elementwise on the scaled
       logits (after soft-cap and ALiBi, before the masks), q_pos and k_pos global int
       positions and head the query head, all broadcastable to s; differentiated
-      through for q and k (arrays it closes over get no gradient).
+      through for q and k (differentiating an array it closes over raises JAX's
+      CustomVJPException).
       These modifiers run in the XLA tiles: "auto" falls back to them (logged) and
       kernel="pallas" refuses them, sinks excepted (applied after either kernel).
     mask, bias: not accepted (a ValueError that names what to use instead): a dense

@@ -82,16 +82,26 @@ def _tile_positions(tile: Tile):
 
 
 def _modified(tile: Tile | None, s, q_shape, derivative: bool = False):
-  """Scores s [B * K, G * bq, bk] after the tile's soft-cap, ALiBi and score_mod, and
-  with `derivative` their elementwise derivative (None where it is 1)."""
+  """(scores, d/ds, d/da): scores s [B * K, G * bq, bk] after the tile's soft-cap, ALiBi
+  and score_mod, and with `derivative` their elementwise derivatives with respect to s
+  and to the logit after ALiBi (`modify`; None where one is 1)."""
   if tile is None or not tile.mods.on_scores:
-    return s, None
+    return s, None, None
   b, kh, g, bq = q_shape[:4]
   qp, kp = _tile_positions(tile)
   heads = (tile.args.head0 + jnp.arange(kh * g, dtype=jnp.int32)).reshape(1, kh, g, 1, 1)
   slopes = None if tile.args.slopes is None else tile.args.slopes.reshape(b, kh, g, 1, 1)
-  s, d = modify(tile.mods, s.reshape(b, kh, g, bq, -1), qp, kp, heads, slopes, derivative=derivative)
-  return s.reshape(b * kh, g * bq, -1), (None if d is None else d.reshape(b * kh, g * bq, -1))
+  s, d, d_mod = modify(tile.mods, s.reshape(b, kh, g, bq, -1), qp, kp, heads, slopes, derivative=derivative)
+  flat = lambda x: None if x is None else x.reshape(b * kh, g * bq, -1)
+  return flat(s), flat(d), flat(d_mod)
+
+
+def _distances(tile: Tile, q_shape):
+  """|i - j| of the tile's (query, key) pairs, [B * K, G * bq, bk] float32 (ALiBi's)."""
+  b, kh, g, bq = q_shape[:4]
+  qp, kp = _tile_positions(tile)
+  d = jnp.abs(qp - kp).astype(jnp.float32)
+  return jnp.broadcast_to(d, (b, kh, g, bq, d.shape[-1])).reshape(b * kh, g * bq, -1)
 
 
 def _kept(tile: Tile | None, q_shape, dtype):
@@ -152,7 +162,7 @@ def _scores(q, k, mask, policy: Policy, tile: Tile | None = None):
   The tile math runs on 3-d arrays, one batch axis: with the size-1 axes of B and G
   kept, the CPU compiler copied every score tile once more before its row maximum.
   """
-  s, _ = _modified(tile, _dot("xqh,xsh->xqs", _rows(q), _flat(k), policy), q.shape)
+  s, _, _ = _modified(tile, _dot("xqh,xsh->xqs", _rows(q), _flat(k), policy), q.shape)
   return _where_visible(mask, s, q.shape, -jnp.inf)
 
 
@@ -216,7 +226,7 @@ def block_backward(q, q_t, k, v, do, do_t, lse, delta, mask, policy: Policy, til
   Returns dq [B, K, G, bq, H], dk_t, dv_t, all in the accum dtype.
   """
   cd = policy.compute_dtype
-  s, ds_raw = _modified(tile, _dot("xqh,xsh->xqs", _rows(q), _flat(k), policy), q.shape, derivative=True)
+  s, ds_raw, ds_alibi = _modified(tile, _dot("xqh,xsh->xqs", _rows(q), _flat(k), policy), q.shape, True)
   s = _where_visible(mask, s, q.shape, -jnp.inf)
   lse = _rows(lse[..., None])[..., 0]
   lse_safe = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
@@ -226,13 +236,19 @@ def block_backward(q, q_t, k, v, do, do_t, lse, delta, mask, policy: Policy, til
   weights = probs
   if kept is not None:  # the output used p * kept: so do dV and dP
     weights, dp = probs * kept, dp * kept
-  ds = probs * (dp - _rows(delta[..., None]))
-  if ds_raw is not None:  # the chain rule through soft-cap and score_mod
-    ds = ds * ds_raw
+  ds_s = probs * (dp - _rows(delta[..., None]))  # with respect to the final logit
   # Hidden pairs get exactly 0: p = 0 there, but dp or delta may be NaN (a non-finite
   # value or output elsewhere), and 0 * NaN would reach rows and keys that see nothing.
-  ds = _where_visible(mask, ds, q.shape, 0.0).astype(cd)
+  # The chain rule through soft-cap and score_mod (ds_raw) comes before that.
+  ds = _where_visible(mask, ds_s if ds_raw is None else ds_s * ds_raw, q.shape, 0.0).astype(cd)
   dq = _dot("xqs,xsh->xqh", ds, _flat(k), policy).reshape(q.shape)
+  if tile is not None and tile.mods.alibi:
+    # d / d slope of s - slope |i - j|: per query row, -sum_j (dL / d that logit) |i - j|;
+    # it rides as one more column of dq, which stays on the query's device.
+    ds_a = ds_s if ds_alibi is None else ds_s * ds_alibi
+    ds_a = _where_visible(mask, ds_a, q.shape, 0.0)
+    rows = -jnp.sum(ds_a * _distances(tile, q.shape), axis=-1)  # [B * K, G * bq]
+    dq = jnp.concatenate([dq, rows.reshape(*q.shape[:-1], 1).astype(dq.dtype)], axis=-1)
   t_rows = lambda x: x.reshape(x.shape[0] * x.shape[1], x.shape[2], -1)  # [B*K, H, G*bq]
   dk_t = _dot("xhq,xqs->xhs", t_rows(q_t), ds, policy)
   dv_t = _dot("xhq,xqs->xhs", t_rows(do_t), weights.astype(cd), policy)

@@ -110,11 +110,12 @@ def keep(seed, batch, head, q_pos, k_pos, rate: float):
 
 
 def modify(mods: ScoreMods, s, q_pos, k_pos, heads, slopes, *, derivative: bool = False):
-  """(s', ds'/ds or None): soft-cap, ALiBi and score_mod applied to scaled logits s,
+  """(s', ds'/ds, ds'/da): soft-cap, ALiBi and score_mod applied to scaled logits s,
   all arguments broadcastable to s: q_pos, k_pos global int positions, heads global
   query-head indices, slopes ALiBi's per (batch row, head). With `derivative`, the
-  elementwise derivative too (None where it is 1)."""
-  d = None
+  elementwise derivatives of the result with respect to s and to the logit after
+  ALiBi, a (score_mod's alone); None where one is 1 or not asked for."""
+  d = d_mod = None
   if mods.soft_cap is not None:
     c = jnp.asarray(mods.soft_cap, s.dtype)
     t = jnp.tanh(s / c)
@@ -125,11 +126,11 @@ def modify(mods: ScoreMods, s, q_pos, k_pos, heads, slopes, *, derivative: bool 
   if mods.score_mod is not None:
     f = lambda s: mods.score_mod(s, q_pos, k_pos, heads).astype(s.dtype)
     if derivative:
-      s, ds = jax.jvp(f, (s,), (jnp.ones_like(s),))
-      d = ds if d is None else d * ds
+      s, d_mod = jax.jvp(f, (s,), (jnp.ones_like(s),))
+      d = d_mod if d is None else d * d_mod
     else:
       s = f(s)
-  return s, d
+  return s, d, d_mod
 
 
 def with_sinks(out, lse, sinks):

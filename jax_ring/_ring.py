@@ -284,7 +284,9 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
     seg=x.q_seg,
     bounds=block_bounds(x.q_pos, x.q_seg),  # once, outside the ring's loop
   )
-  dq = zeros_varying_like(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
+  # With ALiBi, dq carries one more column: each query row's share of d loss / d slope.
+  extra = 1 if cfg.mods.alibi else 0
+  dq = zeros_varying_like(x.q.shape[:-1] + (x.q.shape[-1] + extra,), pol.accum_dtype, x.q, x.kv.k)
   shape_t = x.kv.k.shape[:-2] + x.kv.k.shape[:-3:-1]  # dK and dV travel transposed
   zeros_kv = lambda: (
     zeros_varying_like(shape_t, pol.accum_dtype, x.q, x.kv.k),
@@ -297,7 +299,9 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
 
   (dk, dv), dq = _backward_passes(cfg, compute, x.kv, zeros_kv, dq)
   untranspose = lambda x: jnp.swapaxes(x, -1, -2)
-  return dq * jnp.asarray(cfg.scale, pol.accum_dtype), untranspose(dk), untranspose(dv)
+  h = x.q.shape[-1]
+  dq = jnp.concatenate([dq[..., :h] * jnp.asarray(cfg.scale, pol.accum_dtype), dq[..., h:]], axis=-1)
+  return dq, untranspose(dk), untranspose(dv)
 
 
 # The Pallas kernels take heads before rows, unblocked: q [B, N, T, H] (N = K * G, head
@@ -430,7 +434,8 @@ def ring(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args: ScoreArgs |
   Returns (out [B, T, N, H] in the policy's output dtype, lse [B, T, N] in the
   accumulation dtype, -inf where a query sees no key). Both are differentiable: the
   cotangent of lse enters the backward as a shift of delta. `args`: the score
-  modifiers' arrays (`cfg.mods`) for these query heads; no gradient reaches them."""
+  modifiers' arrays (`cfg.mods`) for these query heads; of them, the ALiBi slopes
+  get a gradient (summed over the ring's devices unless they vary over it)."""
   outputs, _ = _ring_fwd(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg, args)
   return outputs
 
@@ -498,17 +503,30 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
     do = block_q(_heads(g_out, j, wq).astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
     rows = lambda r: block_rows(_heads(r, j, wq).reshape(b, -1, kh, grp), bq)
     gq, gk, gv = ring_backward_state(cfg, x, do, rows(res.lse), rows(delta_all))
-    gq = unblock_q(gq).reshape(q.shape)
-    new = (gq, unblock_kv(gk), unblock_kv(gv))
-    widths = (wq, wk, wk)
+    new = [unblock_q(gq[..., :h]).reshape(q.shape), unblock_kv(gk), unblock_kv(gv)]
+    widths = [wq, wk, wk]
+    if cfg.mods.alibi:  # the rows' shares of d loss / d slope, summed over the rows
+      new.append(jnp.sum(unblock_rows(gq[..., h]).reshape(b, -1, wq), axis=1))
+      widths.append(wq)
     return tuple(
-      lax.dynamic_update_slice_in_dim(a, n.astype(a.dtype), j * w, axis=2)
+      lax.dynamic_update_slice_in_dim(a, n.astype(a.dtype), j * w, axis=1 if a.ndim == 2 else 2)
       for a, n, w in zip(grads, new, widths)
     ), None
 
-  zeros = tuple(zeros_varying_like(x.shape, x.dtype, x, res.k) for x in (res.q, res.k, res.v))
-  (dq, dk, dv), _ = lax.scan(group, zeros, jnp.arange(groups))
-  return dq, dk, dv, None, None, None, None, None
+  zeros = [zeros_varying_like(x.shape, x.dtype, x, res.k) for x in (res.q, res.k, res.v)]
+  if cfg.mods.alibi:
+    zeros.append(zeros_varying_like(res.args.slopes.shape, acc, res.q, res.k))
+  grads, _ = lax.scan(group, tuple(zeros), jnp.arange(groups))
+  dq, dk, dv = grads[:3]
+  d_args = None
+  if cfg.mods.alibi:
+    d_slopes = grads[3]
+    # One slope serves the queries of every device on the ring: their shares add up,
+    # unless each device holds a copy of its own (slopes that vary over the ring axis).
+    if cfg.axis_name not in jax.typeof(res.args.slopes).manual_axis_type.varying:
+      d_slopes = lax.psum(d_slopes, cfg.axis_name)
+    d_args = ScoreArgs(d_slopes.astype(res.args.slopes.dtype), None, None, None)
+  return dq, dk, dv, None, None, None, None, d_args
 
 
 ring.defvjp(_ring_fwd, _ring_bwd)

@@ -323,3 +323,39 @@ def test_flax_multi_head_attention_dropout_and_modifiers():
   ref.eval()
   no_drop = ring(x)
   assert rel_err(no_drop, ref(x)) < TOL and rel_err(no_drop, got) > 1e-2
+
+
+@pytest.mark.parametrize(
+  "axes, names, extra, heads, per_row",
+  [
+    ((4,), ("seq",), {}, N, False),
+    ((2, 2, 2), ("data", "seq", "heads"), dict(batch_axis="data", head_axis="heads"), 8, True),
+    ((2, 4), ("seq", "u"), dict(ulysses_axis="u"), 8, True),
+  ],
+  ids=["ring", "batch_heads_sharded", "ulysses"],
+)
+def test_alibi_slopes_gradient(axes, names, extra, heads, per_row):
+  """ALiBi slopes are differentiable (a model may learn them): their gradient, per head
+  or per (row, head), equals the reference's, with heads sharded and under Ulysses."""
+  seg = padded_segments(2, 48)
+  mesh = make_mesh(axes, names)
+  q, k, v = qkv(2, 48, heads, heads // 2, 16)
+  cot = jax.random.normal(jax.random.key(4), q.shape)
+  common = dict(is_causal=True, segment_ids=seg, logit_soft_cap=3.0, score_mod=_wave)
+  slopes = jnp.linspace(0.05, 0.5, 2 * heads).reshape(2, heads) if per_row else jnp.linspace(0.05, 0.5, heads)
+  ring = lambda s: jnp.sum(
+    ring_attention(q, k, v, mesh=mesh, block_sizes=SMALL, alibi_slopes=s, **extra, **common) * cot
+  )
+  f64 = lambda x: x.astype(jnp.float64)
+  ref = lambda s: jnp.sum(reference_attention(f64(q), f64(k), f64(v), alibi_slopes=s, **common) * cot)
+  assert rel_err(jax.grad(ring)(slopes), jax.grad(ref)(f64(slopes))) < TOL
+
+
+def test_differentiating_a_score_mod_closure_is_refused():
+  """Arrays a score_mod closes over get no gradient: asking for one raises JAX's
+  CustomVJPException, never a silent zero."""
+  mesh = make_mesh((2,), ("seq",))
+  q, k, v = qkv(1, 32, N, 2, 16)
+  loss = lambda w: ring_attention(q, k, v, mesh=mesh, score_mod=lambda s, i, j, h: s + w * (i - j)).sum()
+  with pytest.raises(Exception, match="with respect to a closed-over value"):
+    jax.grad(loss)(0.5)
