@@ -299,9 +299,11 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
 
   (dk, dv), dq = _backward_passes(cfg, compute, x.kv, zeros_kv, dq)
   untranspose = lambda x: jnp.swapaxes(x, -1, -2)
-  h = x.q.shape[-1]
-  dq = jnp.concatenate([dq[..., :h] * jnp.asarray(cfg.scale, pol.accum_dtype), dq[..., h:]], axis=-1)
-  return dq, untranspose(dk), untranspose(dv)
+  scale = jnp.asarray(cfg.scale, pol.accum_dtype)
+  if extra:  # the slope column lacks no scale
+    h = x.q.shape[-1]
+    return jnp.concatenate([dq[..., :h] * scale, dq[..., h:]], axis=-1), untranspose(dk), untranspose(dv)
+  return dq * scale, untranspose(dk), untranspose(dv)
 
 
 # The Pallas kernels take heads before rows, unblocked: q [B, N, T, H] (N = K * G, head
@@ -503,7 +505,7 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
     do = block_q(_heads(g_out, j, wq).astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
     rows = lambda r: block_rows(_heads(r, j, wq).reshape(b, -1, kh, grp), bq)
     gq, gk, gv = ring_backward_state(cfg, x, do, rows(res.lse), rows(delta_all))
-    new = [unblock_q(gq[..., :h]).reshape(q.shape), unblock_kv(gk), unblock_kv(gv)]
+    new = [unblock_q(gq[..., :h] if cfg.mods.alibi else gq).reshape(q.shape), unblock_kv(gk), unblock_kv(gv)]
     widths = [wq, wk, wk]
     if cfg.mods.alibi:  # the rows' shares of d loss / d slope, summed over the rows
       new.append(jnp.sum(unblock_rows(gq[..., h]).reshape(b, -1, wq), axis=1))
