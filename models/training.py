@@ -55,6 +55,12 @@ class TrainConfig:
   heads: int = _field(4, "query heads")
   kv_heads: int = _field(2, "key/value heads")
   window: int | None = _field(None, "sliding attention window in tokens (ring/dense; default: none)")
+  global_every: int = _field(
+    0, "with --window: every this many-th layer attends globally (Gemma 2: 2; 0: none)"
+  )
+  logit_soft_cap: float | None = _field(None, "soft-cap the attention logits at this value (Gemma 2: 50)")
+  attention_sinks: bool = _field(False, "a learned attention sink per head (gpt-oss)")
+  alibi: bool = _field(False, "ALiBi position biases (with the rotary embeddings)")
   remat: bool = _field(False, "recompute activations in the backward pass (nnx.remat)")
   conv: int = _field(0, "width of a causal depthwise convolution before each attention (0: none)")
   rope_max_wavelength: float | None = _field(
@@ -119,6 +125,10 @@ def model_config(config: TrainConfig, task) -> LMConfig:
     max_seq_len=task.seq_len,
     policy="float32",
     window=config.window,
+    global_every=config.global_every,
+    logit_soft_cap=config.logit_soft_cap,
+    attention_sinks=config.attention_sinks,
+    alibi=config.alibi,
     remat=config.remat,
     conv=config.conv,
     rope_max_wavelength=config.rope_max_wavelength,
