@@ -114,9 +114,10 @@ def reference_attention(
       length are padding.
     return_residual: also return the log-sum-exp of each query's logits, [B, T, N]
       (-inf where it sees no key), in the computation's dtype.
-    logit_soft_cap, sinks, alibi_slopes, dropout_rate, dropout_rng, score_mod,
-      dropout_broadcast: the score modifiers' definitions (`jax_ring.ring_attention`),
-      with positions 0..T-1 and 0..S-1, batch rows 0..B-1 and heads 0..N-1.
+    logit_soft_cap, sinks, alibi_slopes, score_mod: the score modifiers' definitions
+      (`jax_ring.ring_attention`), with positions 0..T-1 and 0..S-1 and heads 0..N-1.
+    dropout_rate, dropout_rng, dropout_broadcast: dropout's definition, as in
+      `jax_ring.ring_attention`, with batch rows 0..B-1.
 
   Returns:
     [B, T, N, H] in the query's dtype; queries that see no key get 0. With
