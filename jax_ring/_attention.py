@@ -26,7 +26,7 @@ from jax_ring._mesh import (
   traced_device,
   usable_mesh,
 )
-from jax_ring._mods import NO_MODS, ScoreArgs, ScoreMods, with_sinks
+from jax_ring._mods import NO_MODS, ScoreArgs, ScoreMods, first_index, with_sinks
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import RingConfig, ring, schedule
 from jax_ring._tiles import BlockSizes, check_block_sizes, fit_tile_budget, local_blocks, mesh_platform
@@ -253,8 +253,8 @@ def _ring_shard(
     k_pos = jnp.where(k_pos < valid_lengths[1], k_pos, -1)
   q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, q_pos, k_pos)
   use_pallas = kernel.kernel == "pallas"
-  if use_pallas and mods.active:
-    why = f"the Pallas kernels do not apply {', '.join(mods.names())} (the XLA tiles do)"
+  why = mods.pallas_problem()
+  if use_pallas and why is not None:
     if not kernel.auto:
       raise ValueError(f"kernel='pallas': {why}; use kernel='auto' or 'xla'")
     _pallas.log_fallback(why)
@@ -409,8 +409,7 @@ def global_impl(
     sinks, slopes, seed = mod_arrays
     # This device's first batch row and query head among the call's, for dropout's
     # keep decisions and score_mod's head (both on global indices).
-    first = lambda axis, size: 0 if axis is None else lax.axis_index(axis) * size
-    batch0, head0 = first(gc.batch_axis, q.shape[0]), first(gc.head_axis, q.shape[2])
+    batch0, head0 = first_index(gc.batch_axis, q.shape[0]), first_index(gc.head_axis, q.shape[2])
     to = lambda x: None if x is None else layouts.relayout_shard(x, gc.layout, gc.seq_axis, p)
     back = lambda x: layouts.relayout_shard(x, gc.layout, gc.seq_axis, p, inverse=True)
     if u > 1:  # the group's pieces -> its whole contiguous ring shard, N / u heads
@@ -631,11 +630,8 @@ def ring_attention(
     heads=n,
     dropout_broadcast=dropout_broadcast,
   )
-  if kernel == "pallas" and mods.active:
-    raise ValueError(
-      f"kernel='pallas': the Pallas kernels do not apply {', '.join(mods.names())} (the XLA tiles do); "
-      "use kernel='auto' or 'xla'"
-    )
+  if kernel == "pallas" and mods.pallas_problem() is not None:
+    raise ValueError(f"kernel='pallas': {mods.pallas_problem()}; use kernel='auto' or 'xla'")
   layout = layouts.resolve(layout, is_causal, shard_len=-(-t // mesh.shape[seq_axis]))
   policy = get_policy(policy, mesh.devices.flat[0])
   # Checked here, for the mesh's platform (a ValueError before anything is traced);

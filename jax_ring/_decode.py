@@ -39,7 +39,7 @@ from jax_ring._dilated import check_patterns
 from jax_ring._kernel import Tile, block_update, finalize
 from jax_ring._merge import merge_local, merge_partials
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, place, place_on_mesh, usable_mesh
-from jax_ring._mods import NO_MODS, ScoreArgs, ScoreMods, with_sinks
+from jax_ring._mods import NO_MODS, ScoreArgs, ScoreMods, first_index, with_sinks
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import zeros_varying_like
 from jax_ring._tiles import BlockSizes
@@ -460,8 +460,7 @@ def _decode_global(
     modifiers = tuple(None if x is None else c(x, sp) for x, sp in zip(modifiers, mod_specs))
 
     def body(query, cache, segment_ids, modifiers):
-      first = lambda axis, size: 0 if axis is None else lax.axis_index(axis) * size
-      offsets = (first(axes.batch_axis, query.shape[0]), first(axes.head_axis, query.shape[2]))
+      offsets = (first_index(axes.batch_axis, query.shape[0]), first_index(axes.head_axis, query.shape[2]))
       return _decode_shard(cfg, query, cache, segment_ids, modifiers, offsets)
 
     sharded = jax.shard_map(

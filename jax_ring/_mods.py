@@ -58,6 +58,13 @@ class ScoreMods:
     found += [("score_mod", self.score_mod is not None), ("dropout_rate", self.dropout > 0)]
     return [name for name, used in found if used]
 
+  def pallas_problem(self) -> str | None:
+    """Why the Pallas kernels cannot run these modifiers (None: they can, i.e. none are
+    active; sinks apply after either kernel and are not among them)."""
+    if not self.active:
+      return None
+    return f"the Pallas kernels do not apply {', '.join(self.names())} (the XLA tiles do)"
+
 
 NO_MODS = ScoreMods()
 
@@ -71,8 +78,10 @@ class ScoreArgs(NamedTuple):
   batch0: jax.Array  # int32 []: the global index of the first batch row here
 
 
-def no_args() -> ScoreArgs:
-  return ScoreArgs(None, None, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+def first_index(axis, size: int):
+  """The global index of this device's first element along an array axis split over
+  mesh `axis` in pieces of `size` (0 when `axis` is None); inside `shard_map`."""
+  return 0 if axis is None else jax.lax.axis_index(axis) * size
 
 
 def group_args(args: ScoreArgs | None, start, width: int) -> ScoreArgs | None:

@@ -140,14 +140,14 @@ def check_divides(size: int, parts: int, what: str, axis_arg: str, axis):
     raise ValueError(f"{what}={size} must be divisible by the size {parts} of mesh axis {axis_arg}={axis!r}")
 
 
-def _array(x, name: str):
+def _array(x, name: str, kind: str = "an integer array"):
   """x as an array: jax arrays and tracers pass, array-likes (lists, ints) go through NumPy."""
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     return x
   try:
     return np.asarray(x)
   except Exception as e:
-    raise TypeError(f"{name}={x!r} must be an integer array") from e
+    raise TypeError(f"{name}={x!r} must be {kind}") from e
 
 
 def _concrete(x):
@@ -262,7 +262,7 @@ def check_score_mods(
     if not (np.isfinite(cap) and cap > 0):
       raise ValueError(f"logit_soft_cap={logit_soft_cap!r} must be a positive finite float or None")
   if sinks is not None:
-    sinks = _array(sinks, "sinks")
+    sinks = _array(sinks, "sinks", "a float array")
     if sinks.shape != (heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
       raise ValueError(
         f"sinks shape={tuple(sinks.shape)} dtype={sinks.dtype} must be float [{heads}]: one logit per "
@@ -270,7 +270,7 @@ def check_score_mods(
       )
   slopes = None
   if alibi_slopes is not None:
-    slopes = _array(alibi_slopes, "alibi_slopes")
+    slopes = _array(alibi_slopes, "alibi_slopes", "a float array")
     if slopes.shape not in ((heads,), (batch, heads)) or not jnp.issubdtype(slopes.dtype, jnp.floating):
       raise ValueError(
         f"alibi_slopes shape={tuple(slopes.shape)} dtype={slopes.dtype} must be float [{heads}] or "
