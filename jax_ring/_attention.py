@@ -325,6 +325,7 @@ class GlobalConfig:
   ulysses_axis: Any = None
   kernel: str = "auto"
   mods: ScoreMods = NO_MODS
+  laid_out: bool = False  # token_order="layout": inputs and output already in `layout`
 
   @property
   def seq_spec(self):
@@ -412,6 +413,8 @@ def global_impl(
     batch0, head0 = first_index(gc.batch_axis, q.shape[0]), first_index(gc.head_axis, q.shape[2])
     to = lambda x: None if x is None else layouts.relayout_shard(x, gc.layout, gc.seq_axis, p)
     back = lambda x: layouts.relayout_shard(x, gc.layout, gc.seq_axis, p, inverse=True)
+    if gc.laid_out:  # the caller keeps its tokens in the layout: nothing to move
+      to = back = lambda x: x
     if u > 1:  # the group's pieces -> its whole contiguous ring shard, N / u heads
       width = q.shape[2] // u
       part = lambda x, axis: None if x is None else lax.dynamic_slice_in_dim(x, head * width, width, axis)
@@ -485,6 +488,24 @@ def _ring_attention_global(query, key, value, q_seg, kv_seg, q_len, kv_len, modi
   return call_on_mesh(impl, gc.mesh, spec, query, key, value, q_seg, kv_seg, q_len, kv_len, None, modifiers)
 
 
+def _check_token_order(token_order, layout: str, t: int, s: int, p: int, u: int) -> bool:
+  """True when the inputs come in the layout's order (`token_order="layout"`); checks
+  that their lengths need no padding."""
+  if token_order == "natural":
+    return False
+  if token_order != "layout":
+    raise ValueError(f"token_order={token_order!r} must be 'natural' or 'layout'")
+  m = math.lcm(layouts.multiple(layout, p), p * u)
+  for name, n in (("query", t), ("key/value", s)):
+    if n % m:
+      raise ValueError(
+        f"token_order='layout': the {name} length {n} must be a multiple of {m} (layout={layout!r} over "
+        f"{p} ring devices{f' x {u} Ulysses devices' if u > 1 else ''}); inputs in the layout's order "
+        "cannot be padded"
+      )
+  return True
+
+
 def ring_attention(
   query,
   key,
@@ -513,6 +534,7 @@ def ring_attention(
   dropout_rng=None,
   score_mod=None,
   dropout_broadcast: bool = False,
+  token_order: str = "natural",
   mask=None,
   bias=None,
 ):
@@ -583,6 +605,16 @@ def ring_attention(
       CustomVJPException).
       These modifiers run in the XLA tiles: "auto" falls back to them (logged) and
       kernel="pallas" refuses them, sinks excepted (applied after either kernel).
+    token_order: "natural" (default): query, key, value, segment_ids and the output
+      are in natural token order, and the call moves them into `layout` and back (two
+      collective permutes of half a shard for zigzag, each way). "layout": they are
+      already in the layout's order, `jax_ring.layouts.to_layout(x, resolved, p)` with
+      resolved = `layouts.resolve(layout, is_causal, shard_len=T // p)` and p the size
+      of `seq_axis`, and the output comes back in it: nothing moves. A model that runs
+      every layer on that order permutes its tokens once (`models.DecoderLM` does).
+      T and S must then be multiples of what the layout needs (`layouts.multiple`,
+      times the Ulysses axis' size), since padding would break the order; masks and
+      modifiers still see global positions.
     mask, bias: not accepted (a ValueError that names what to use instead): a dense
       [B, N, T, S] matrix is what ring attention never builds. The masks it usually
       carries are `is_causal`, `local_window_size`, `segment_ids` and the lengths.
@@ -633,6 +665,7 @@ def ring_attention(
   if kernel == "pallas" and mods.pallas_problem() is not None:
     raise ValueError(f"kernel='pallas': {mods.pallas_problem()}; use kernel='auto' or 'xla'")
   layout = layouts.resolve(layout, is_causal, shard_len=-(-t // mesh.shape[seq_axis]))
+  laid_out = _check_token_order(token_order, layout, t, s, mesh.shape[seq_axis], nu)
   policy = get_policy(policy, mesh.devices.flat[0])
   # Checked here, for the mesh's platform (a ValueError before anything is traced);
   # each shard's call chooses again, "auto" falling back where its blocks do not suit.
@@ -652,6 +685,7 @@ def ring_attention(
     ulysses_axis,
     kernel,
     mods,
+    laid_out,
   )
   with jax.named_scope("jax_ring.ring_attention"):
     placed = place_attention_inputs(

@@ -261,3 +261,34 @@ def collective_bytes(compiled) -> dict[str, int]:
     return tuple(found.items())
 
   return dict(cost(entry))
+
+
+def loop_free_collectives(compiled) -> list[tuple[str, int]]:
+  """(op name, result bytes per device) of every collective outside all while loops,
+  in program order: what a program moves besides its loops (the ring steps). A model
+  that relays its tokens for every layer's attention shows two collective-permutes per
+  array and layer here; one that keeps the ring's order shows none.
+
+  `compiled`: a `jax.stages.Compiled` or its `as_text()`."""
+  hlo = compiled if isinstance(compiled, str) else compiled.as_text()
+  comps, entry = _computations(hlo)
+  found: list[tuple[str, int]] = []
+
+  def visit(name: str) -> None:
+    for line in comps.get(name, ()):
+      if m := _OP.search(line):
+        shapes = m.group(1)
+        if m.group(3) and m.group(2) == "collective-permute":
+          shapes = " ".join(f"{t}[{d}]" for t, d in _SHAPE.findall(shapes)[1:2])
+        found.append((m.group(2), shape_bytes(shapes)))
+      elif _WHILE.search(line):
+        continue
+      elif m := _BRANCHES.search(line):
+        for n in m.group(1).split(",") if m.group(1) else [m.group(2), m.group(3)]:
+          visit(n.strip().lstrip("%"))
+      else:
+        for called in _CALLS.findall(line):
+          visit(called)
+
+  visit(entry)
+  return found

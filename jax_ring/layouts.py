@@ -18,6 +18,7 @@ A model that keeps its activations in one layout through every layer calls
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -64,8 +65,12 @@ def padded_length(layout: str, length: int, num_shards: int) -> int:
 
 
 def positions(layout: str, num_shards: int, shard_len: int) -> np.ndarray:
-  """Global positions held by each device: int array [num_shards, shard_len]."""
-  return np.stack([np.asarray(shard_positions(layout, i, shard_len, num_shards)) for i in range(num_shards)])
+  """Global positions held by each device: int array [num_shards, shard_len] (NumPy,
+  under a trace too)."""
+  with jax.ensure_compile_time_eval():
+    return np.stack(
+      [np.asarray(shard_positions(layout, i, shard_len, num_shards)) for i in range(num_shards)]
+    )
 
 
 def shard_positions(layout: str, index, shard_len: int, num_shards: int):

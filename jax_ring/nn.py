@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_ring import _validation
+from jax_ring import _validation, layouts
 from jax_ring._attention import ring_attention
 from jax_ring._decode import (
   KVCache,
@@ -264,7 +264,10 @@ class RingAttention(_Cached, _Projected):
     rngs: `flax.nnx.Rngs`.
 
   Call: x [B, T, D], segment_ids int [B, T] or None, positions [T] or [B, T] (for RoPE,
-  default arange(T)) -> [B, T, out_features].
+  default arange(T)) -> [B, T, out_features]. With `token_order="layout"` (kind "ring"),
+  x, segment_ids, positions and the result are in the order of the layout the ring
+  runs in (`token_layout(T)`; positions default to that order's global positions):
+  no relayout in the call (`jax_ring.ring_attention`'s `token_order`).
   """
 
   def __init__(
@@ -349,7 +352,7 @@ class RingAttention(_Cached, _Projected):
     value = lambda v: None if v is None else v[...]
     return dict(self.score_options) | dict(sinks=value(self.sinks), alibi_slopes=value(self.alibi_slopes))
 
-  def attend(self, q, k, v, segment_ids):
+  def attend(self, q, k, v, segment_ids, token_order: str = "natural"):
     o = dict(self.options)
     mods = self._modifiers()
     if self.attention_dropout_rate > 0 and not self.deterministic:
@@ -367,11 +370,27 @@ class RingAttention(_Cached, _Projected):
     if self.kind == "local":
       segment_ids = shard_segments(q.shape[0], q.shape[1], o["mesh"].shape[o["seq_axis"]], segment_ids)
       o["layout"] = "contiguous"
+    if token_order != "natural":
+      o["token_order"] = token_order
     return ring_attention(q, k, v, segment_ids=segment_ids, **o, **mods)
 
-  def __call__(self, x, *, segment_ids=None, positions=None):
+  def token_layout(self, length: int) -> str:
+    """The layout a call on `length` tokens runs the ring in: the order the tokens of
+    `token_order="layout"` calls come in (`jax_ring.layouts.to_layout(x, this, p)`)."""
+    o = dict(self.options)
+    if self.kind != "ring":
+      raise ValueError(f"token_order='layout' needs kind='ring', not {self.kind!r}")
+    shards = o["mesh"].shape[o["seq_axis"]]
+    return layouts.resolve(o["layout"], o["is_causal"], shard_len=-(-length // shards))
+
+  def __call__(self, x, *, segment_ids=None, positions=None, token_order: str = "natural"):
+    if token_order == "layout":
+      layout = self.token_layout(x.shape[1])
+      if positions is None:
+        o = dict(self.options)
+        positions = layouts.permutation(layout, x.shape[1], o["mesh"].shape[o["seq_axis"]])
     q, k, v = self.project(x, positions)
-    out = self.attend(q, k, v, segment_ids)
+    out = self.attend(q, k, v, segment_ids, token_order)
     return self._output(out)
 
   # Decoding (`_Cached`): init_cache, prefill, decode.

@@ -215,7 +215,10 @@ def rows_right(logits, targets, weights):
 def loss_and_accuracy(model, tokens, targets, weights):
   """(weighted mean cross-entropy of the scored positions, fraction of rows whose
   answer tokens, those of weight 1, are all the argmax)."""
-  logits = model(tokens)
+  # The logits stay in the order the layers ran on (`LMConfig.ring_order`); the targets
+  # and weights follow them, and neither sum depends on the order.
+  logits = model(tokens, logits_order="ring")
+  targets, weights = model.to_ring_order(targets), model.to_ring_order(weights)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1.0)
   return loss, jnp.mean(rows_right(logits, targets, weights))

@@ -7,11 +7,16 @@ Legend: B batch, T sequence length, D model width, V vocabulary size.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jax_ring import layouts
 from jax_ring import nn as ring_nn
 
 ATTENTION_KINDS = ("dense", "ring", "local", "dilated", "dilated_dense")
@@ -48,6 +53,17 @@ class LMConfig:
   attention_dropout: score modifiers of "ring", "local" and "dense" attention
   (`jax_ring.nn.RingAttention`'s logit_soft_cap, sinks, alibi, attention_dropout_rate).
   rope_base None: no rotary embeddings (ALiBi models).
+  ring_order: run every layer on the ring's token order (attention "ring"): the model
+  permutes each batch's tokens into the layout causal ring attention runs in (zigzag)
+  once, every layer works on that order (rotary embeddings, masks and segment ids from
+  global positions, the short convolution's halo from the chunk before in natural
+  order), and no attention call relays its q, k, v and output (`DecoderLM.__call__`'s
+  `logits_order`; `ring_permutation`). It changes anything only where the ring's layout
+  at the call's length is not contiguous (more than `jax_ring.layouts.SHORT_CAUSAL_SHARD`
+  tokens a device). None (default): on there when the length needs no padding (a
+  multiple of 2 x devices) and the convolution's halo fits in a chunk; True: on there,
+  a ValueError where it cannot be; False: off. The numbers are the natural-order
+  model's either way.
   """
 
   vocab_size: int
@@ -76,6 +92,7 @@ class LMConfig:
   attention_sinks: bool = False
   alibi: bool = False
   attention_dropout: float = 0.0
+  ring_order: bool | None = None
 
   def validate(self, mesh=None, seq_axis="seq") -> None:
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden"):
@@ -106,6 +123,13 @@ class LMConfig:
       raise ValueError(
         "LMConfig.logit_soft_cap, attention_sinks, alibi and attention_dropout apply to attention 'ring', "
         f"'local' and 'dense', not {self.attention!r}"
+      )
+    if self.ring_order is not None and not isinstance(self.ring_order, bool):
+      raise ValueError(f"LMConfig.ring_order={self.ring_order!r} must be None (auto), True or False")
+    if self.ring_order and self.attention != "ring":
+      raise ValueError(
+        f"LMConfig.ring_order=True runs the layers on ring attention's token order; it needs attention "
+        f"'ring', not {self.attention!r}"
       )
     if self.rope_base is not None and (self.dim // self.num_heads) % 2:
       raise ValueError(f"head dim {self.dim // self.num_heads} (dim / num_heads) must be even for RoPE")
@@ -233,17 +257,33 @@ class ShortConv(nnx.Module):
     self.dtype = dtype
 
   def _mix(self, padded, t):
-    """padded [B, width-1+t, D] -> [B, t, D]: each of the last t rows plus its window."""
+    """padded [..., width-1+t, D] -> [..., t, D]: each of the last t rows plus its window."""
     w = self.kernel[...].astype(self.dtype or padded.dtype)
     k = self.width
-    out = padded[:, k - 1 :]
+    out = padded[..., k - 1 :, :]
     for s in range(k):
-      out = out + w[s] * padded[:, k - 1 - s : k - 1 - s + t]
+      out = out + w[s] * padded[..., k - 1 - s : k - 1 - s + t, :]
     return out
 
   def __call__(self, h):
     t = h.shape[1]
     return self._mix(jnp.pad(h, ((0, 0), (self.width - 1, 0), (0, 0))), t)
+
+  def chunks(self, h, natural):
+    """As __call__ on h [B, T, D] whose tokens are in a chunked order: the T tokens are
+    len(natural) equal chunks, the c-th being the natural chunk natural[c] (zigzag: 0,
+    2p-1, 1, 2p-2, ...). Each chunk's halo is the last width-1 rows of the chunk before
+    it in natural order (zeros before the first), so only those rows cross devices."""
+    b, t, d = h.shape
+    n = len(natural)
+    c, halo = t // n, self.width - 1
+    x = h.reshape(b, n, c, d)
+    slot = np.argsort(natural)  # slot[m]: where natural chunk m sits
+    before = np.array([slot[m - 1] if m else 0 for m in natural])
+    first = np.asarray(natural) == 0
+    tails = x[:, before, c - halo :]  # [B, n, width-1, D]
+    tails = jnp.where(first[None, :, None, None], 0, tails)
+    return self._mix(jnp.concatenate([tails, x], axis=2), c).reshape(b, t, d)
 
   def init_cache(self, batch_size: int, dtype) -> None:
     self.state = nnx.Cache(jnp.zeros((batch_size, self.width - 1, self.kernel.shape[1]), dtype))
@@ -307,6 +347,7 @@ class DecoderLM(nnx.Module):
   def __init__(self, config: LMConfig, *, mesh=None, seq_axis="seq", batch_axis=None, rngs: nnx.Rngs):
     config.validate(mesh, seq_axis)
     self.config = config
+    self.placement = nnx.static((mesh, seq_axis, batch_axis))
     dt, pdt = _dtype(config.dtype), _dtype(config.param_dtype)
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
     make = lambda rngs, layer: Block(
@@ -322,11 +363,83 @@ class DecoderLM(nnx.Module):
       config.dim, config.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs
     )
 
-  def __call__(self, tokens, *, segment_ids=None, positions=None):
+  def ring_layout(self, length: int) -> str | None:
+    """The layout whose token order every layer runs on for `length` tokens
+    (`LMConfig.ring_order`), or None: natural order."""
+    config, (mesh, seq_axis, _) = self.config, self.placement
+    if config.ring_order is False or config.attention != "ring":
+      return None
+    p = mesh.shape[seq_axis]
+    u = 1 if config.ulysses_axis is None else mesh.shape[config.ulysses_axis]
+    layout = layouts.resolve("auto", True, shard_len=-(-length // p))
+    multiple = math.lcm(layouts.multiple(layout, p), p * u)
+    if layout == "contiguous":  # short shards: the ring's order is the natural one
+      return None
+    problem = None
+    if length % multiple:
+      problem = f"length {length} is not a multiple of {multiple} ({layout} over {p} x {u} devices)"
+    elif config.conv and length // (2 * p) < config.conv - 1:
+      problem = (
+        f"chunks of {length // (2 * p)} tokens are shorter than the convolution's halo {config.conv - 1}"
+      )
+    if problem is None:
+      return layout
+    if config.ring_order:
+      raise ValueError(f"LMConfig.ring_order=True: cannot keep the ring's order: {problem}")
+    return None
+
+  def ring_permutation(self, length: int) -> np.ndarray | None:
+    """perm [length] such that tokens[:, perm] is the order the layers run on (the
+    order of `logits_order="ring"` logits), or None where it is the natural order."""
+    layout = self.ring_layout(length)
+    if layout is None:
+      return None
+    mesh, seq_axis, _ = self.placement
+    return layouts.permutation(layout, length, mesh.shape[seq_axis])
+
+  def __call__(self, tokens, *, segment_ids=None, positions=None, logits_order: str = "natural"):
+    """Logits [B, T, V] of tokens int [B, T]. `logits_order="ring"`: in the order the
+    layers ran on (`ring_permutation(T)`, natural where it is None), so that a loss can
+    permute its targets instead of the logits."""
+    if logits_order not in ("natural", "ring"):
+      raise ValueError(f"logits_order={logits_order!r} must be 'natural' or 'ring'")
     if positions is None and tokens.ndim == 2:
       positions = jnp.arange(tokens.shape[1])
-    attend = lambda attn, h: attn(h, segment_ids=segment_ids, positions=positions)
-    return forward(self, tokens, attend)
+    layout = self.ring_layout(tokens.shape[1]) if tokens.ndim == 2 else None
+    if layout is None:
+      attend = lambda attn, h: attn(h, segment_ids=segment_ids, positions=positions)
+      return forward(self, tokens, attend)
+    perm = self.ring_permutation(tokens.shape[1])
+    tokens, segment_ids = self.to_ring_order(tokens), self.to_ring_order(segment_ids)
+    positions = jnp.take(positions, perm, axis=-1)
+    attend = lambda attn, h: attn(h, segment_ids=segment_ids, positions=positions, token_order="layout")
+    chunks = _natural_chunks(layout, tokens.shape[1], self.placement[0].shape[self.placement[1]])
+    mix = lambda conv, h: conv.chunks(h, chunks)
+    unpermute = None
+    if logits_order == "natural":
+      inverse = np.argsort(perm)
+      unpermute = lambda x: self._place(jnp.take(x, inverse, axis=1))
+    return forward(self, tokens, attend, mix=mix, before_head=unpermute)
+
+  def to_ring_order(self, x):
+    """x [B, T, ...] in natural order (targets, loss weights) -> the order the layers
+    run on at length T (`ring_permutation`), sharded over batch and sequence like the
+    attention's inputs; unchanged where that order is the natural one."""
+    if x is None:
+      return None
+    perm = self.ring_permutation(x.shape[1])
+    return x if perm is None else self._place(jnp.take(jnp.asarray(x), perm, axis=1))
+
+  def _place(self, x):
+    """x [B, T, ...] sharded like the attention's inputs (batch, sequence)."""
+    mesh, seq_axis, batch_axis = self.placement
+    seq = seq_axis if self.config.ulysses_axis is None else (seq_axis, self.config.ulysses_axis)
+    spec = P(batch_axis, seq, *([None] * (x.ndim - 2)))
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.explicit_axes:  # under jax.set_mesh of an Explicit mesh
+      return jax.sharding.reshard(x, spec)
+    auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(auto, spec))
 
   def init_cache(self, batch_size: int, max_length: int, *, dtype=None) -> None:
     """Empty KV caches in every attention layer for `max_length` tokens per row."""
@@ -352,6 +465,16 @@ class DecoderLM(nnx.Module):
     return decode_model(self, tokens, segment_ids=segment_ids)
 
 
+def _natural_chunks(layout: str, length: int, num_shards: int) -> np.ndarray:
+  """The layout's order as 2p equal chunks: entry c is the natural index of the c-th
+  chunk (zigzag over p devices: 0, 2p-1, 1, 2p-2, ...)."""
+  n = 2 * num_shards
+  starts = layouts.permutation(layout, length, num_shards).reshape(n, -1)
+  if not (np.diff(starts, axis=1) == 1).all():
+    raise ValueError(f"layout={layout!r} does not keep chunks of {length // n} tokens together")
+  return starts[:, 0] // (length // n)
+
+
 def prefill_model(model, tokens, *, lengths=None, segment_ids=None):
   """Logits [B, T, V] of a prompt (row b: its first lengths[b] tokens), filling the
   model's caches (`init_cache` first) from scratch."""
@@ -365,16 +488,19 @@ def decode_model(model, tokens, *, segment_ids=None):
   return forward(model, tokens, attend, mix=lambda conv, h: conv.decode(h))
 
 
-def forward(model, tokens, attend, mix=None):
+def forward(model, tokens, attend, mix=None, before_head=None):
   """embed -> blocks (attention by `attend`, short convolutions by `mix`) -> norm ->
-  head: the forward pass the models share; logits in float32."""
+  (`before_head`) -> head: the forward pass the models share; logits in float32."""
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"tokens shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
   x = model.embed(tokens)
   config = getattr(model, "config", None)  # LongNet shares this forward, without remat or scan
   remat, scan = getattr(config, "remat", False), getattr(config, "scan_layers", False)
   x = run_blocks(model.blocks, x, attend, remat=remat, scan=scan, mix=mix)
-  return model.head(model.norm(x)).astype(jnp.float32)
+  x = model.norm(x)
+  if before_head is not None:
+    x = before_head(x)
+  return model.head(x).astype(jnp.float32)
 
 
 def run_blocks(blocks, x, attend, *, remat: bool, scan: bool, mix=None):
