@@ -237,11 +237,25 @@ def report(compiled) -> dict:
     "argument_mib": memory.argument_size_in_bytes / 2**20,
     "output_mib": memory.output_size_in_bytes / 2**20,
     "collective_bytes": hlo.collective_bytes(text),
+    "outside_loops": _outside_loops(text),
     "ring_steps": [o._asdict() | {"overlapped": o.overlapped} for o in hlo.ring_overlap(text)],
     "launch_grids": launch_grids(text),
     "tpu_grids": tpu_grids(text) if "tpu_custom_call" in text else {},
     "custom_calls": custom_calls(text),
   }
+
+
+def _outside_loops(text: str) -> dict[str, list[int]]:
+  """op -> [count, bytes per device] of the collectives outside every loop
+  (`hlo.loop_free_collectives`)."""
+  from jax_ring import hlo
+
+  found: dict[str, list[int]] = {}
+  for op, size in hlo.loop_free_collectives(text):
+    entry = found.setdefault(op, [0, 0])
+    entry[0] += 1
+    entry[1] += size
+  return found
 
 
 def custom_calls(compiled) -> dict[str, int]:

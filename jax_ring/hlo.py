@@ -11,6 +11,10 @@ collective-permute is what each device sends (and receives); an all-to-all's res
 the device's whole rearranged array, of which (u - 1) / u came from the u - 1 other
 devices of its group.
 
+`loop_free_collectives(compiled)` lists the collectives outside every loop: what a
+program moves besides its ring steps (a model that relays its tokens for each layer's
+attention shows it there).
+
 Used by the tests (the hybrid moves only all-to-all and collective-permute bytes, as
 many as the formula in the README says) and by the benchmarks, for the bytes each
 device moves beside each timing.

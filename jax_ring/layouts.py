@@ -12,13 +12,14 @@ in how evenly causal work is spread over the devices.
   caller gives the shard length (`ring_attention`, `work_report`).
 
 A model that keeps its activations in one layout through every layer calls
-`permutation` once at the input (and `inverse_permutation` at the output) and passes
-`shard_positions`/`positions` to its rotary embeddings.
+`permutation` once at the input (and `inverse_permutation` at the output), passes the
+permuted positions to its rotary embeddings, and calls `ring_attention(...,
+token_order="layout")`, which then moves nothing but the ring's K/V
+(`models.DecoderLM` with `LMConfig.ring_order`).
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -66,11 +67,21 @@ def padded_length(layout: str, length: int, num_shards: int) -> int:
 
 def positions(layout: str, num_shards: int, shard_len: int) -> np.ndarray:
   """Global positions held by each device: int array [num_shards, shard_len] (NumPy,
-  under a trace too)."""
-  with jax.ensure_compile_time_eval():
-    return np.stack(
-      [np.asarray(shard_positions(layout, i, shard_len, num_shards)) for i in range(num_shards)]
-    )
+  so usable under a trace; `shard_positions` for one device, traced or not)."""
+  offsets = np.arange(shard_len)
+  index = np.arange(num_shards)[:, None]
+  match resolve(layout, False):
+    case "contiguous":
+      return index * shard_len + offsets
+    case "striped":
+      return offsets * num_shards + index
+    case "zigzag":
+      if shard_len % 2:
+        raise ValueError(f"zigzag layout needs an even shard length, got shard_len={shard_len}")
+      half = shard_len // 2
+      return np.concatenate(
+        [index * half + offsets[:half], (2 * num_shards - 1 - index) * half + offsets[:half]], 1
+      )
 
 
 def shard_positions(layout: str, index, shard_len: int, num_shards: int):

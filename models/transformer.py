@@ -436,8 +436,10 @@ class DecoderLM(nnx.Module):
     seq = seq_axis if self.config.ulysses_axis is None else (seq_axis, self.config.ulysses_axis)
     spec = P(batch_axis, seq, *([None] * (x.ndim - 2)))
     context = jax.sharding.get_abstract_mesh()
-    if not context.empty and context.explicit_axes:  # under jax.set_mesh of an Explicit mesh
-      return jax.sharding.reshard(x, spec)
+    if not context.empty and context.explicit_axes:
+      # Under jax.set_mesh of an Explicit mesh, arrays carry their sharding in their
+      # type: x keeps the one the caller's tokens had (as in natural order).
+      return x
     auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
     return jax.lax.with_sharding_constraint(x, NamedSharding(auto, spec))
 

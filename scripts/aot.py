@@ -50,6 +50,11 @@ def parse_args(argv=None):
   p.add_argument("--make-mesh", action="store_true", help="jax.make_mesh's device order, not ring_mesh's")
   p.add_argument("--model", action="store_true", help="a DecoderLM training step (loss and gradients)")
   p.add_argument("--layers", type=int, default=2, help="--model: transformer blocks")
+  p.add_argument(
+    "--natural-order",
+    action="store_true",
+    help="--model: every layer relays its tokens (LMConfig.ring_order=False), not the ring's order kept",
+  )
   p.add_argument("--mlp-hidden", type=int, default=14336, help="--model: SwiGLU width (Llama-3-8B: 14336)")
   p.add_argument("--vocab", type=int, default=128256, help="--model: vocabulary (Llama-3: 128256)")
   p.add_argument("--max-length", action="store_true", help="bisect for the longest sequence that fits")
@@ -83,6 +88,7 @@ def compile_model(mesh, args, seq_len: int):
     dtype=args.dtype,
     param_dtype=args.dtype,
     attention_kernel=args.kernel,
+    ring_order=False if args.natural_order else None,
   )
   with jax.set_mesh(mesh):
     abstract = nnx.eval_shape(lambda: models.DecoderLM(config, mesh=mesh, rngs=nnx.Rngs(0)))
@@ -90,8 +96,9 @@ def compile_model(mesh, args, seq_len: int):
 
     def loss(params, tokens):
       model = nnx.merge(graph, params)
-      logits = model(tokens[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+      logits = model(tokens[:, :-1], logits_order="ring")  # the targets follow the layers' order
+      targets = model.to_ring_order(tokens[:, 1:])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     tokens = jax.ShapeDtypeStruct((args.batch, seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P()))
     return jax.jit(jax.grad(loss)).lower(params, tokens).compile()
@@ -161,6 +168,8 @@ def main(argv=None):
   print(f"  memory per device: temp {result['temp_mib']:.1f} MiB, arguments {result['argument_mib']:.1f} MiB")
   for op, n in sorted(result["collective_bytes"].items()):
     print(f"  {op}: {n / 2**20:.1f} MiB per device")
+  for op, (count, n) in sorted(result["outside_loops"].items()):
+    print(f"  outside the loops: {count} x {op}, {n / 2**20:.1f} MiB per device")
   for step in result["ring_steps"]:
     state = "all compute under a transfer" if step["overlapped"] else "NOT overlapped"
     print(
