@@ -102,8 +102,38 @@ def schedule(layout, window, is_causal, shard_len, ring_size, custom_positions):
 
 
 def _send(tree, cfg: RingConfig, shift: int):
+  """Every array of `tree` to the device `shift` places along the ring. On CPU the
+  arrays of one dtype travel as one (`_bundled`)."""
   perm = ring_permutation(cfg.ring_size, shift, cfg.axis_size)
-  return jax.tree.map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
+  send = lambda x: lax.ppermute(x, cfg.axis_name, perm)
+  if mesh_platform() == "cpu":
+    return _bundled(tree, send)
+  return jax.tree.map(send, tree)
+
+
+def _bundled(tree, send):
+  """send(x) for every array of `tree`, with the arrays of each dtype flattened into
+  one and sent once. A CPU device's collective-permute is a copy at which all the ring's
+  devices meet; XLA copies each array once more before it anyway (the loop still reads
+  it), so one array per dtype costs no more bytes and needs one meeting, not one per
+  array (K and V, or dK and dV: half of them)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  groups: dict[Any, list[int]] = {}
+  for i, x in enumerate(leaves):
+    # Under shard_map's checks, arrays varying over different mesh axes stay apart.
+    groups.setdefault((x.dtype, jax.typeof(x).manual_axis_type), []).append(i)
+  out = list(leaves)
+  for members in groups.values():
+    if len(members) == 1:
+      out[members[0]] = send(leaves[members[0]])
+      continue
+    sent = send(jnp.concatenate([leaves[i].reshape(-1) for i in members]))
+    start = 0
+    for i in members:
+      x = leaves[i]
+      out[i] = sent[start : start + x.size].reshape(x.shape)
+      start += x.size
+  return treedef.unflatten(out)
 
 
 def _pass_forward(cfg: RingConfig, compute, kv, acc, transfers: int, shift: int):

@@ -182,9 +182,10 @@ def test_ring_order_training_step_relays_no_layer(short_shards_zigzag):
   permutes = lambda found: [n for op, n in found if op in ("collective-permute", "all-to-all")]
   shard_kv = 2 * 32 * 2 * 8 * 4  # bytes of a device's K: 2 rows x 32 tokens x 2 heads x 8
   # Both keep the ring's own transfer after its loop (dK and dV home, a K shard each,
-  # per layer); natural order adds two half shards per array (q, k, v, output) and layer,
+  # one transfer on CPU, where a ring step's arrays of one dtype travel together, per
+  # layer); natural order adds two half shards per array (q, k, v, output) and layer,
   # in the forward and in the backward.
-  assert permutes(ordered) == [shard_kv] * 2 * layers
+  assert permutes(ordered) == [2 * shard_kv] * layers
   assert len(permutes(natural)) >= len(permutes(ordered)) + 16 * layers
   # What else ring order moves outside the ring: the batch into its order (tokens,
   # targets, weights), each short convolution's chunk tails, and the gradients' sums.

@@ -12,9 +12,13 @@ by what the operation does, read from the compiled HLO:
   the only kind of work of a fusion;
 - other: everything else (elementwise updates, reductions, loop and branch bookkeeping).
 
-The table gives each category's share of the busy time, the program's rate, and the
-rate inside its matmuls (its FLOPs over the wall time times the matmul share), both as
-fractions of a 4096^3 float32 matmul on one device timed in the same run.
+An event lasts from an operation's start to its end on its device's thread, so a
+collective-permute's includes the wait for the slowest device of the ring (on CPU the
+devices meet at every transfer); the table gives the transfers' share of all events,
+and each other category's share of the rest (the compute). Beside it: the program's
+rate, and the rate of its tile matmuls alone (the same dots, of the same shapes and
+count, in a loop on every device with nothing else), both as fractions of a 4096^3
+float32 matmul on one device timed in the same run.
 
   python scripts/bench/bench_profile.py --out docs/benchmarks.md
 """
@@ -128,6 +132,48 @@ def profile(compiled, args_, kinds: dict[str, str]) -> dict[str, float]:
   return busy
 
 
+def tile_matmuls(mesh, args, backward: bool) -> float:
+  """Median seconds of the ring's tile matmuls alone: on every device, for every ring
+  step and head, the dots of every (query block, key block) tile of the library's
+  default CPU tile size (square there), two a tile in the forward loop and five in the
+  backward one, with nothing else."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jax_ring._tiles import default_tiles
+
+  p = args.devices
+  b, _ = default_tiles("cpu", p)
+  n = args.length // p // b  # blocks a shard
+  tiles = int(p * args.heads * n * n * (0.5 if args.causal else 1.0))
+  x = jax.device_put(
+    jax.random.normal(jax.random.PRNGKey(0), (p * n, b, args.head_dim)), NamedSharding(mesh, P("seq"))
+  )
+
+  def body(x):
+    block = lambda i, j: lax.dynamic_index_in_dim(x, (i + j) % n, keepdims=False)
+
+    def forward(i, acc):
+      q, k, v = block(i, 0), block(i, 1), block(i, 2)
+      return acc + (q @ k.T) @ v
+
+    def backward_tile(i, acc):  # S again, dP = dO V^T, dV = S^T dO, dQ = dP K, dK = dP^T Q
+      q, k, v, do = block(i, 0), block(i, 1), block(i, 2), block(i, 3)
+      s, dp = q @ k.T, do @ v.T
+      return acc + s.T @ do + dp @ k + dp.T @ q
+
+    acc = lax.fori_loop(0, tiles, forward, jnp.zeros((b, args.head_dim), x.dtype))
+    if backward:
+      acc = acc + lax.fori_loop(0, tiles, backward_tile, jnp.zeros_like(acc))
+    return acc[None]
+
+  run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("seq"), out_specs=P("seq")))
+  return median_time(run.lower(x).compile(), x, repeats=args.repeats)
+
+
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
   simulate_devices(args.devices)
@@ -153,8 +199,10 @@ def main(argv=None):
     f"{'causal' if args.causal else 'full'}, {args.devices} devices, library defaults. "
     f"4096^3 float32 matmul: {rate / 1e9:.1f} GFLOP/s. Shares are of the busy time summed over "
     "the devices' threads in one profiled run; rates use the median of unprofiled runs.\n",
-    "| program | s | of matmul rate | " + " | ".join(CATEGORIES) + " | s in matmuls | rate in matmuls |",
-    "|---|---|---|" + "---|" * len(CATEGORIES) + "---|---|",
+    "| program | s | of matmul rate | tile matmuls alone | transfers (waits included) | "
+    + " | ".join(c for c in CATEGORIES if c != "transfers")
+    + " |",
+    "|---|---|---|---|---|" + "---|" * (len(CATEGORIES) - 1),
   ]
   for label, (compiled, call_args, factor) in programs.items():
     kinds = categorize(compiled.as_text())
@@ -162,14 +210,12 @@ def main(argv=None):
     busy = profile(compiled, call_args, kinds)
     total = sum(busy.values()) or 1.0
     flops = fwd_flops * factor
-    # Matmul FLOPs: two dots a tile forward; the backward's five (scores recomputed)
-    # are what the 3.5x counts. The share of busy time spent in them, times the wall
-    # time, is the time the program spends in matmuls.
-    in_matmul = seconds * busy["matmul"] / total
-    shares = " | ".join(f"{busy[c] / total:.2f}" for c in CATEGORIES)
+    compute = total - busy["transfers"] or 1.0
+    shares = " | ".join(f"{busy[c] / compute:.2f}" for c in CATEGORIES if c != "transfers")
+    alone = tile_matmuls(mesh, args, backward=factor != 1.0)
     lines.append(
-      f"| {label} | {seconds:.3f} | {flops / seconds / rate:.2f} | {shares} | {in_matmul:.3f} "
-      f"| {flops / in_matmul / rate:.2f} |"
+      f"| {label} | {seconds:.3f} | {flops / seconds / rate:.2f} | {flops / alone / rate:.2f} "
+      f"| {busy['transfers'] / total:.2f} | {shares} |"
     )
     print(lines[-1], flush=True)
   return publish(lines, args.out, "profile", echo=True)

@@ -1,0 +1,98 @@
+"""Full and causal ring attention timed in interleaved rounds: each round times the
+forward and the forward+backward of both, and a 4096^3 float32 matmul on one device
+between the lengths. Reports per length the medians, each program's rate as a
+fraction of the matmul rate (forward 4*B*N*T^2*H FLOPs, half when causal;
+forward+backward 3.5x that), and causal / full for every round with the median and the
+range over the rounds.
+
+  python scripts/bench/bench_causal.py --out docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from _harness import fwd_bwd, header, inputs, matmul_rate, publish, simulate_devices
+
+from jax_ring.models import cli
+
+
+def parse_args(argv):
+  p = cli.parser(__doc__)
+  p.add_argument("--devices", type=int, default=8, help="simulated devices on the sequence axis")
+  p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768], help="sequence lengths T")
+  p.add_argument("--heads", type=int, default=8, help="query heads N (and kv heads)")
+  p.add_argument("--head-dim", type=int, default=64, help="head dim H")
+  p.add_argument("--rounds", type=int, default=5, help="interleaved rounds after a warm-up round")
+  p.add_argument("--out", default=None, help="Markdown file for the table (its 'causal' section)")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  simulate_devices(args.devices)
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jax_ring import ring_attention
+
+  mesh = jax.make_mesh((args.devices,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
+  lines = header("bench_causal.py", sys.argv[1:] if argv is None else argv, args.devices)
+  lines += [
+    f"B=1, N={args.heads}, H={args.head_dim}, float32, {args.devices} devices, library defaults; "
+    f"{args.rounds} interleaved rounds after a warm-up. Rates: fractions of the matmul timed before and "
+    "after each length (the higher).\n",
+    "| T | mask | fwd s | fwd+bwd s (min-max) | fwd / matmul | fwd+bwd / matmul |",
+    "|---|---|---|---|---|---|",
+  ]
+  ratios = []
+  for length in args.lengths:
+    shape = (1, length, args.heads, args.head_dim)
+    q, k, v, g = inputs([shape] * 4, NamedSharding(mesh, P(None, "seq")))
+    programs = {}
+    for causal in (False, True):
+      attend = lambda q, k, v, causal=causal: ring_attention(q, k, v, mesh=mesh, is_causal=causal)
+      programs[causal] = (
+        jax.jit(attend).lower(q, k, v).compile(),
+        jax.jit(fwd_bwd(attend)).lower(q, k, v, g).compile(),
+      )
+    rate = matmul_rate(3)
+    times = {causal: ([], []) for causal in programs}
+    for round_ in range(args.rounds + 1):
+      for causal, (fwd, both) in programs.items():
+        start = time.perf_counter()
+        jax.block_until_ready(fwd(q, k, v))
+        middle = time.perf_counter()
+        jax.block_until_ready(both(q, k, v, g))
+        end = time.perf_counter()
+        if round_:
+          times[causal][0].append(middle - start)
+          times[causal][1].append(end - middle)
+      print(length, round_, {c: (t[0][-1:], t[1][-1:]) for c, t in times.items()}, flush=True)
+    rate = max(rate, matmul_rate(3))
+    for causal, (fwd, both) in times.items():
+      flops = 4 * length**2 * args.heads * args.head_dim * (0.5 if causal else 1.0)
+      f, b = float(np.median(fwd)), float(np.median(both))
+      mask = "causal" if causal else "full"
+      lines.append(
+        f"| {length} | {mask} | {f:.3f} | {b:.3f} ({min(both):.3f}-{max(both):.3f}) "
+        f"| {flops / f / rate:.2f} | {3.5 * flops / b / rate:.2f} |"
+      )
+    per_round = [c / f for c, f in zip(times[True][1], times[False][1])]
+    ratios.append((length, per_round))
+    print(lines[-2], lines[-1], sep="\n", flush=True)
+  lines += ["", "Causal / full forward+backward, round by round:", ""]
+  lines += ["| T | each round | median | range |", "|---|---|---|---|"]
+  for length, per_round in ratios:
+    each = ", ".join(f"{r:.3f}" for r in per_round)
+    lines.append(
+      f"| {length} | {each} | {float(np.median(per_round)):.3f} | {min(per_round):.3f}-{max(per_round):.3f} |"
+    )
+  return publish(lines, args.out, "causal", echo=True)
+
+
+if __name__ == "__main__":
+  main()
