@@ -165,7 +165,7 @@ def tile_matmuls(mesh, args, backward: bool) -> float:
       s, dp = q @ k.T, do @ v.T
       return acc + s.T @ do + dp @ k + dp.T @ q
 
-    acc = lax.fori_loop(0, tiles, forward, jnp.zeros((b, args.head_dim), x.dtype))
+    acc = lax.fori_loop(0, tiles, forward, jnp.zeros_like(x[0]))  # varies over the ring, as x
     if backward:
       acc = acc + lax.fori_loop(0, tiles, backward_tile, jnp.zeros_like(acc))
     return acc[None]
