@@ -213,3 +213,14 @@ def test_ring_order_generation_and_refusals(short_shards_zigzag):
   assert DecoderLM(CONFIG, mesh=mesh, rngs=nnx.Rngs(0)).ring_layout(132) is None  # auto: natural order
   with pytest.raises(ValueError, match=r"logits_order='zigzag' must be 'natural' or 'ring'"):
     model(tokens, logits_order="zigzag")
+
+
+def test_ring_order_with_the_ulysses_hybrid(short_shards_zigzag):
+  """Sequence over ("seq", "u") = 4 x 2: the ring's order over the 4 ring devices."""
+  mesh = train_mesh(1, 4, 2)
+  config = dataclasses.replace(CONFIG, ulysses_axis="u")
+  ordered = DecoderLM(config, mesh=mesh, rngs=nnx.Rngs(0))
+  natural = DecoderLM(dataclasses.replace(config, ring_order=False), mesh=mesh, rngs=nnx.Rngs(0))
+  assert ordered.ring_layout(128) == "zigzag"
+  batch = _batch(128)
+  _assert_same_step(_step(ordered, *batch), _step(natural, *batch), 1e-6)
