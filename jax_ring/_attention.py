@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -380,7 +379,7 @@ def global_impl(
   u = 1 if gc.ulysses_axis is None else mesh.shape[gc.ulysses_axis]
   t, s = query.shape[1], key.shape[1]
   # Every device gets an equal piece, and each ring shard (u pieces) suits the layout.
-  m = math.lcm(layouts.multiple(gc.layout, p), p * u)
+  m = layouts.multiple(gc.layout, p, u)
   padded_t, padded_s = (-(-n // m) * m for n in (t, s))
   if padded_t != t:
     query = pad_seq(query, padded_t - t)
@@ -495,7 +494,7 @@ def _check_token_order(token_order, layout: str, t: int, s: int, p: int, u: int)
     return False
   if token_order != "layout":
     raise ValueError(f"token_order={token_order!r} must be 'natural' or 'layout'")
-  m = math.lcm(layouts.multiple(layout, p), p * u)
+  m = layouts.multiple(layout, p, u)
   for name, n in (("query", t), ("key/value", s)):
     if n % m:
       raise ValueError(
@@ -613,7 +612,7 @@ def ring_attention(
       of `seq_axis`, and the output comes back in it: nothing moves. A model that runs
       every layer on that order permutes its tokens once (`models.DecoderLM` does).
       T and S must then be multiples of what the layout needs (`layouts.multiple`,
-      times the Ulysses axis' size), since padding would break the order; masks and
+      with the Ulysses axis' size), since padding would break the order; masks and
       modifiers still see global positions.
     mask, bias: not accepted (a ValueError that names what to use instead): a dense
       [B, N, T, S] matrix is what ring attention never builds. The masks it usually

@@ -20,6 +20,8 @@ token_order="layout")`, which then moves nothing but the ring's K/V
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -49,15 +51,17 @@ def resolve(layout: str, is_causal: bool, shard_len: int | None = None) -> str:
       raise ValueError(f"Unsupported layout={layout!r}; expected 'auto' or one of {LAYOUTS}")
 
 
-def multiple(layout: str, num_shards: int) -> int:
-  """The total length must be a multiple of this for the layout."""
+def multiple(layout: str, num_shards: int, pieces: int = 1) -> int:
+  """The total length must be a multiple of this for the layout; `pieces`: each ring
+  shard is further split over that many devices (the Ulysses axis), each an equal part."""
   match resolve(layout, False):
     case "contiguous":
-      return num_shards
+      base = num_shards
     case "zigzag":
-      return 2 * num_shards
+      base = 2 * num_shards
     case "striped":
-      return num_shards * num_shards
+      base = num_shards * num_shards
+  return math.lcm(base, num_shards * pieces)
 
 
 def padded_length(layout: str, length: int, num_shards: int) -> int:
@@ -67,27 +71,19 @@ def padded_length(layout: str, length: int, num_shards: int) -> int:
 
 def positions(layout: str, num_shards: int, shard_len: int) -> np.ndarray:
   """Global positions held by each device: int array [num_shards, shard_len] (NumPy,
-  so usable under a trace; `shard_positions` for one device, traced or not)."""
-  offsets = np.arange(shard_len)
-  index = np.arange(num_shards)[:, None]
-  match resolve(layout, False):
-    case "contiguous":
-      return index * shard_len + offsets
-    case "striped":
-      return offsets * num_shards + index
-    case "zigzag":
-      if shard_len % 2:
-        raise ValueError(f"zigzag layout needs an even shard length, got shard_len={shard_len}")
-      half = shard_len // 2
-      return np.concatenate(
-        [index * half + offsets[:half], (2 * num_shards - 1 - index) * half + offsets[:half]], 1
-      )
+  so usable under a trace)."""
+  return _positions(np, layout, np.arange(num_shards, dtype=np.int32)[:, None], shard_len, num_shards)
 
 
 def shard_positions(layout: str, index, shard_len: int, num_shards: int):
   """Global positions of the tokens on device `index` (a Python int or a traced scalar)."""
-  offsets = jnp.arange(shard_len, dtype=jnp.int32)
-  index = jnp.asarray(index, dtype=jnp.int32)
+  return _positions(jnp, layout, jnp.asarray(index, dtype=jnp.int32), shard_len, num_shards)
+
+
+def _positions(xp, layout: str, index, shard_len: int, num_shards: int):
+  """The layout's positions of device(s) `index` (broadcast against the offsets), in
+  NumPy or jax.numpy (`xp`)."""
+  offsets = xp.arange(shard_len, dtype=xp.int32)
   match resolve(layout, False):
     case "contiguous":
       return index * shard_len + offsets
@@ -99,7 +95,7 @@ def shard_positions(layout: str, index, shard_len: int, num_shards: int):
       half = shard_len // 2
       first = index * half + offsets[:half]
       second = (2 * num_shards - 1 - index) * half + offsets[:half]
-      return jnp.concatenate([first, second])
+      return xp.concatenate([first, second], axis=-1)
 
 
 def permutation(layout: str, length: int, num_shards: int) -> np.ndarray:

@@ -7,7 +7,6 @@ Legend: B batch, T sequence length, D model width, V vocabulary size.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -372,7 +371,7 @@ class DecoderLM(nnx.Module):
     p = mesh.shape[seq_axis]
     u = 1 if config.ulysses_axis is None else mesh.shape[config.ulysses_axis]
     layout = layouts.resolve("auto", True, shard_len=-(-length // p))
-    multiple = math.lcm(layouts.multiple(layout, p), p * u)
+    multiple = layouts.multiple(layout, p, u)
     if layout == "contiguous":  # short shards: the ring's order is the natural one
       return None
     problem = None

@@ -17,9 +17,11 @@ from jax_ring.models.runtime import simulate_devices
 
 __all__ = [
   "Measured",
+  "add_lm_args",
   "fwd_bwd",
   "header",
   "inputs",
+  "lm_config",
   "matmul_rate",
   "measure",
   "median_time",
@@ -63,6 +65,35 @@ def matmul_rate(repeats: int, stat=None, size: int = 4096) -> float:
   a = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32), jax.devices()[0])
   samples = run_times(jax.jit(lambda x: x @ x), a, repeats=max(repeats, 3))
   return 2 * size**3 / float((stat or np.median)(samples))
+
+
+def add_lm_args(parser) -> None:
+  """The options of a DecoderLM benchmark: devices, width, layers, heads, kv heads,
+  vocabulary, batch."""
+  parser.add_argument("--devices", type=int, default=8, help="simulated devices on the sequence axis")
+  parser.add_argument("--dim", type=int, default=256, help="model width")
+  parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+  parser.add_argument("--heads", type=int, default=4, help="query heads")
+  parser.add_argument("--kv-heads", type=int, default=2, help="kv heads")
+  parser.add_argument("--vocab", type=int, default=256, help="vocabulary size")
+  parser.add_argument("--batch", type=int, default=1, help="batch size")
+
+
+def lm_config(args, **fields):
+  """The `LMConfig` of `add_lm_args`' options (MLP 4 x width, ring attention), with
+  `fields` changed."""
+  from jax_ring.models import LMConfig
+
+  return LMConfig(
+    vocab_size=args.vocab,
+    dim=args.dim,
+    num_layers=args.layers,
+    num_heads=args.heads,
+    num_kv_heads=args.kv_heads,
+    mlp_hidden=4 * args.dim,
+    attention="ring",
+    **fields,
+  )
 
 
 def fwd_bwd(attend):

@@ -15,20 +15,14 @@ from __future__ import annotations
 import sys
 import time
 
-from _harness import header, memory_mib, publish, simulate_devices
+from _harness import add_lm_args, header, lm_config, memory_mib, publish, simulate_devices
 
 from jax_ring.models import cli
 
 
 def parse_args(argv):
   p = cli.parser(__doc__)
-  p.add_argument("--devices", type=int, default=8, help="simulated devices on the sequence axis")
-  p.add_argument("--dim", type=int, default=256, help="model width")
-  p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-  p.add_argument("--heads", type=int, default=4, help="query heads")
-  p.add_argument("--kv-heads", type=int, default=2, help="kv heads")
-  p.add_argument("--vocab", type=int, default=256, help="vocabulary size")
-  p.add_argument("--batch", type=int, default=1, help="batch size")
+  add_lm_args(p)
   p.add_argument(
     "--budget-mib", type=float, default=1024.0, help="per-device memory budget the longest sequence must fit"
   )
@@ -47,23 +41,11 @@ def step_memory(args, seq_len: int, remat: bool, scan: bool, policy="float32", d
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jax_ring.models import DecoderLM, LMConfig
+  from jax_ring.models import DecoderLM
   from jax_ring.models.training import make_mesh
 
   mesh = make_mesh(1, args.devices)
-  cfg = LMConfig(
-    vocab_size=args.vocab,
-    dim=args.dim,
-    num_layers=args.layers,
-    num_heads=args.heads,
-    num_kv_heads=args.kv_heads,
-    mlp_hidden=4 * args.dim,
-    attention="ring",
-    policy=policy,
-    dtype=dtype,
-    remat=remat,
-    scan_layers=scan,
-  )
+  cfg = lm_config(args, policy=policy, dtype=dtype, remat=remat, scan_layers=scan)
   abstract = nnx.eval_shape(lambda: DecoderLM(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(abstract, nnx.Param)
   tx = optax.adamw(1e-3)

@@ -21,21 +21,15 @@ from __future__ import annotations
 import sys
 import time
 
-from _harness import header, matmul_rate, memory_mib, publish, simulate_devices
+from _harness import add_lm_args, header, lm_config, matmul_rate, memory_mib, publish, simulate_devices
 
 from jax_ring.models import cli
 
 
 def parse_args(argv):
   p = cli.parser(__doc__)
-  p.add_argument("--devices", type=int, default=8, help="simulated devices on the sequence axis")
+  add_lm_args(p)
   p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768], help="sequence lengths")
-  p.add_argument("--dim", type=int, default=256, help="model width")
-  p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-  p.add_argument("--heads", type=int, default=4, help="query heads")
-  p.add_argument("--kv-heads", type=int, default=2, help="kv heads")
-  p.add_argument("--vocab", type=int, default=256, help="vocabulary size")
-  p.add_argument("--batch", type=int, default=1, help="batch size")
   p.add_argument("--rounds", type=int, default=3, help="timed steps of each model, interleaved")
   p.add_argument("--out", default=None, help="Markdown file for the table (its 'lm-order' section)")
   return p.parse_args(argv)
@@ -50,21 +44,11 @@ def build_step(args, seq_len: int, ring_order: bool):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jax_ring.models import DecoderLM, LMConfig
+  from jax_ring.models import DecoderLM
   from jax_ring.models.training import loss_and_accuracy, make_mesh, replicate
 
   mesh = make_mesh(1, args.devices)
-  cfg = LMConfig(
-    vocab_size=args.vocab,
-    dim=args.dim,
-    num_layers=args.layers,
-    num_heads=args.heads,
-    num_kv_heads=args.kv_heads,
-    mlp_hidden=4 * args.dim,
-    attention="ring",
-    policy="float32",
-    ring_order=ring_order,
-  )
+  cfg = lm_config(args, policy="float32", ring_order=ring_order)
   model = DecoderLM(cfg, mesh=mesh, rngs=nnx.Rngs(0))
   if ring_order and model.ring_layout(seq_len) is None:
     raise SystemExit(f"T={seq_len}: the ring runs contiguous on {args.devices} devices; nothing to compare")
