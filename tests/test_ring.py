@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ring
 from jax_ring import reference_attention, ring_attention
 from jax_ring._kernel import MaskSpec, block_bounds, block_mask, tile_class
+from jax_ring.hlo import ring_overlap
 
 TOL = 1e-5
 SMALL_BLOCKS = jax_ring.BlockSizes(block_q=8, block_kv=16, kv_heads=1)  # several passes per call
@@ -162,6 +163,45 @@ def test_hlo_uses_only_collective_permute(options):
   assert "collective-permute" in text
   for op in ("all-gather", "all-to-all", "reduce-scatter"):
     assert op not in text, f"{op} in the compiled ring attention"
+
+
+def test_cpu_ring_step_meets_once_per_transfer():
+  """On CPU every collective-permute is a meeting of all the ring's devices, so a ring
+  step sends what it holds as one bundle: K, V, their int32 positions and segment ids
+  in the forward; the same, then the step's dK and dV, in the backward."""
+  mesh = make_mesh((4,), ("seq",))
+  sds = jax.ShapeDtypeStruct((1, 64, 4, 16), jnp.float32)
+  options = {"is_causal": True, "segment_ids": padded_segments(1, 64)}
+  attend = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, **options)
+  forward = jax.jit(attend).lower(sds, sds, sds).compile()
+  assert [step.synchronous for step in ring_overlap(forward)] == [1]
+  both = _compiled_fwd_bwd(mesh, 64, heads=4, head_dim=16, **options)
+  assert sorted(step.synchronous for step in ring_overlap(both)) == [1, 2]
+
+
+def test_bundled_transfer_is_bit_exact():
+  """What `_bundled` joins and splits comes back bit for bit, whatever the dtypes:
+  NaN payloads, -0.0, bfloat16 beside int32 (sent as uint16 pairs), booleans apart."""
+  mesh = make_mesh((4,), ("seq",))
+  bits = np.array([0x7FC00001, 0xFFC12345, 0x80000000, 0x7F800000], np.uint32)
+  tree = {
+    "f32": jnp.tile(jnp.asarray(bits.view(np.float32)), 8).reshape(4, 8),
+    "bf16": jnp.arange(4 * 6, dtype=jnp.bfloat16).reshape(4, 6) - 3,
+    "i32": jnp.arange(4 * 3, dtype=jnp.int32).reshape(4, 3) * -7,
+    "flag": jnp.arange(4 * 5).reshape(4, 5) % 3 == 0,
+  }
+  perm = jax_ring._ring.ring_permutation(4, 1)
+  send = lambda x: jax.lax.ppermute(x, "seq", perm)
+  spec = jax.tree.map(lambda _: P("seq"), tree)
+  tree = jax.device_put(tree, NamedSharding(mesh, P("seq")))
+  moved = jax.jit(
+    jax.shard_map(lambda t: jax_ring._ring._bundled(t, send), mesh=mesh, in_specs=(spec,), out_specs=spec)
+  )(tree)
+  for name, x in tree.items():
+    expected = np.roll(np.asarray(x), 1, axis=0)
+    got = np.asarray(moved[name])
+    assert got.dtype == expected.dtype, name
+    assert got.tobytes() == expected.tobytes(), name
 
 
 def test_memory_per_device_is_linear_and_divided_by_devices():
