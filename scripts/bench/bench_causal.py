@@ -1,7 +1,10 @@
 """Full and causal ring attention timed in interleaved rounds: each round times the
-forward and the forward+backward of both, and a 4096^3 float32 matmul on one device
-between the lengths. Reports per length the medians, each program's rate as a
-fraction of the matmul rate (forward 4*B*N*T^2*H FLOPs, half when causal;
+forward and the forward+backward of each, and a 4096^3 float32 matmul on one device
+between the lengths. Causal runs twice: on inputs in natural order, which the call
+relays into the zigzag layout and its output back (`token_order="natural"`, the
+default), and on inputs already in that layout (`token_order="layout"`, what
+`models.DecoderLM` runs by default). Reports per length the medians, each program's
+rate as a fraction of the matmul rate (forward 4*B*N*T^2*H FLOPs, half when causal;
 forward+backward 3.5x that), and causal / full for every round with the median and the
 range over the rounds.
 
@@ -16,6 +19,10 @@ import time
 from _harness import fwd_bwd, header, inputs, matmul_rate, publish, simulate_devices
 
 from jax_ring.models import cli
+
+# (row label, is_causal, token_order); "layout" takes the operands permuted into the
+# zigzag layout once, outside the timed programs.
+MASKS = (("full", False, "natural"), ("causal", True, "natural"), ("causal, ring order", True, "layout"))
 
 
 def parse_args(argv):
@@ -37,7 +44,7 @@ def main(argv=None):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jax_ring import ring_attention
+  from jax_ring import layouts, ring_attention
 
   mesh = jax.make_mesh((args.devices,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
   lines = header("bench_causal.py", sys.argv[1:] if argv is None else argv, args.devices)
@@ -51,45 +58,52 @@ def main(argv=None):
   ratios = []
   for length in args.lengths:
     shape = (1, length, args.heads, args.head_dim)
-    q, k, v, g = inputs([shape] * 4, NamedSharding(mesh, P(None, "seq")))
+    sharding = NamedSharding(mesh, P(None, "seq"))
+    q, k, v, g = inputs([shape] * 4, sharding)
+    zigzag = [jax.device_put(layouts.to_layout(x, "zigzag", args.devices), sharding) for x in (q, k, v, g)]
     programs = {}
-    for causal in (False, True):
-      attend = lambda q, k, v, causal=causal: ring_attention(q, k, v, mesh=mesh, is_causal=causal)
-      programs[causal] = (
-        jax.jit(attend).lower(q, k, v).compile(),
-        jax.jit(fwd_bwd(attend)).lower(q, k, v, g).compile(),
+    for mask, causal, order in MASKS:
+      attend = lambda q, k, v, causal=causal, order=order: ring_attention(
+        q, k, v, mesh=mesh, is_causal=causal, token_order=order
+      )
+      x = zigzag if order == "layout" else (q, k, v, g)
+      programs[mask] = (
+        jax.jit(attend).lower(*x[:3]).compile(),
+        jax.jit(fwd_bwd(attend)).lower(*x).compile(),
+        x,
+        causal,
       )
     rate = matmul_rate(3)
-    times = {causal: ([], []) for causal in programs}
+    times = {mask: ([], []) for mask in programs}
     for round_ in range(args.rounds + 1):
-      for causal, (fwd, both) in programs.items():
+      for mask, (fwd, both, x, _) in programs.items():
         start = time.perf_counter()
-        jax.block_until_ready(fwd(q, k, v))
+        jax.block_until_ready(fwd(*x[:3]))
         middle = time.perf_counter()
-        jax.block_until_ready(both(q, k, v, g))
+        jax.block_until_ready(both(*x))
         end = time.perf_counter()
         if round_:
-          times[causal][0].append(middle - start)
-          times[causal][1].append(end - middle)
+          times[mask][0].append(middle - start)
+          times[mask][1].append(end - middle)
       print(length, round_, {c: (t[0][-1:], t[1][-1:]) for c, t in times.items()}, flush=True)
     rate = max(rate, matmul_rate(3))
-    for causal, (fwd, both) in times.items():
-      flops = 4 * length**2 * args.heads * args.head_dim * (0.5 if causal else 1.0)
+    for mask, (fwd, both) in times.items():
+      flops = 4 * length**2 * args.heads * args.head_dim * (0.5 if programs[mask][3] else 1.0)
       f, b = float(np.median(fwd)), float(np.median(both))
-      mask = "causal" if causal else "full"
       lines.append(
         f"| {length} | {mask} | {f:.3f} | {b:.3f} ({min(both):.3f}-{max(both):.3f}) "
         f"| {flops / f / rate:.2f} | {3.5 * flops / b / rate:.2f} |"
       )
-    per_round = [c / f for c, f in zip(times[True][1], times[False][1])]
-    ratios.append((length, per_round))
-    print(lines[-2], lines[-1], sep="\n", flush=True)
+      if mask != "full":
+        ratios.append((length, mask, [c / f for c, f in zip(times[mask][1], times["full"][1])]))
+    print(*lines[-len(programs) :], sep="\n", flush=True)
   lines += ["", "Causal / full forward+backward, round by round:", ""]
-  lines += ["| T | each round | median | range |", "|---|---|---|---|"]
-  for length, per_round in ratios:
+  lines += ["| T | causal | each round | median | range |", "|---|---|---|---|---|"]
+  for length, mask, per_round in ratios:
     each = ", ".join(f"{r:.3f}" for r in per_round)
     lines.append(
-      f"| {length} | {each} | {float(np.median(per_round)):.3f} | {min(per_round):.3f}-{max(per_round):.3f} |"
+      f"| {length} | {mask} | {each} | {float(np.median(per_round)):.3f} "
+      f"| {min(per_round):.3f}-{max(per_round):.3f} |"
     )
   return publish(lines, args.out, "causal", echo=True)
 
