@@ -25,6 +25,16 @@ import jax.numpy as jnp
 # ran 1.2 to 1.8x faster than 256 x 256.
 SHARED_CORE_TILES = (256, 256)
 TILES = (1024, 512)
+# On shared cores, a shard (not split into zigzag halves) of more than 256 and at most
+# SHARED_CORE_WHOLE_Q tokens, a multiple of SHARED_CORE_SHORT_KV, is one query block
+# against key blocks of SHARED_CORE_SHORT_KV: no tile then copies a query block, its
+# accumulators or (backward) its residuals out of the shard. Full attention on 8
+# devices of a 2-core CPU, against 256 x 256 in interleaved runs: T=8192 (1024 x 128)
+# 0.93-0.99x the time forward and 0.93-0.97x forward+backward over four runs, T=4096
+# (512 x 128) 0.96x and 0.95x; with the query side split (T=32768: 1024 x 128, T=2048:
+# 256 x 128, causal halves: 512 x 128) it was level or slower, so those keep 256 x 256.
+SHARED_CORE_WHOLE_Q = 1024
+SHARED_CORE_SHORT_KV = 128
 MIN_AUTO_TILE = 256
 # Smallest automatic block that divides a shard exactly (below it, the shard is padded).
 MIN_EXACT_TILE = 128
@@ -74,9 +84,11 @@ class BlockSizes:
 
   No score tile larger than [block_q x block_kv] exists per head. None (the default)
   picks per call (`default_tiles`): 256 x 256 on a CPU mesh with more devices than
-  cores, else 1024 x 512; then the largest divisor of the local length up to that size
-  (a multiple of 8, at least 128), or, where there is none, the size halved (not below
-  256) until it divides the length rounded up to 256; then halved (not below 128)
+  cores (there a shard of 257 to 1024 tokens, a multiple of 128, not in zigzag halves,
+  is one query block against key blocks of 128), else 1024 x 512; then the largest
+  divisor of the local length up to that size (a multiple of 8, at least 128), or,
+  where there is none, the size halved (not below 256) until it divides the length
+  rounded up to 256; then halved (not below 128)
   while a score tile (batch x query heads of a pass x block_q x block_kv) is over
   TILE_ELEMENTS.
   """
@@ -171,6 +183,11 @@ def local_blocks(
 
   halves = layout == "zigzag" and length % 2 == 0
   unit = length // 2 if halves else length
+  shared = (auto_q, auto_kv) == SHARED_CORE_TILES
+  if (
+    shared and not halves and MIN_AUTO_TILE < unit <= SHARED_CORE_WHOLE_Q and unit % SHARED_CORE_SHORT_KV == 0
+  ):
+    auto_q, auto_kv = unit, SHARED_CORE_SHORT_KV
   exact = [
     b if b is not None else _exact_block(unit, a) for b, a in ((bs.block_q, auto_q), (bs.block_kv, auto_kv))
   ]

@@ -262,6 +262,18 @@ def test_tiles_chosen_by_devices_per_core():
   assert local_blocks(1000, jax_ring.BlockSizes(block_q=8), devices=1) == (1000, 8, 200)
   assert local_blocks(700, bs, devices=1) == (768, 768, 256)  # no such divisor of 700: padded
   assert local_blocks(4096, bs, devices=10**6) == (4096, 256, 256)
+  # Shared cores, a shard of 257 to 1024 tokens (a multiple of 128, not in halves): one
+  # query block, key blocks of 128.
+  shared = lambda length, layout=None: local_blocks(length, bs, devices=10**6, layout=layout)
+  assert [shared(t) for t in (1024, 512, 384, 256, 1000, 2048)] == [
+    (1024, 1024, 128),
+    (512, 512, 128),
+    (384, 384, 128),
+    (256, 256, 256),
+    (1000, 200, 200),
+    (2048, 256, 256),
+  ]
+  assert shared(1024, "zigzag") == (1024, 256, 256)
   # zigzag: blocks within a half, so causal tiles can be skipped
   assert local_blocks(256, bs, devices=10**6, layout="zigzag") == (256, 128, 128)
   assert local_blocks(1024, bs, devices=1, layout="zigzag") == (1024, 512, 512)
