@@ -58,10 +58,17 @@ PASS_TOKENS = 4096
 GPU_PASS_TOKENS = 32768
 
 
-def default_tiles(platform: str, devices: int, cores: int | None = None) -> tuple[int, int]:
-  """(block_q, block_kv) for `devices` running at once on `platform`."""
+def default_tiles(
+  platform: str, devices: int, cores: int | None = None, unit: int | None = None
+) -> tuple[int, int]:
+  """(block_q, block_kv) for `devices` running at once on `platform`; `unit`: the
+  shard length the blocks divide, when it is not split into zigzag halves."""
   cores = (os.cpu_count() or 1) if cores is None else cores
-  return SHARED_CORE_TILES if platform == "cpu" and devices > cores else TILES
+  if platform != "cpu" or devices <= cores:
+    return TILES
+  if unit is not None and MIN_AUTO_TILE < unit <= SHARED_CORE_WHOLE_Q and unit % SHARED_CORE_SHORT_KV == 0:
+    return unit, SHARED_CORE_SHORT_KV
+  return SHARED_CORE_TILES
 
 
 def mesh_platform() -> str:
@@ -179,15 +186,9 @@ def local_blocks(
   if devices is None:
     mesh = jax.sharding.get_abstract_mesh()
     devices = 1 if mesh.empty else devices_here(mesh.size)
-  auto_q, auto_kv = default_tiles(mesh_platform(), devices)
-
   halves = layout == "zigzag" and length % 2 == 0
   unit = length // 2 if halves else length
-  shared = (auto_q, auto_kv) == SHARED_CORE_TILES
-  if (
-    shared and not halves and MIN_AUTO_TILE < unit <= SHARED_CORE_WHOLE_Q and unit % SHARED_CORE_SHORT_KV == 0
-  ):
-    auto_q, auto_kv = unit, SHARED_CORE_SHORT_KV
+  auto_q, auto_kv = default_tiles(mesh_platform(), devices, unit=None if halves else unit)
   exact = [
     b if b is not None else _exact_block(unit, a) for b, a in ((bs.block_q, auto_q), (bs.block_kv, auto_kv))
   ]

@@ -249,6 +249,7 @@ def test_tiles_chosen_by_devices_per_core():
   from jax_ring._tiles import default_tiles, fit_tile_budget, local_blocks
 
   assert default_tiles("cpu", 8, cores=2) == (256, 256)  # simulated devices share cores
+  assert default_tiles("cpu", 8, cores=2, unit=1024) == (1024, 128)
   assert default_tiles("cpu", 2, cores=2) == default_tiles("gpu", 8, cores=2) == (1024, 512)
   bs = jax_ring.BlockSizes()
   fits = lambda length: local_blocks(length, bs, devices=1)  # a device has its own cores

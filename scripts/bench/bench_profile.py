@@ -135,37 +135,41 @@ def profile(compiled, args_, kinds: dict[str, str]) -> dict[str, float]:
 def tile_matmuls(mesh, args, backward: bool) -> float:
   """Median seconds of the ring's tile matmuls alone: on every device, for every ring
   step and head, the dots of every (query block, key block) tile of the library's
-  default CPU tile size (square there), two a tile in the forward loop and five in the
-  backward one, with nothing else."""
+  default blocks for the shard (`local_blocks`; zigzag halves when causal), two a
+  tile in the forward loop and five in the backward one, with nothing else."""
   import jax
   import jax.numpy as jnp
   from jax import lax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jax_ring._tiles import default_tiles
+  from jax_ring import BlockSizes
+  from jax_ring._tiles import local_blocks
 
   p = args.devices
-  b, _ = default_tiles("cpu", p)
-  n = args.length // p // b  # blocks a shard
-  tiles = int(p * args.heads * n * n * (0.5 if args.causal else 1.0))
+  shard = args.length // p
+  _, bq, bk = local_blocks(shard, BlockSizes(), devices=p, layout="zigzag" if args.causal else None)
+  n = max(shard // bq, shard // bk)  # blocks a shard, of the longer kind
+  tiles = int(p * args.heads * (shard // bq) * (shard // bk) * (0.5 if args.causal else 1.0))
   x = jax.device_put(
-    jax.random.normal(jax.random.PRNGKey(0), (p * n, b, args.head_dim)), NamedSharding(mesh, P("seq"))
+    jax.random.normal(jax.random.PRNGKey(0), (p * n, max(bq, bk), args.head_dim)),
+    NamedSharding(mesh, P("seq")),
   )
 
   def body(x):
-    block = lambda i, j: lax.dynamic_index_in_dim(x, (i + j) % n, keepdims=False)
+    def block(i, j, rows):
+      return lax.dynamic_index_in_dim(x, (i + j) % n, keepdims=False)[:rows]
 
     def forward(i, acc):
-      q, k, v = block(i, 0), block(i, 1), block(i, 2)
+      q, k, v = block(i, 0, bq), block(i, 1, bk), block(i, 2, bk)
       return acc + (q @ k.T) @ v
 
     def backward_tile(i, acc):  # S again, dP = dO V^T, dV = S^T dO, dQ = dP K, dK = dP^T Q
-      q, k, v, do = block(i, 0), block(i, 1), block(i, 2), block(i, 3)
+      q, k, v, do = block(i, 0, bq), block(i, 1, bk), block(i, 2, bk), block(i, 3, bq)
       s, dp = q @ k.T, do @ v.T
-      return acc + s.T @ do + dp @ k + dp.T @ q
+      return acc + (s.T @ do).sum() + dp @ k + (dp.T @ q).sum()
 
-    acc = lax.fori_loop(0, tiles, forward, jnp.zeros_like(x[0]))  # varies over the ring, as x
+    acc = lax.fori_loop(0, tiles, forward, jnp.zeros((bq, args.head_dim), x.dtype) + 0 * x[0, 0])
     if backward:
       acc = acc + lax.fori_loop(0, tiles, backward_tile, jnp.zeros_like(acc))
     return acc[None]
