@@ -175,8 +175,22 @@ def _unless(hidden, visit, carry):
   return visit(carry) if hidden is None else lax.cond(hidden, lambda c: c, visit, carry)
 
 
+def _skip_hidden(has_range: bool, has_seg: bool, hidden, visit, carry):
+  """`_unless` where the loop has no range, or segment ids can hide tiles inside it;
+  else visit(carry): a range from positions leaves out the hidden tiles at either end,
+  a tile inside it is computed and masked (exact), and the loop, without a branch,
+  stays software-pipelined (a branch around the loads made Triton's causal kernels on
+  an H100 no faster than full attention)."""
+  if has_range and not has_seg:
+    return visit(carry)
+  return _unless(hidden, visit, carry)
+
+
 def _mask(spec: MaskSpec, qp, kp, qs, ks):
-  """bool [bq, bk]: which keys each query sees (positions, padding, segment ids)."""
+  """bool [bq, bk]: which keys each query sees (positions, padding, segment ids), or
+  None when no mask applies (full attention without padding)."""
+  if not spec.positional and qs is None:
+    return None
   return mask_of(
     spec, qp[:, None], kp[None, :], None if qs is None else qs[:, None], None if ks is None else ks[None, :]
   )
@@ -197,8 +211,68 @@ def mask_of(spec: MaskSpec, qp, kp, qs, ks):
 
 
 _BIG = jnp.iinfo(jnp.int32).max
-# Triton, not Mosaic GPU (pallas_call's default GPU lowering in jax 0.10).
-_TRITON = pl_triton.CompilerParams(num_warps=4, num_stages=2)
+_LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """How one Triton kernel tiles its program: `rows` of the block a program holds (query
+  rows for the forward and dq, key rows for dk/dv), `step` rows of the other side per
+  loop iteration, and Triton's `num_warps` and `num_stages` (software pipelining)."""
+
+  rows: int
+  step: int
+  num_warps: int
+  num_stages: int
+
+  def blocks(self, rows: int, step: int) -> tuple[int, int]:
+    """(rows, step) no larger than the ring's blocks, which they then divide (all are
+    powers of two)."""
+    return min(self.rows, rows), min(self.step, step)
+
+  def params(self):
+    # Triton, not Mosaic GPU (pallas_call's default GPU lowering since jax 0.10).
+    return pl_triton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """The Triton launch of each kernel (`forward`, `dq`, `dkv`), and whether the
+  softmax exponentials run as exp2 of log2(e)-scaled scores (the GPU's native ex2
+  instruction, as FlashAttention's Triton kernels do) rather than libdevice's expf."""
+
+  forward: Launch
+  dq: Launch
+  dkv: Launch
+  exp2: bool = True
+
+
+def tuning_for(dtype, head_dim: int) -> Tuning:
+  """The Triton launches for a compute dtype and head dim: the fastest of the launches
+  timed on an H100 (scripts/bench/bench_triton.py, docs/benchmarks.md) at head dims 64
+  and 128 in bfloat16, and smaller blocks where rows are wider, to stay within the
+  227 KiB of shared memory a block may use (float32 at 128 x 128 asked for 257 KiB)."""
+  row = jnp.dtype(dtype).itemsize * head_dim  # bytes of one row of q, k or v
+  grads = Launch(64, 64, 4, 2)  # dq and dk/dv at both head dims timed
+  if row <= 128:  # bfloat16/float16 up to H=64, float32 up to H=32
+    return Tuning(Launch(128, 64, 8, 3), grads, grads)
+  if row <= 256:  # H=128 in 16 bits, H=64 in float32
+    return Tuning(Launch(128, 64, 4, 2), grads, grads)
+  if row <= 512:
+    return Tuning(grads, grads, grads)
+  small = Launch(32, 32, 4, 1)  # float32 at H=256
+  return Tuning(small, small, small)
+
+
+def _tuning(tuning, dtype, head_dim: int, interpret) -> Tuning:
+  """`tuning`, else the compiled kernels' defaults; interpreted (CPU), the ring's own
+  blocks in one iteration each (as few interpreted steps as possible) unless asked."""
+  if tuning is not None:
+    return tuning
+  if interpret:
+    whole = Launch(1 << 30, 1 << 30, 4, 1)
+    return Tuning(whole, whole, whole, exp2=False)
+  return tuning_for(dtype, head_dim)
 
 
 def _key_bounds(kp, ks):
@@ -218,10 +292,58 @@ def _ids(pos_ref, seg_ref, window):
   return pos_ref[window], None if seg_ref is None else seg_ref[window]
 
 
-def _loop(n: int, body, init):
+def _loop(n: int, body, init, range_ref=None):
   """fori_loop over int32 indices, also under jax_enable_x64 (Triton and the int32
-  block arithmetic want them)."""
-  return lax.fori_loop(jnp.int32(0), jnp.int32(n), body, init)
+  block arithmetic want them): over [0, n), or over the program's [first, end) from
+  `range_ref` (`_ranges`), a loop with dynamic bounds that Triton still pipelines."""
+  if range_ref is None:
+    return lax.fori_loop(jnp.int32(0), jnp.int32(n), body, init)
+  return lax.fori_loop(range_ref[0], range_ref[1], body, init)
+
+
+def _block_bounds(pos, seg, block: int, keys: bool, programs: bool):
+  """`_key_bounds` (`keys`) or `_query_bounds` of every block of `block` positions,
+  shaped to broadcast as [B, programs, steps]: [n, 1] where the blocks are the
+  programs', [1, n] where they are the loop's steps (segment ids [B, n, 1] / [B, 1, n])."""
+  n = pos.shape[0] // block
+  p = pos.reshape(n, block)
+  lo = jnp.min(jnp.where(p >= 0, p, _BIG) if keys else p, axis=1)
+  hi = jnp.max(p, axis=1)
+  ids = None
+  if seg is not None:
+    sb = seg.reshape(seg.shape[0], n, block)
+    ids = jnp.min(sb, axis=2), jnp.max(sb, axis=2)
+  at = (lambda x: x[..., :, None]) if programs else (lambda x: x[..., None, :])
+  return at(lo), at(hi), None if ids is None else tuple(map(at, ids))
+
+
+def _ranges(spec: MaskSpec, b: int, q_pos, q_seg, k_pos, k_seg, rows: int, step: int, queries: bool):
+  """int32 [B, programs, 2]: for each program's block of `rows` (query rows when
+  `queries`, else key rows), the first and one-past-the-last block of `step` rows of
+  the other side that the masks do not hide (`hidden`); [0, 0) where all are hidden.
+  None where no mask can hide a tile. Blocks hidden between the two (segment ids,
+  positions out of order) are skipped inside the loop, or computed and masked."""
+  qb = _block_bounds(q_pos, q_seg, rows if queries else step, keys=False, programs=queries)
+  kb = _block_bounds(k_pos, k_seg, step if queries else rows, keys=True, programs=not queries)
+  hid = hidden(spec, qb, kb)
+  if hid is None:
+    return None
+  n_prog = (q_pos.shape[0] if queries else k_pos.shape[0]) // rows
+  n_step = (k_pos.shape[0] if queries else q_pos.shape[0]) // step
+  seen = ~jnp.broadcast_to(hid, (b, n_prog, n_step))
+  some = jnp.any(seen, axis=2)
+  first = jnp.argmax(seen, axis=2)
+  end = n_step - jnp.argmax(seen[..., ::-1], axis=2)
+  return jnp.stack([jnp.where(some, first, 0), jnp.where(some, end, 0)], axis=2).astype(jnp.int32)
+
+
+def _unpack(rest, has_seg: bool, has_range: bool, outputs: int):
+  """(q ids ref, k ids ref, range ref, *output refs), None for those not passed."""
+  seg = rest[:2] if has_seg else (None, None)
+  rest = rest[2:] if has_seg else rest
+  rng = rest[0] if has_range else None
+  outs = rest[1:] if has_range else rest
+  return (*seg, rng, *outs[:outputs])
 
 
 def dot(a, b, contract, precision=None):
@@ -230,14 +352,23 @@ def dot(a, b, contract, precision=None):
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def scores(q, k, mask, precision):
+def scores(q, k, mask, precision, log2: bool = False):
+  """Masked scores q k^T in float32 (hidden pairs -inf), times log2(e) when `log2`."""
   s = dot(q, k, (1, 1), precision)
-  return jnp.where(mask, s, -jnp.inf)
+  if log2:
+    s = s * _LOG2E
+  return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
-def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool, precision):
+def _exp(x, log2: bool):
+  return jnp.exp2(x) if log2 else jnp.exp(x)
+
+
+def _forward_kernel(
+  *refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool, has_range: bool, precision, log2: bool
+):
   q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest = refs
-  qs_ref, ks_ref, o_ref, lse_ref = rest if has_seg else (None, None, *rest)
+  qs_ref, ks_ref, range_ref, o_ref, lse_ref = _unpack(rest, has_seg, has_range, 2)
   q = q_ref[...]
   qp, qs = _ids(qp_ref, qs_ref, slice(None))
   q_bounds = _query_bounds(qp, qs)
@@ -249,11 +380,11 @@ def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool,
 
     def visit(carry):
       o, m, l = carry
-      s = scores(q, k_ref[window, :], _mask(spec, qp, kp, qs, ks), precision)
+      s = scores(q, k_ref[window, :], _mask(spec, qp, kp, qs, ks), precision, log2)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp(s - m_safe[:, None])
-      alpha = jnp.exp(m - m_safe)
+      p = _exp(s - m_safe[:, None], log2)
+      alpha = _exp(m - m_safe, log2)
       v = v_ref[window, :]
       return (
         o * alpha[:, None] + dot(p.astype(v.dtype), v, (1, 0), precision),
@@ -261,14 +392,15 @@ def _forward_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool,
         l * alpha + jnp.sum(p, axis=1),
       )
 
-    return _unless(hidden(spec, q_bounds, _key_bounds(kp, ks)), visit, carry)
+    return _skip_hidden(has_range, has_seg, hidden(spec, q_bounds, _key_bounds(kp, ks)), visit, carry)
 
   init = (
     jnp.zeros((bq, h), jnp.float32),
     jnp.full((bq,), -jnp.inf, jnp.float32),
     jnp.zeros((bq,), jnp.float32),
   )
-  out, lse = finalize(*_loop(nk, body, init))
+  o, m, l = _loop(nk, body, init, range_ref)
+  out, lse = finalize(o, m / _LOG2E if log2 else m, l)
   o_ref[...], lse_ref[...] = out.astype(o_ref.dtype), lse
 
 
@@ -283,6 +415,19 @@ def out_shape(shape, *like):
 kernel_jit = functools.partial(
   jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret", "precision")
 )
+# The GPU kernels also take a `Tuning` (None: `tuning_for` the dtype and head dim).
+_gpu_jit = functools.partial(
+  jax.jit, static_argnames=("spec", "block_q", "block_k", "interpret", "precision", "tuning")
+)
+
+
+def _range_specs(ranges, index_map):
+  """The BlockSpec of a program's [first, end) (`_ranges`), or none."""
+  return [] if ranges is None else [pl.BlockSpec((None, None, 2), index_map)]
+
+
+def _maybe(x) -> tuple:
+  return () if x is None else (x,)
 
 
 def _segment_specs(has_seg: bool, q_map, k_map, q_len: int, k_len: int):
@@ -292,7 +437,7 @@ def _segment_specs(has_seg: bool, q_map, k_map, q_len: int, k_len: int):
   return [pl.BlockSpec((None, q_len), q_map), pl.BlockSpec((None, k_len), k_map)]
 
 
-@kernel_jit
+@_gpu_jit
 def forward(
   q,
   k,
@@ -307,15 +452,29 @@ def forward(
   block_k: int,
   interpret=False,
   precision=None,
+  tuning: Tuning | None = None,
 ):
-  """(out [B, N, Tq, H] float32, lse [B, N, Tq] float32) of pre-scaled q against k, v."""
+  """(out [B, N, Tq, H] float32, lse [B, N, Tq] float32) of pre-scaled q against k, v.
+  `block_q`, `block_k`: the ring's blocks (they divide Tq, Tk); a program takes at
+  most `block_q` query rows and steps through at most `block_k` keys (`tuning`)."""
   b, n, tq, h = q.shape
   kh, tk = k.shape[1], k.shape[2]
   check_blocks(tq, tk, h, block_q, block_k)
+  tuning = _tuning(tuning, q.dtype, h, interpret)
+  launch = tuning.forward
+  block_q, block_k = launch.blocks(block_q, block_k)
   g = n // kh
   has_seg = q_seg is not None
+  ranges = _ranges(spec, b, q_pos, q_seg, k_pos, k_seg, block_q, block_k, queries=True)
   kernel = functools.partial(
-    _forward_kernel, spec=spec, block_k=block_k, nk=tk // block_k, has_seg=has_seg, precision=precision
+    _forward_kernel,
+    spec=spec,
+    block_k=block_k,
+    nk=tk // block_k,
+    has_seg=has_seg,
+    has_range=ranges is not None,
+    precision=precision,
+    log2=tuning.exp2,
   )
   in_specs = [
     pl.BlockSpec((None, None, block_q, h), lambda i, bi, ni: (bi, ni, i, 0)),
@@ -324,12 +483,13 @@ def forward(
     pl.BlockSpec((block_q,), lambda i, bi, ni: (i,)),
     pl.BlockSpec((tk,), lambda i, bi, ni: (0,)),
     *_segment_specs(has_seg, lambda i, bi, ni: (bi, i), lambda i, bi, ni: (bi, 0), block_q, tk),
+    *_range_specs(ranges, lambda i, bi, ni: (bi, i, 0)),
   ]
   out_specs = [
     pl.BlockSpec((None, None, block_q, h), lambda i, bi, ni: (bi, ni, i, 0)),
     pl.BlockSpec((None, None, block_q), lambda i, bi, ni: (bi, ni, i)),
   ]
-  args = (q, k, v, q_pos, k_pos) + ((q_seg, k_seg) if has_seg else ())
+  args = (q, k, v, q_pos, k_pos) + ((q_seg, k_seg) if has_seg else ()) + _maybe(ranges)
   shapes = [out_shape((b, n, tq, h), *args), out_shape((b, n, tq), *args)]
   return pl.pallas_call(
     kernel,
@@ -338,24 +498,28 @@ def forward(
     out_specs=out_specs,
     out_shape=shapes,
     interpret=interpret,
-    compiler_params=_TRITON,
+    compiler_params=launch.params(),
     name="jax_ring_forward",
   )(*args)
 
 
-def _tile_grads(spec, precision, q, do, lse, delta, qp, qs, k, v, kp, ks):
-  """(p, ds) of one tile from the global lse and delta: p = exp(s - lse), masked."""
+def _tile_grads(spec, precision, log2, q, do, lse, delta, qp, qs, k, v, kp, ks):
+  """(p, ds) of one tile from the global lse and delta: p = exp(s - lse), masked;
+  with `log2`, lse comes already in log2 units (`_lse_in`)."""
   mask = _mask(spec, qp, kp, qs, ks)
-  s = scores(q, k, mask, precision)
-  p = jnp.exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None])
+  s = scores(q, k, mask, precision, log2)
+  p = _exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None], log2)
   dp = dot(do, v, (1, 1), precision)
+  ds = p * (dp - delta[:, None])
   # Hidden pairs: exactly 0 (p is, but dp or delta may be NaN; see _kernel.block_backward).
-  return p, jnp.where(mask, p * (dp - delta[:, None]), 0.0)
+  return p, ds if mask is None else jnp.where(mask, ds, 0.0)
 
 
-def _dq_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool, precision):
+def _dq_kernel(
+  *refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool, has_range: bool, precision, log2: bool
+):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest = refs
-  qs_ref, ks_ref, dq_ref = rest if has_seg else (None, None, *rest)
+  qs_ref, ks_ref, range_ref, dq_ref = _unpack(rest, has_seg, has_range, 1)
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
   qp, qs = _ids(qp_ref, qs_ref, slice(None))
   q_bounds = _query_bounds(qp, qs)
@@ -366,17 +530,29 @@ def _dq_kernel(*refs, spec: MaskSpec, block_k: int, nk: int, has_seg: bool, prec
 
     def visit(dq):
       k = k_ref[window, :]
-      _, ds = _tile_grads(spec, precision, q, do, lse, delta, qp, qs, k, v_ref[window, :], kp, ks)
+      _, ds = _tile_grads(spec, precision, log2, q, do, lse, delta, qp, qs, k, v_ref[window, :], kp, ks)
       return dq + dot(ds.astype(k.dtype), k, (1, 0), precision)
 
-    return _unless(hidden(spec, q_bounds, _key_bounds(kp, ks)), visit, dq)
+    return _skip_hidden(has_range, has_seg, hidden(spec, q_bounds, _key_bounds(kp, ks)), visit, dq)
 
-  dq_ref[...] = _loop(nk, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = _loop(nk, body, jnp.zeros(q.shape, jnp.float32), range_ref)
 
 
-def _dkv_kernel(*refs, spec: MaskSpec, block_q: int, nq: int, groups: int, has_seg: bool, precision):
+def _dkv_kernel(
+  *refs,
+  spec: MaskSpec,
+  block_q: int,
+  nq: int,
+  groups: int,
+  has_seg: bool,
+  has_range: bool,
+  precision,
+  log2: bool,
+):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest = refs
-  qs_ref, ks_ref, dk_ref, dv_ref = rest if has_seg else (None, None, *rest)
+  qs_ref, ks_ref, range_ref, dk_ref, dv_ref = _unpack(rest, has_seg, has_range, 2)
+  if has_range and groups != 1:
+    raise ValueError(f"a range of query blocks covers one query head, not groups={groups}")
   k, v = k_ref[...], v_ref[...]
   kp, ks = _ids(kp_ref, ks_ref, slice(None))
   k_bounds = _key_bounds(kp, ks)  # the same for every query block
@@ -390,20 +566,20 @@ def _dkv_kernel(*refs, spec: MaskSpec, block_q: int, nq: int, groups: int, has_s
       dk, dv = carry
       q, do = q_ref[g, window, :], do_ref[g, window, :]
       p, ds = _tile_grads(
-        spec, precision, q, do, lse_ref[g, window], delta_ref[g, window], qp, qs, k, v, kp, ks
+        spec, precision, log2, q, do, lse_ref[g, window], delta_ref[g, window], qp, qs, k, v, kp, ks
       )
       return dk + dot(ds.astype(q.dtype), q, (0, 0), precision), dv + dot(
         p.astype(do.dtype), do, (0, 0), precision
       )
 
-    return _unless(hidden(spec, _query_bounds(qp, qs), k_bounds), visit, carry)
+    return _skip_hidden(has_range, has_seg, hidden(spec, _query_bounds(qp, qs), k_bounds), visit, carry)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = _loop(groups * nq, body, (zeros, zeros))
+  dk, dv = _loop(groups * nq, body, (zeros, zeros), range_ref)
   dk_ref[...], dv_ref[...] = dk, dv
 
 
-@kernel_jit
+@_gpu_jit
 def backward(
   q,
   k,
@@ -421,16 +597,39 @@ def backward(
   block_k: int,
   interpret=False,
   precision=None,
+  tuning: Tuning | None = None,
 ):
   """(dq [B, N, Tq, H], dk, dv [B, K, Tk, H]), float32, from the global lse and delta
-  [B, N, Tq]; dq lacks the softmax scale (q came pre-scaled)."""
+  [B, N, Tq]; dq lacks the softmax scale (q came pre-scaled). Blocks as `forward`'s."""
   b, n, tq, h = q.shape
   kh, tk = k.shape[1], k.shape[2]
   check_blocks(tq, tk, h, block_q, block_k)
+  tuning = _tuning(tuning, q.dtype, h, interpret)
+  if tuning.exp2:  # p = exp2(s log2(e) - lse log2(e))
+    lse = lse * _LOG2E
   g = n // kh
   has_seg = q_seg is not None
   seg_args = (q_seg, k_seg) if has_seg else ()
   args = (q, k, v, do, lse, delta, q_pos, k_pos, *seg_args)
+  dq = _dq_call(args, spec, tuning, precision, interpret, *tuning.dq.blocks(block_q, block_k))
+  dk, dv = _dkv_call(args, spec, tuning, precision, interpret, *tuning.dkv.blocks(block_k, block_q))
+  by_kv_head = lambda x: x.reshape(b, kh, g, tk, h).sum(axis=2) if g > 1 else x
+  return dq, by_kv_head(dk), by_kv_head(dv)
+
+
+def _ids_of(args):
+  """(q positions, q ids, k positions, k ids) of the backward's arguments."""
+  q_seg, k_seg = args[8:10] if len(args) > 8 else (None, None)
+  return args[6], q_seg, args[7], k_seg
+
+
+def _dq_call(args, spec, tuning, precision, interpret, block_q, block_k):
+  q, k = args[:2]
+  b, n, tq, h = q.shape
+  kh, tk = k.shape[1], k.shape[2]
+  g = n // kh
+  has_seg = len(args) > 8
+  ranges = _ranges(spec, b, *_ids_of(args), block_q, block_k, queries=True)
 
   # dq: a program per (query block, batch row, query head), looping over key blocks.
   row = lambda i, bi, ni: (bi, ni, i, 0)
@@ -438,7 +637,14 @@ def backward(
   stat = lambda i, bi, ni: (bi, ni, i)
   dq = pl.pallas_call(
     functools.partial(
-      _dq_kernel, spec=spec, block_k=block_k, nk=tk // block_k, has_seg=has_seg, precision=precision
+      _dq_kernel,
+      spec=spec,
+      block_k=block_k,
+      nk=tk // block_k,
+      has_seg=has_seg,
+      has_range=ranges is not None,
+      precision=precision,
+      log2=tuning.exp2,
     ),
     grid=(tq // block_q, b, n),
     in_specs=[
@@ -451,13 +657,24 @@ def backward(
       pl.BlockSpec((block_q,), lambda i, bi, ni: (i,)),
       pl.BlockSpec((tk,), lambda i, bi, ni: (0,)),
       *_segment_specs(has_seg, lambda i, bi, ni: (bi, i), lambda i, bi, ni: (bi, 0), block_q, tk),
+      *_range_specs(ranges, lambda i, bi, ni: (bi, i, 0)),
     ],
     out_specs=pl.BlockSpec((None, None, block_q, h), row),
     out_shape=out_shape((b, n, tq, h), *args),
     interpret=interpret,
-    compiler_params=_TRITON,
+    compiler_params=tuning.dq.params(),
     name="jax_ring_backward_dq",
-  )(*args)
+  )(*args, *_maybe(ranges))
+  return dq
+
+
+def _dkv_call(args, spec, tuning, precision, interpret, block_k, block_q):
+  q, k = args[:2]
+  b, n, tq, h = q.shape
+  kh, tk = k.shape[1], k.shape[2]
+  g = n // kh
+  has_seg = len(args) > 8
+  ranges = _ranges(spec, b, *_ids_of(args), block_k, block_q, queries=False)
 
   # dk, dv: a program per (key block, batch row, query head), looping over that head's
   # query blocks; the G query heads of a kv head write partial sums, added after (GQA
@@ -476,7 +693,9 @@ def backward(
       nq=tq // block_q,
       groups=1,
       has_seg=has_seg,
+      has_range=ranges is not None,
       precision=precision,
+      log2=tuning.exp2,
     ),
     grid=(tk // block_k, b, n),
     in_specs=[
@@ -489,12 +708,12 @@ def backward(
       pl.BlockSpec((tq,), lambda j, bi, ni: (0,)),
       pl.BlockSpec((block_k,), lambda j, bi, ni: (j,)),
       *_segment_specs(has_seg, lambda j, bi, ni: (bi, 0), lambda j, bi, ni: (bi, j), tq, block_k),
+      *_range_specs(ranges, lambda j, bi, ni: (bi, j, 0)),
     ],
     out_specs=[pl.BlockSpec((None, None, block_k, h), partial)] * 2,
     out_shape=[out_shape((b, n, tk, h), *args)] * 2,
     interpret=interpret,
-    compiler_params=_TRITON,
+    compiler_params=tuning.dkv.params(),
     name="jax_ring_backward_dkv",
-  )(*args)
-  by_kv_head = lambda x: x.reshape(b, kh, g, tk, h).sum(axis=2) if g > 1 else x
-  return dq, by_kv_head(dk), by_kv_head(dv)
+  )(*args, *_maybe(ranges))
+  return dk, dv

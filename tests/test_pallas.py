@@ -10,6 +10,7 @@ tests with x64 on (the suite's default), which the kernels also support.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ring
 from jax_ring import _mosaic, choose_kernel, reference_attention, ring_attention
 from jax_ring._kernel import MaskSpec
-from jax_ring._pallas import backward, check_blocks, forward
+from jax_ring._pallas import Launch, Tuning, backward, check_blocks, forward, tuning_for
 from jax_ring._ring import _q_natural  # blocked [nq, B, K, G, bq, ...] -> [B, N, T, ...]
 
 B, N, K, H = 2, 4, 2, 16  # GQA: two query heads per kv head
@@ -63,9 +64,18 @@ CASES = {
     None,
   ),
 }
+# A compiled GPU launch's own tiling, interpreted: programs hold 16 rows of the ring's
+# 32-row query blocks (forward, dq), dk/dv steps through them 16 at a time, and the
+# exponentials run as exp2 of log2(e)-scaled scores (`_pallas.Tuning`).
+_HALVES = Tuning(Launch(16, 16, 4, 1), Launch(16, 16, 4, 1), Launch(16, 16, 4, 1), exp2=True)
 STYLES = {
   # style: (forward, backward, (block_q, block_k) for key length tk)
   "gpu": (forward, backward, lambda tk: (16, 16)),
+  "gpu-launch": (
+    functools.partial(forward, tuning=_HALVES),
+    functools.partial(backward, tuning=_HALVES),
+    lambda tk: (32, 16),
+  ),
   "tpu": (_mosaic.forward, _mosaic.backward, lambda tk: (8, 128 if tk % 128 == 0 else tk)),
 }
 
@@ -170,11 +180,14 @@ def test_kernels_lower_to_triton_for_cuda(name):
     bwd = jax.export.export(
       jax.jit(lambda *a: backward(*a, **blocks)), platforms=("cuda",), disabled_checks=triton
     )(q, k, v, do, lse, lse, *ints)
-  for exported, count in ((fwd, 1), (bwd, 2)):
+  launches = tuning_for(jnp.float32, H)  # compiled, the launches are the GPU defaults
+  for exported, used in ((fwd, [launches.forward]), (bwd, [launches.dq, launches.dkv])):
     text = exported.mlir_module()
-    assert text.count("__gpu$xla.gpu.triton") == count
+    assert text.count("__gpu$xla.gpu.triton") == len(used)
     assert exported.platforms == ("cuda",)
-    assert text.count("num_warps = 4") == count  # the Triton IR was built and attached
+    # The Triton IR was built and attached, with each kernel's launch.
+    assert sorted(map(int, re.findall(r"num_warps = (\d+)", text))) == sorted(x.num_warps for x in used)
+    assert sorted(map(int, re.findall(r"num_stages = (\d+)", text))) == sorted(x.num_stages for x in used)
 
 
 @pytest.mark.parametrize(
@@ -191,7 +204,7 @@ def test_block_checks(args, match):
     check_blocks(*args)
 
 
-@pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.parametrize("style", ["gpu", "tpu"])
 def test_kernels_agree_with_the_xla_tiles_on_the_same_blocks(style, monkeypatch):
   """One ring step (a query shard against one K/V shard) through the ring's own entry
   points, `ring_forward_state` and `ring_backward_state`, with the XLA tiles and with

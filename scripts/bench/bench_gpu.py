@@ -1,0 +1,280 @@
+"""On one GPU: jax_ring's kernels checked against float64 and timed against cuDNN.
+
+Two parts, both on the first device (a ring of one: one step, but the same kernels,
+passes, merges and custom VJP as on a ring of many):
+
+- `--check`: outputs and gradients of `ring_attention` (Pallas/Triton kernel and the
+  XLA tiles, float32 and bfloat16 policies, full, causal, causal with a window, causal
+  with segment ids, GQA, a length that is no multiple of a block, several passes)
+  against `reference_attention` in float64 on the same device, as ||x - ref|| /
+  ||ref||; beside them the error of `jax.nn.dot_product_attention` on the same inputs
+  and dtype where it takes the mask. Fails (exit 1) past the bounds in BOUNDS.
+- `--time`: median forward and forward+backward times of the ring (each kernel) and of
+  `jax.nn.dot_product_attention(implementation="cudnn")`, at the shape of Llama-3-8B's
+  attention (32 query heads, 8 kv heads, head dim 128, bfloat16), with TFLOP/s and
+  their fraction of a bfloat16 8192^3 matmul timed in the same run. FLOPs: 4*B*N*T^2*H
+  forward (half when causal), 3.5x that forward+backward.
+
+    python scripts/bench/bench_gpu.py --check --time --out docs/benchmarks.md
+    python scripts/bench/bench_gpu.py --check --smoke   # tiny shapes, any platform
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+# Checked against float64 (||x - ref|| / ||ref||): float32 inputs with "highest"
+# matmuls land far under 1e-4; bfloat16 operands between 1e-3 and 1e-2.
+BOUNDS = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def _rel(x, ref) -> float:
+  import numpy as np
+
+  x = np.asarray(x, np.float64)
+  ref = np.asarray(ref, np.float64)
+  if not np.all(np.isfinite(x)):
+    return float("nan")
+  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def _with_vjp(attend):
+  """(q, k, v, dO) -> (output, (dq, dk, dv)) of `attend`."""
+  import jax
+
+  def both(q, k, v, g):
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, vjp(g)
+
+  return both
+
+
+def _cases(smoke: bool):
+  """(name, B, T, N, K, H, mask kwargs, block_sizes kwargs, jax.nn kwargs or None)."""
+  if smoke:
+    return [("causal, GQA, T=200", 1, 200, 4, 2, 32, {"is_causal": True}, {}, {"is_causal": True})]
+  return [
+    ("full, GQA 8/2, T=1000", 2, 1000, 8, 2, 64, {}, {}, {}),
+    ("causal, GQA 8/2, T=1000", 2, 1000, 8, 2, 64, {"is_causal": True}, {}, {"is_causal": True}),
+    (
+      "causal, window 256",
+      1,
+      2048,
+      4,
+      4,
+      128,
+      {"is_causal": True, "local_window_size": (256, 0)},
+      {},
+      {"is_causal": True, "local_window_size": (256, 0)},
+    ),
+    ("causal, segment ids", 2, 1024, 4, 1, 64, {"is_causal": True, "segments": 3}, {}, None),
+    (
+      "causal, 4 passes",
+      1,
+      4096,
+      8,
+      4,
+      128,
+      {"is_causal": True},
+      {"pass_tokens": 4096},
+      {"is_causal": True},
+    ),
+  ]
+
+
+def check(args) -> tuple[list[str], bool]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jax_ring
+
+  dev = jax.devices()[0]
+  mesh = jax.sharding.Mesh(np.array([dev]), ("seq",))
+  lines = [
+    "| case | kernel | policy | out | dq | dk | dv | jax.nn out / dq (same dtype) |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  ok = True
+  kernels = ("pallas", "xla")
+  for name, b, t, n, kh, h, mask, blocks, nn_kw in _cases(args.smoke):
+    keys = jax.random.split(jax.random.PRNGKey(t + n), 4)
+    q64, k64, v64 = (
+      jax.random.normal(keys[0], (b, t, n, h), jnp.float64),
+      jax.random.normal(keys[1], (b, t, kh, h), jnp.float64),
+      jax.random.normal(keys[2], (b, t, kh, h), jnp.float64),
+    )
+    g64 = jax.random.normal(keys[3], (b, t, n, h), jnp.float64)
+    mask = dict(mask)
+    nseg = mask.pop("segments", 0)
+    if nseg:
+      # Documents of random lengths, and a padded tail (id -1) on the first row.
+      cuts = np.sort(np.random.default_rng(t).choice(np.arange(1, t), nseg - 1, replace=False))
+      seg = np.zeros((b, t), np.int32)
+      for c in cuts:
+        seg[:, c:] += 1
+      seg[0, t - 37 :] = -1
+      mask["segment_ids"] = jnp.asarray(seg)
+
+    def reference(q, k, v, mask=mask):
+      return jax_ring.reference_attention(q, k, v, **mask)
+
+    ref, ref_vjp = jax.vjp(reference, q64, k64, v64)
+    ref_grads = ref_vjp(g64)
+    for policy in ("float32", "bfloat16"):
+      dt = jnp.float32 if policy == "float32" else jnp.bfloat16
+      q, k, v, g = (x.astype(dt) for x in (q64, k64, v64, g64))
+      nn_err = "-"
+      if nn_kw is not None:
+        impl = "cudnn" if (dev.platform == "gpu" and dt == jnp.bfloat16) else None
+
+        def dense(q, k, v, nn_kw=nn_kw, impl=impl):
+          return jax.nn.dot_product_attention(q, k, v, implementation=impl, **nn_kw)
+
+        try:
+          o, (dq_nn, *_) = jax.jit(_with_vjp(dense))(q, k, v, g)
+          nn_err = f"{_rel(o, ref):.1e} / {_rel(dq_nn, ref_grads[0]):.1e} ({impl or 'xla'})"
+        except Exception as e:  # cuDNN refuses some shapes; say so rather than stop
+          nn_err = f"refused: {type(e).__name__}"
+      for kernel in kernels:
+
+        def ring(q, k, v, kernel=kernel, policy=policy, mask=mask, blocks=blocks):
+          return jax_ring.ring_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            kernel=kernel,
+            policy=policy,
+            block_sizes=jax_ring.BlockSizes(**blocks) if blocks else None,
+            **mask,
+          )
+
+        start = time.perf_counter()
+        o, grads = jax.jit(_with_vjp(ring))(q, k, v, g)
+        errs = [_rel(o, ref)] + [_rel(x, r) for x, r in zip(grads, ref_grads)]
+        bound = BOUNDS[policy]
+        good = all(e <= bound for e in errs)  # NaN fails
+        ok &= good
+        lines.append(
+          f"| {name} | {kernel} | {policy} | "
+          + " | ".join(f"{e:.1e}" for e in errs)
+          + f" | {nn_err} |"
+          + ("" if good else f" **over {bound:.0e}**")
+        )
+        print(lines[-1], f"({time.perf_counter() - start:.1f} s)", flush=True)
+  return lines, ok
+
+
+def matmul_rate(repeats: int, size: int = 8192) -> float:
+  import jax
+  import jax.numpy as jnp
+  from _harness import median_time
+
+  a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.bfloat16)
+  b = jax.random.normal(jax.random.PRNGKey(1), (size, size), jnp.bfloat16)
+  return 2 * size**3 / median_time(jax.jit(jnp.matmul), a, b, repeats=repeats)
+
+
+def timing(args) -> list[str]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from _harness import fwd_bwd, median_time, memory_mib
+
+  import jax_ring
+
+  dev = jax.devices()[0]
+  mesh = jax.sharding.Mesh(np.array([dev]), ("seq",))
+  rate = matmul_rate(args.repeats)
+  b, n, kh, h = 1, args.heads, args.kv_heads, args.head_dim
+  lines = [
+    f"bfloat16 {8192}^3 matmul: {rate / 1e12:.0f} TFLOP/s (median of {args.repeats}).\n",
+    "| T | mask | implementation | fwd ms | fwd TFLOP/s | fwd / matmul | fwd+bwd ms | fwd+bwd TFLOP/s "
+    "| fwd+bwd / matmul | fwd+bwd temp GiB |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  print(lines[0], flush=True)
+  for t in [int(x) for x in args.lengths.split(",")]:
+    keys = jax.random.split(jax.random.PRNGKey(t), 4)
+    q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, t, kh, h), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, t, kh, h), jnp.bfloat16)
+    g = jax.random.normal(keys[3], (b, t, n, h), jnp.bfloat16)
+    for causal in (False, True):
+      flops = 4 * b * n * t * t * h * (0.5 if causal else 1.0)
+      impls = {
+        f"ring, {kern}": (
+          lambda q, k, v, kern=kern, causal=causal: jax_ring.ring_attention(
+            q, k, v, mesh=mesh, is_causal=causal, kernel=kern, policy="bfloat16"
+          )
+        )
+        for kern in args.kernels.split(",")
+      }
+      impls["jax.nn cudnn"] = lambda q, k, v, causal=causal: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="cudnn"
+      )
+      for name, attend in impls.items():
+        try:
+          fwd = jax.jit(attend).lower(q, k, v).compile()
+          both = jax.jit(fwd_bwd(attend)).lower(q, k, v, g).compile()
+          t_f = median_time(fwd, q, k, v, repeats=args.repeats)
+          t_b = median_time(both, q, k, v, g, repeats=args.repeats)
+        except Exception as e:  # a refusal is a row, not the end of the run
+          lines.append(f"| {t} | {'causal' if causal else 'full'} | {name} | failed: {type(e).__name__} |")
+          print(lines[-1], str(e)[:300], flush=True)
+          continue
+        lines.append(
+          f"| {t} | {'causal' if causal else 'full'} | {name} | {t_f * 1e3:.2f} | {flops / t_f / 1e12:.0f} | "
+          f"{flops / t_f / rate:.2f} | {t_b * 1e3:.2f} | {3.5 * flops / t_b / 1e12:.0f} | "
+          f"{3.5 * flops / t_b / rate:.2f} | {memory_mib(both) / 1024:.2f} |"
+        )
+        print(lines[-1], flush=True)
+  return lines
+
+
+def parse_args(argv=None):
+  from jax_ring.models import cli
+
+  p = cli.parser(__doc__)
+  p.add_argument("--check", action="store_true", help="outputs and gradients against float64")
+  p.add_argument("--time", action="store_true", help="time the kernels against cuDNN")
+  p.add_argument("--smoke", action="store_true", help="tiny check shapes (runs on a CPU too)")
+  p.add_argument("--lengths", default="4096,16384,65536", help="sequence lengths to time")
+  p.add_argument("--heads", type=int, default=32, help="query heads")
+  p.add_argument("--kv-heads", type=int, default=8, help="kv heads")
+  p.add_argument("--head-dim", type=int, default=128, help="head dim")
+  p.add_argument("--kernels", default="pallas,xla", help="ring kernels to time")
+  p.add_argument("--repeats", type=int, default=20, help="timed runs after a warm-up (median kept)")
+  p.add_argument("--out", default=None, help="Markdown file to hold the tables")
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+
+  import jax
+
+  jax.config.update("jax_enable_x64", True)  # the float64 reference
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from _harness import header, publish
+
+  dev = jax.devices()[0]
+  print(f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}", flush=True)
+  lines = header("bench_gpu.py", sys.argv[1:] if argv is None else argv, 1)
+  ok = True
+  if args.check:
+    rows, ok = check(args)
+    lines += ["\nOutputs and gradients against float64 (||x - ref|| / ||ref||):\n", *rows]
+  if args.time:
+    lines += ["", *timing(args)]
+  publish(lines, args.out, "gpu", echo=True)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
