@@ -426,6 +426,20 @@ def _range_specs(ranges, index_map):
   return [] if ranges is None else [pl.BlockSpec((None, None, 2), index_map)]
 
 
+def _bind(kernel, spec, has_seg: bool, ranges, precision, tuning: Tuning, **loop):
+  """`kernel` with its static arguments: the mask, which optional inputs it gets, the
+  matmul precision, exp2 or exp, and its loop's (`loop`)."""
+  return functools.partial(
+    kernel,
+    spec=spec,
+    has_seg=has_seg,
+    has_range=ranges is not None,
+    precision=precision,
+    log2=tuning.exp2,
+    **loop,
+  )
+
+
 def _maybe(x) -> tuple:
   return () if x is None else (x,)
 
@@ -466,16 +480,7 @@ def forward(
   g = n // kh
   has_seg = q_seg is not None
   ranges = _ranges(spec, b, q_pos, q_seg, k_pos, k_seg, block_q, block_k, queries=True)
-  kernel = functools.partial(
-    _forward_kernel,
-    spec=spec,
-    block_k=block_k,
-    nk=tk // block_k,
-    has_seg=has_seg,
-    has_range=ranges is not None,
-    precision=precision,
-    log2=tuning.exp2,
-  )
+  kernel = _bind(_forward_kernel, spec, has_seg, ranges, precision, tuning, block_k=block_k, nk=tk // block_k)
   in_specs = [
     pl.BlockSpec((None, None, block_q, h), lambda i, bi, ni: (bi, ni, i, 0)),
     pl.BlockSpec((None, None, tk, h), lambda i, bi, ni: (bi, ni // g, 0, 0)),
@@ -636,16 +641,7 @@ def _dq_call(args, spec, tuning, precision, interpret, block_q, block_k):
   kv_of_head = lambda i, bi, ni: (bi, ni // g, 0, 0)
   stat = lambda i, bi, ni: (bi, ni, i)
   dq = pl.pallas_call(
-    functools.partial(
-      _dq_kernel,
-      spec=spec,
-      block_k=block_k,
-      nk=tk // block_k,
-      has_seg=has_seg,
-      has_range=ranges is not None,
-      precision=precision,
-      log2=tuning.exp2,
-    ),
+    _bind(_dq_kernel, spec, has_seg, ranges, precision, tuning, block_k=block_k, nk=tk // block_k),
     grid=(tq // block_q, b, n),
     in_specs=[
       pl.BlockSpec((None, None, block_q, h), row),
@@ -686,17 +682,7 @@ def _dkv_call(args, spec, tuning, precision, interpret, block_k, block_q):
   key = lambda j, bi, ni: (bi, ni // g, j, 0)
   partial = lambda j, bi, ni: (bi, ni, j, 0)
   dk, dv = pl.pallas_call(
-    functools.partial(
-      _dkv_kernel,
-      spec=spec,
-      block_q=block_q,
-      nq=tq // block_q,
-      groups=1,
-      has_seg=has_seg,
-      has_range=ranges is not None,
-      precision=precision,
-      log2=tuning.exp2,
-    ),
+    _bind(_dkv_kernel, spec, has_seg, ranges, precision, tuning, block_q=block_q, nq=tq // block_q, groups=1),
     grid=(tk // block_k, b, n),
     in_specs=[
       pl.BlockSpec((None, 1, tq, h), heads),
