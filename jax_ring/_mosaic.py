@@ -32,7 +32,6 @@ from jax_ring._kernel import MaskSpec, saw_keys
 # Key blocks are lane-aligned (the score tile's last axis); query blocks sublane-aligned.
 MIN_BLOCK_K = 128
 MIN_BLOCK_Q = 8
-_BIG = jnp.iinfo(jnp.int32).max
 
 
 def blocks_problem(tq: int, tk: int, block_q: int, block_k: int) -> str | None:
@@ -58,15 +57,9 @@ def check_blocks(tq: int, tk: int, block_q: int, block_k: int) -> None:
 def _bounds(pos, seg, block: int, keys: bool, b: int):
   """Per batch row and block, flat int32 [B * n * 4]: (lowest position (valid ones,
   for keys), highest position, lowest segment id, highest id); ids 0 without ids."""
-  p = pos.reshape(-1, block)
-  lo = jnp.min(jnp.where(p >= 0, p, _BIG), axis=1) if keys else jnp.min(p, axis=1)
-  hi = jnp.max(p, axis=1)
-  if seg is None:
-    s_lo = s_hi = jnp.zeros((b, p.shape[0]), jnp.int32)
-  else:
-    s = seg.reshape(b, -1, block)
-    s_lo, s_hi = jnp.min(s, axis=2), jnp.max(s, axis=2)
-  pos_part = jnp.broadcast_to(jnp.stack([lo, hi]), (b, 2, p.shape[0]))
+  lo, hi, ids = _pallas.block_bounds(pos, seg, block, keys)
+  s_lo, s_hi = ids if ids is not None else (jnp.zeros((b, lo.shape[0]), jnp.int32),) * 2
+  pos_part = jnp.broadcast_to(jnp.stack([lo, hi]), (b, 2, lo.shape[0]))
   both = jnp.concatenate([pos_part, jnp.stack([s_lo, s_hi], axis=1)], axis=1)
   return both.transpose(0, 2, 1).reshape(-1).astype(jnp.int32)
 

@@ -301,18 +301,23 @@ def _loop(n: int, body, init, range_ref=None):
   return lax.fori_loop(range_ref[0], range_ref[1], body, init)
 
 
-def _block_bounds(pos, seg, block: int, keys: bool, programs: bool):
-  """`_key_bounds` (`keys`) or `_query_bounds` of every block of `block` positions,
-  shaped to broadcast as [B, programs, steps]: [n, 1] where the blocks are the
-  programs', [1, n] where they are the loop's steps (segment ids [B, n, 1] / [B, 1, n])."""
-  n = pos.shape[0] // block
-  p = pos.reshape(n, block)
+def block_bounds(pos, seg, block: int, keys: bool):
+  """`_key_bounds` (`keys`: the lowest valid position) or `_query_bounds` of every
+  block of `block` positions, computed outside a kernel: lowest and highest position
+  [n], and the lowest and highest segment id [B, n] (None without ids)."""
+  p = pos.reshape(-1, block)
   lo = jnp.min(jnp.where(p >= 0, p, _BIG) if keys else p, axis=1)
-  hi = jnp.max(p, axis=1)
   ids = None
   if seg is not None:
-    sb = seg.reshape(seg.shape[0], n, block)
-    ids = jnp.min(sb, axis=2), jnp.max(sb, axis=2)
+    s = seg.reshape(seg.shape[0], -1, block)
+    ids = jnp.min(s, axis=2), jnp.max(s, axis=2)
+  return lo, jnp.max(p, axis=1), ids
+
+
+def _block_bounds(pos, seg, block: int, keys: bool, programs: bool):
+  """`block_bounds` shaped to broadcast as [B, programs, steps]: [n, 1] where the
+  blocks are the programs', [1, n] where they are the loop's steps."""
+  lo, hi, ids = block_bounds(pos, seg, block, keys)
   at = (lambda x: x[..., :, None]) if programs else (lambda x: x[..., None, :])
   return at(lo), at(hi), None if ids is None else tuple(map(at, ids))
 
@@ -510,7 +515,7 @@ def forward(
 
 def _tile_grads(spec, precision, log2, q, do, lse, delta, qp, qs, k, v, kp, ks):
   """(p, ds) of one tile from the global lse and delta: p = exp(s - lse), masked;
-  with `log2`, lse comes already in log2 units (`_lse_in`)."""
+  with `log2`, lse comes in log2 units (`backward` scales it)."""
   mask = _mask(spec, qp, kp, qs, ks)
   s = scores(q, k, mask, precision, log2)
   p = _exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, None], log2)
@@ -548,30 +553,27 @@ def _dkv_kernel(
   spec: MaskSpec,
   block_q: int,
   nq: int,
-  groups: int,
   has_seg: bool,
   has_range: bool,
   precision,
   log2: bool,
 ):
+  """dk, dv partial sums of one query head's queries (q, dO, lse, delta: that head's)."""
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest = refs
   qs_ref, ks_ref, range_ref, dk_ref, dv_ref = _unpack(rest, has_seg, has_range, 2)
-  if has_range and groups != 1:
-    raise ValueError(f"a range of query blocks covers one query head, not groups={groups}")
   k, v = k_ref[...], v_ref[...]
   kp, ks = _ids(kp_ref, ks_ref, slice(None))
   k_bounds = _key_bounds(kp, ks)  # the same for every query block
 
-  def body(t, carry):
-    g, i = lax.div(t, jnp.int32(nq)), lax.rem(t, jnp.int32(nq))  # Triton: plain int32 ops
+  def body(i, carry):
     window = pl.ds(i * block_q, block_q)
     qp, qs = _ids(qp_ref, qs_ref, window)
 
     def visit(carry):
       dk, dv = carry
-      q, do = q_ref[g, window, :], do_ref[g, window, :]
+      q, do = q_ref[window, :], do_ref[window, :]
       p, ds = _tile_grads(
-        spec, precision, log2, q, do, lse_ref[g, window], delta_ref[g, window], qp, qs, k, v, kp, ks
+        spec, precision, log2, q, do, lse_ref[window], delta_ref[window], qp, qs, k, v, kp, ks
       )
       return dk + dot(ds.astype(q.dtype), q, (0, 0), precision), dv + dot(
         p.astype(do.dtype), do, (0, 0), precision
@@ -580,7 +582,7 @@ def _dkv_kernel(
     return _skip_hidden(has_range, has_seg, hidden(spec, _query_bounds(qp, qs), k_bounds), visit, carry)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = _loop(groups * nq, body, (zeros, zeros), range_ref)
+  dk, dv = _loop(nq, body, (zeros, zeros), range_ref)
   dk_ref[...], dv_ref[...] = dk, dv
 
 
@@ -628,12 +630,14 @@ def _ids_of(args):
   return args[6], q_seg, args[7], k_seg
 
 
+def _dims(args):
+  """(B, N, Tq, H, Tk, G, has segment ids) of the backward's arguments."""
+  (b, n, tq, h), (kh, tk) = args[0].shape, args[1].shape[1:3]
+  return b, n, tq, h, tk, n // kh, len(args) > 8
+
+
 def _dq_call(args, spec, tuning, precision, interpret, block_q, block_k):
-  q, k = args[:2]
-  b, n, tq, h = q.shape
-  kh, tk = k.shape[1], k.shape[2]
-  g = n // kh
-  has_seg = len(args) > 8
+  b, n, tq, h, tk, g, has_seg = _dims(args)
   ranges = _ranges(spec, b, *_ids_of(args), block_q, block_k, queries=True)
 
   # dq: a program per (query block, batch row, query head), looping over key blocks.
@@ -665,11 +669,7 @@ def _dq_call(args, spec, tuning, precision, interpret, block_q, block_k):
 
 
 def _dkv_call(args, spec, tuning, precision, interpret, block_k, block_q):
-  q, k = args[:2]
-  b, n, tq, h = q.shape
-  kh, tk = k.shape[1], k.shape[2]
-  g = n // kh
-  has_seg = len(args) > 8
+  b, n, tq, h, tk, g, has_seg = _dims(args)
   ranges = _ranges(spec, b, *_ids_of(args), block_k, block_q, queries=False)
 
   # dk, dv: a program per (key block, batch row, query head), looping over that head's
@@ -682,15 +682,15 @@ def _dkv_call(args, spec, tuning, precision, interpret, block_k, block_q):
   key = lambda j, bi, ni: (bi, ni // g, j, 0)
   partial = lambda j, bi, ni: (bi, ni, j, 0)
   dk, dv = pl.pallas_call(
-    _bind(_dkv_kernel, spec, has_seg, ranges, precision, tuning, block_q=block_q, nq=tq // block_q, groups=1),
+    _bind(_dkv_kernel, spec, has_seg, ranges, precision, tuning, block_q=block_q, nq=tq // block_q),
     grid=(tk // block_k, b, n),
     in_specs=[
-      pl.BlockSpec((None, 1, tq, h), heads),
+      pl.BlockSpec((None, None, tq, h), heads),
       pl.BlockSpec((None, None, block_k, h), key),
       pl.BlockSpec((None, None, block_k, h), key),
-      pl.BlockSpec((None, 1, tq, h), heads),
-      pl.BlockSpec((None, 1, tq), stats),
-      pl.BlockSpec((None, 1, tq), stats),
+      pl.BlockSpec((None, None, tq, h), heads),
+      pl.BlockSpec((None, None, tq), stats),
+      pl.BlockSpec((None, None, tq), stats),
       pl.BlockSpec((tq,), lambda j, bi, ni: (0,)),
       pl.BlockSpec((block_k,), lambda j, bi, ni: (j,)),
       *_segment_specs(has_seg, lambda j, bi, ni: (bi, 0), lambda j, bi, ni: (bi, j), tq, block_k),
