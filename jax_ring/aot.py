@@ -3,7 +3,7 @@ what their compiled programs show (memory, collectives, overlap, kernel launches
 
 JAX compiles ahead of time for devices it does not have ("deviceless" AOT) from a
 topology description (`jax.experimental.topologies.get_topology_desc`): a GPU's
-`GpuTargetConfig` text proto (needs the CUDA plugin, `jax[cuda12]`), or a TPU slice's
+`GpuTargetConfig` text proto (needs the CUDA plugin and ptxas: the `[aot]` extra), or a TPU slice's
 name (needs libtpu, `jax[tpu]`). Nothing runs; `compiled.as_text()` and
 `memory_analysis()` tell what would. Set `JAX_PLATFORMS=cpu` (and for TPU targets
 `TPU_SKIP_MDS_QUERY=1`, and `ALLOW_MULTIPLE_LIBTPU_LOAD=1` to compile in several

@@ -13,8 +13,8 @@ extra=""
 [ -n "${JAX_RING_EXTRA:-}" ] && extra="[${JAX_RING_EXTRA}]"
 stamp=".venv/.installed${extra}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".${extra}"
+  .venv/bin/python -m pip install --quiet --no-cache-dir --upgrade pip
+  .venv/bin/python -m pip install --quiet --no-cache-dir -e ".${extra}"
   touch "$stamp"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

@@ -9,7 +9,7 @@ configuration before you have the cluster.
     python scripts/aot.py --target h100x8 --max-length --budget-gib 70
     python scripts/aot.py --target v5e:8x8 --model --layers 2 --max-length
 
-Needs the AOT extra in its own environment (`pip install -e ".[aot]"`: jax[cuda12]
+Needs the AOT extra in its own environment (`pip install -e ".[aot]"`: the CUDA plugin
 and jax[tpu] at the installed jax's version); `JAX_PLATFORMS=cpu` is set here.
 Targets: h100x8, a100x8, v5e:2x4, v5e:8x8, v5e:16x16, v5p:4x4x4, v6e:2x4.
 """

@@ -2,13 +2,13 @@
 # The test command: set-up, lint/format check, then the whole suite on 8 simulated CPU devices.
 JAX_RING_DEV=1 source "$(dirname "$0")/_env.sh"
 # The compile-only GPU/TPU tests run in a venv of their own with the [aot] extra
-# (jax[cuda12], jax[tpu]: about 6 GB), so the CUDA plugin and libtpu never load in .venv.
+# (the CUDA plugin with ptxas, and libtpu: about 2 GB), so neither ever loads in .venv.
 if [ ! -x .venv-aot/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv-aot
 fi
 if [ ! -f .venv-aot/.installed ] || [ pyproject.toml -nt .venv-aot/.installed ]; then
-  .venv-aot/bin/python -m pip install --quiet --upgrade pip
-  .venv-aot/bin/python -m pip install --quiet -e ".[aot]"
+  .venv-aot/bin/python -m pip install --quiet --no-cache-dir --upgrade pip
+  .venv-aot/bin/python -m pip install --quiet --no-cache-dir -e ".[aot]"
   touch .venv-aot/.installed
 fi
 export JAX_RING_AOT_PYTHON="$ROOT/.venv-aot/bin/python"

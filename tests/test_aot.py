@@ -5,7 +5,7 @@ all of its compute under an asynchronous transfer; no ring permute is synchronou
 the defaults (kernel, heads per pass, tiles, policy) are the target's, not this host's.
 
 These run in .venv-aot, which the test command sets up with the [aot] extra
-(jax[cuda12], jax[tpu]), each compile in its own process with a hard timeout.
+(the CUDA plugin with ptxas, and jax[tpu]), each compile in its own process with a hard timeout.
 """
 
 import json
