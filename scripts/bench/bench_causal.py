@@ -6,9 +6,11 @@ default), and on inputs already in that layout (`token_order="layout"`, what
 `models.DecoderLM` runs by default). Reports per length the medians, each program's
 rate as a fraction of the matmul rate (forward 4*B*N*T^2*H FLOPs, half when causal;
 forward+backward 3.5x that), and causal / full for every round with the median and the
-range over the rounds.
+range over the rounds. `--variants` adds rows of causal attention on ring-order inputs
+with other tiles (`BQxBK`) or other tokens x kv heads per pass (`pass=N`).
 
   python scripts/bench/bench_causal.py --out docs/benchmarks.md
+  python scripts/bench/bench_causal.py --lengths 8192 --variants 512x128 256x128 pass=2048
 """
 
 from __future__ import annotations
@@ -32,19 +34,26 @@ def parse_args(argv):
   p.add_argument("--heads", type=int, default=8, help="query heads N (and kv heads)")
   p.add_argument("--head-dim", type=int, default=64, help="head dim H")
   p.add_argument("--rounds", type=int, default=5, help="interleaved rounds after a warm-up round")
+  p.add_argument(
+    "--variants",
+    nargs="*",
+    default=[],
+    help="extra causal ring-order rows: BQxBK tiles or pass=N tokens x kv heads per pass",
+  )
   p.add_argument("--out", default=None, help="Markdown file for the table (its 'causal' section)")
   return p.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  variants = [_variant(v) for v in args.variants]
   simulate_devices(args.devices)
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jax_ring import layouts, ring_attention
+  from jax_ring import BlockSizes, layouts, ring_attention
 
   mesh = jax.make_mesh((args.devices,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
   lines = header("bench_causal.py", sys.argv[1:] if argv is None else argv, args.devices)
@@ -62,9 +71,12 @@ def main(argv=None):
     q, k, v, g = inputs([shape] * 4, sharding)
     zigzag = [jax.device_put(layouts.to_layout(x, "zigzag", args.devices), sharding) for x in (q, k, v, g)]
     programs = {}
-    for mask, causal, order in MASKS:
-      attend = lambda q, k, v, causal=causal, order=order: ring_attention(
-        q, k, v, mesh=mesh, is_causal=causal, token_order=order
+    rows = [(*m, BlockSizes()) for m in MASKS]
+    for name, fields in variants:
+      rows.append((f"causal, ring order, {name}", True, "layout", BlockSizes(**fields)))
+    for mask, causal, order, blocks in rows:
+      attend = lambda q, k, v, causal=causal, order=order, blocks=blocks: ring_attention(
+        q, k, v, mesh=mesh, is_causal=causal, token_order=order, block_sizes=blocks
       )
       x = zigzag if order == "layout" else (q, k, v, g)
       programs[mask] = (
@@ -106,6 +118,16 @@ def main(argv=None):
       f"| {min(per_round):.3f}-{max(per_round):.3f} |"
     )
   return publish(lines, args.out, "causal", echo=True)
+
+
+def _variant(text: str) -> tuple[str, dict]:
+  """'512x128' -> tiles, 'pass=2048' -> tokens x kv heads per pass (row name, BlockSizes fields)."""
+  if text.startswith("pass="):
+    return f"{text[5:]} tokens a pass", dict(pass_tokens=int(text[5:]))
+  bq, _, bk = text.partition("x")
+  if not (bq.isdigit() and bk.isdigit()):
+    raise SystemExit(f"--variants: {text!r} is neither BQxBK (e.g. 512x128) nor pass=N")
+  return f"{bq} x {bk} tiles", dict(block_q=int(bq), block_kv=int(bk))
 
 
 if __name__ == "__main__":
