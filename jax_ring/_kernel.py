@@ -268,8 +268,9 @@ class Bounds(NamedTuple):
 
 
 def block_bounds(pos, seg, skip_padding: bool = False) -> Bounds:
-  """Bounds of blocks with positions [n, b] and segment ids [n, B, b] (or None);
-  `skip_padding`: `lo` is over positions >= 0 (keys, when padding is masked)."""
+  """Bounds of blocks with positions [n, b] and segment ids [n, B, b] (or None; any
+  leading axes, reduced over the last); `skip_padding`: `lo` is over positions >= 0
+  (keys, when padding is masked)."""
   valid = jnp.where(pos >= 0, pos, jnp.iinfo(pos.dtype).max) if skip_padding else pos
   seg_lo, seg_hi = (None, None) if seg is None else (jnp.min(seg, axis=-1), jnp.max(seg, axis=-1))
   return Bounds(jnp.min(valid, axis=-1), jnp.max(pos, axis=-1), jnp.any(pos < 0, axis=-1), seg_lo, seg_hi)

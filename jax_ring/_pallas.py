@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import ManualAxisType
 
 from jax_ring._kernel import MaskSpec, finalize
+from jax_ring._kernel import block_bounds as _tile_bounds
 
 # Triton wants power-of-two tiles of at least 16 rows for its dot.
 MIN_BLOCK = 16
@@ -302,16 +303,13 @@ def _loop(n: int, body, init, range_ref=None):
 
 
 def block_bounds(pos, seg, block: int, keys: bool):
-  """`_key_bounds` (`keys`: the lowest valid position) or `_query_bounds` of every
-  block of `block` positions, computed outside a kernel: lowest and highest position
-  [n], and the lowest and highest segment id [B, n] (None without ids)."""
-  p = pos.reshape(-1, block)
-  lo = jnp.min(jnp.where(p >= 0, p, _BIG) if keys else p, axis=1)
-  ids = None
-  if seg is not None:
-    s = seg.reshape(seg.shape[0], -1, block)
-    ids = jnp.min(s, axis=2), jnp.max(s, axis=2)
-  return lo, jnp.max(p, axis=1), ids
+  """`_kernel.block_bounds` of flat positions [T] and segment ids [B, T] in blocks of
+  `block`, computed outside a kernel (`keys`: the lowest valid position, as
+  `_key_bounds`): lowest and highest position [n], and the lowest and highest segment
+  id [B, n] (None without ids)."""
+  ids = None if seg is None else seg.reshape(seg.shape[0], -1, block)
+  bounds = _tile_bounds(pos.reshape(-1, block), ids, skip_padding=keys)
+  return bounds.lo, bounds.hi, None if seg is None else (bounds.seg_lo, bounds.seg_hi)
 
 
 def _block_bounds(pos, seg, block: int, keys: bool, programs: bool):
