@@ -57,6 +57,79 @@ class KVBlocks(NamedTuple):
   seg: jax.Array | None
 
 
+@dataclasses.dataclass(frozen=True)
+class KVRows:
+  """KVBlocks packed as rows: row j of `rows` [nk, W] holds block j of k, v, pos and
+  seg side by side, as bits of one dtype (`pack_rows`). On CPU the ring carries and
+  sends this one array, and each tile reads its block out of one row (`block`): no
+  step joins k, v and their positions into one array for its transfer or splits them
+  into separate arrays after it (both copies of the whole shard)."""
+
+  rows: jax.Array
+  # Static, per field of KVBlocks present: (name, first column, columns, block shape
+  # as bits, dtype).
+  pieces: tuple[tuple[str, int, int, tuple[int, ...], jnp.dtype], ...]
+  # The dtype of the k and v a block is read as (`as_compute`).
+  kv_dtype: jnp.dtype | None = None
+
+  def as_compute(self, dtype) -> KVRows:
+    return dataclasses.replace(self, kv_dtype=jnp.dtype(dtype))
+
+  def _field(self, row, piece):
+    name, start, width, shape, dtype = piece
+    x = bits_as(row[..., start : start + width].reshape(*row.shape[:-1], *shape), dtype)
+    if name in ("k", "v") and self.kv_dtype is not None:
+      x = x.astype(self.kv_dtype)
+    return x
+
+  def block(self, j) -> KVBlocks:
+    """Block j of every field, as `_index` gives it from the KVBlocks."""
+    row = lax.dynamic_index_in_dim(self.rows, j, keepdims=False)
+    fields = {piece[0]: self._field(row, piece) for piece in self.pieces}
+    return KVBlocks(fields["k"], fields["v"], fields["pos"], fields.get("seg"))
+
+  def whole(self, name: str):
+    """One field of every block: pos [nk, bk], seg [nk, B, bk] (or None)."""
+    piece = next((p for p in self.pieces if p[0] == name), None)
+    return None if piece is None else self._field(self.rows, piece)
+
+
+jax.tree_util.register_dataclass(KVRows, data_fields=["rows"], meta_fields=["pieces", "kv_dtype"])
+
+
+def bits_as(x, dtype):
+  """x as `dtype` bit for bit (`lax.bitcast_convert_type`; x itself if already)."""
+  return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+
+
+def pack_rows(kv: KVBlocks) -> KVRows | KVBlocks:
+  """`kv` as one array of rows (`KVRows`), or as it is when its arrays vary over
+  different mesh axes (`shard_map`'s checks keep those apart). The rows' dtype is the
+  narrowest of k's dtype and the positions' (unsigned integers of that width where k's
+  is wider): arrays of other dtypes are held as their bits and read back unchanged,
+  NaN payloads included."""
+  fields = {name: x for name, x in kv._asdict().items() if x is not None}
+  if len({jax.typeof(x).manual_axis_type for x in fields.values()}) > 1:
+    return kv
+  width = min(x.dtype.itemsize for x in fields.values())
+  unit = kv.k.dtype if kv.k.dtype.itemsize == width else jnp.dtype(f"uint{8 * width}")
+  nk = kv.k.shape[0]
+  columns, pieces, start = [], [], 0
+  for name, x in fields.items():
+    bits = bits_as(x, unit)
+    columns.append(bits.reshape(nk, -1))
+    pieces.append((name, start, columns[-1].shape[1], bits.shape[1:], x.dtype))
+    start += columns[-1].shape[1]
+  return KVRows(jnp.concatenate(columns, axis=1), tuple(pieces))
+
+
+def kv_reader(kv: KVBlocks | KVRows):
+  """(block(j), positions [nk, bk], segment ids [nk, B, bk] or None) of either form."""
+  if isinstance(kv, KVRows):
+    return kv.block, kv.whole("pos"), kv.whole("seg")
+  return (lambda j: _index(kv, j)), kv.pos, kv.seg
+
+
 class Tile(NamedTuple):
   """What score modifiers need of one tile: the static modifiers, the tile's global
   query and key positions [bq], [bk] and the call's `ScoreArgs`."""
@@ -304,7 +377,16 @@ def tile_class(spec: MaskSpec, q: Bounds, k: Bounds):
 
 
 def chunk_forward(
-  spec: MaskSpec, policy, q, q_pos, q_seg, q_bounds: Bounds, kv: KVBlocks, acc, mods=NO_MODS, args=None
+  spec: MaskSpec,
+  policy,
+  q,
+  q_pos,
+  q_seg,
+  q_bounds: Bounds,
+  kv: KVBlocks | KVRows,
+  acc,
+  mods=NO_MODS,
+  args=None,
 ):
   """Adds the keys of `kv` to the running state (o, m, l) of every query block.
   q_bounds: `block_bounds(q_pos, q_seg)`, the same at every ring step.
@@ -313,24 +395,26 @@ def chunk_forward(
   (`_visible_range`), and each tile's branch reads its key block itself: a tile the
   masks hide costs neither a matmul nor a copy of its blocks."""
   masked = spec.positional or q_seg is not None
-  kb = block_bounds(kv.pos, kv.seg, spec.has_padding)
+  read, k_pos, k_seg = kv_reader(kv)
+  kb = block_bounds(k_pos, k_seg, spec.has_padding)
+  nk = k_pos.shape[0]
 
   def over_q(_, xs):
     q, qp, qs, q_bound, state = xs
     if not masked:
 
-      def over_k(state, ys):
-        k, v, kp = ys
+      def over_k(state, j):
+        k, v, kp, _ = read(j)
         return block_update(q, k, v, None, policy, *state, _tile_of(mods, args, qp, kp)), None
 
-      state, _ = lax.scan(over_k, state, (kv.k, kv.v, kv.pos))
+      state, _ = lax.scan(over_k, state, jnp.arange(nk))
       return None, state
 
     classes = jax.vmap(lambda b: tile_class(spec, q_bound, b))(kb)
 
     def update(with_mask):
       def compute(j, state):
-        k, v, kp, ks = _index(kv, j)
+        k, v, kp, ks = read(j)
         mask = block_mask(spec, qp, kp, qs, ks) if with_mask else None
         return block_update(q, k, v, mask, policy, *state, _tile_of(mods, args, qp, kp))
 
@@ -377,19 +461,22 @@ class QBlocks(NamedTuple):
 
 
 def chunk_backward(
-  spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks, dk_t, dv_t, mods=NO_MODS, args=None
+  spec: MaskSpec, policy, qb: QBlocks, dq, kv: KVBlocks | KVRows, dk_t, dv_t, mods=NO_MODS, args=None
 ):
   """Adds the gradient contributions of the pair (all query blocks, kv) to dq, dk, dv.
 
   dk_t and dv_t are transposed, [nk, B, K, H, bk]; so are their updates.
   """
   masked = spec.positional or qb.seg is not None
-  k_bounds = block_bounds(kv.pos, kv.seg, spec.has_padding)
+  read, k_pos, k_seg = kv_reader(kv)
+  k_bounds = block_bounds(k_pos, k_seg, spec.has_padding)
+  blocks = jnp.arange(k_pos.shape[0])
 
   if not masked:
 
     def over_k(dq, xs):
-      kb, vb, kp, ks, k_bound, dkb, dvb = xs
+      j, k_bound, dkb, dvb = xs
+      kb, vb, kp, ks = read(j)
 
       def over_q(carry, ys):
         q, q_t, do, do_t, l, delta, qp, qs, q_bound, dqb = ys
@@ -400,14 +487,15 @@ def chunk_backward(
       (dkb, dvb), dq = lax.scan(over_q, (dkb, dvb), (*qb, dq))
       return dq, (dkb, dvb)
 
-    dq, (dk_t, dv_t) = lax.scan(over_k, dq, (*kv, k_bounds, dk_t, dv_t))
+    dq, (dk_t, dv_t) = lax.scan(over_k, dq, (blocks, k_bounds, dk_t, dv_t))
     return dq, dk_t, dv_t
 
   # Masked: only the query blocks from the first to the last visible one are visited
   # (`_visible_range`); each tile's class picks skip / masked / whole, and the branch
   # reads its blocks itself, so a skipped tile copies nothing.
   def over_k(dq, xs):
-    kb, vb, kp, ks, k_bound, dkb, dvb = xs
+    j, k_bound, dkb, dvb = xs
+    kb, vb, kp, ks = read(j)
     classes = jax.vmap(lambda b: tile_class(spec, b, k_bound))(qb.bounds)
 
     def add(with_mask):
@@ -433,5 +521,5 @@ def chunk_backward(
     dkb, dvb, dq = lax.fori_loop(lo, hi, body, (dkb, dvb, dq))
     return dq, (dkb, dvb)
 
-  dq, (dk_t, dv_t) = lax.scan(over_k, dq, (*kv, k_bounds, dk_t, dv_t))
+  dq, (dk_t, dv_t) = lax.scan(over_k, dq, (blocks, k_bounds, dk_t, dv_t))
   return dq, dk_t, dv_t

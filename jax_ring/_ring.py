@@ -27,12 +27,15 @@ from jax import lax
 from jax_ring import _mosaic, _pallas
 from jax_ring._kernel import (
   KVBlocks,
+  KVRows,
   MaskSpec,
   QBlocks,
+  bits_as,
   block_bounds,
   chunk_backward,
   chunk_forward,
   finalize,
+  pack_rows,
 )
 from jax_ring._merge import merge_local
 from jax_ring._mods import ScoreArgs, ScoreMods, group_args
@@ -141,21 +144,16 @@ def _bundled(tree, send):
     width = min(leaves[i].dtype.itemsize for i in members)
     largest = max((leaves[i] for i in members), key=lambda x: x.size).dtype
     unit = largest if largest.itemsize == width else jnp.dtype(f"uint{8 * width}")
-    bits = [_bits(leaves[i], unit) for i in members]
+    bits = [bits_as(leaves[i], unit) for i in members]
     row = math.gcd(*(b.size for b in bits))
     sent = send(jnp.concatenate([b.reshape(-1, row) for b in bits]))
     start = 0
     for i, b in zip(members, bits):
       x = leaves[i]
       piece = sent[start : start + b.size // row].reshape(b.shape)
-      out[i] = _bits(piece, x.dtype)
+      out[i] = bits_as(piece, x.dtype)
       start += b.size // row
   return treedef.unflatten(out)
-
-
-def _bits(x, dtype):
-  """x as `dtype` bit for bit (`lax.bitcast_convert_type`; x itself if already)."""
-  return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
 def _pass_forward(cfg: RingConfig, compute, kv, acc, transfers: int, shift: int):
@@ -271,8 +269,17 @@ def prepare(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args: ScoreArg
   )
 
 
-def _as_compute(kv: KVBlocks, policy: Policy) -> KVBlocks:
+def _as_compute(kv: KVBlocks | KVRows, policy: Policy) -> KVBlocks | KVRows:
+  if isinstance(kv, KVRows):
+    return kv.as_compute(policy.compute_dtype)
   return kv._replace(k=kv.k.astype(policy.compute_dtype), v=kv.v.astype(policy.compute_dtype))
+
+
+def _traveling(kv: KVBlocks) -> KVBlocks | KVRows:
+  """The form the XLA tiles' K/V travel the ring in: on CPU one array of rows
+  (`pack_rows`: one transfer a step, and nothing to join before it or split after it),
+  elsewhere the blocks as they are."""
+  return pack_rows(kv) if mesh_platform() == "cpu" else kv
 
 
 def _forward_passes(cfg: RingConfig, compute, kv, acc):
@@ -311,7 +318,7 @@ def ring_forward_state(cfg: RingConfig, x: Inputs):
       cfg.mask, pol, x.q, x.q_pos, x.q_seg, q_bounds, _as_compute(kv, pol), acc, cfg.mods, x.args
     )
 
-  return finalize(*_forward_passes(cfg, compute, x.kv, (o, m, l)))
+  return finalize(*_forward_passes(cfg, compute, _traveling(x.kv), (o, m, l)))
 
 
 def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
@@ -349,7 +356,7 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
     dq, dk, dv = chunk_backward(cfg.mask, pol, qb, dq, _as_compute(kv, pol), *dkv, cfg.mods, x.args)
     return dq, (dk, dv)
 
-  (dk, dv), dq = _backward_passes(cfg, compute, x.kv, zeros_kv, dq)
+  (dk, dv), dq = _backward_passes(cfg, compute, _traveling(x.kv), zeros_kv, dq)
   untranspose = lambda x: jnp.swapaxes(x, -1, -2)
   scale = jnp.asarray(cfg.scale, pol.accum_dtype)
   if extra:  # the slope column lacks no scale
