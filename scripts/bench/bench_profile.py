@@ -57,6 +57,10 @@ _COPY_OPS = {
 }
 
 
+# An instruction whose result is a scalar: `%name = s32[] op(...)`.
+_SCALAR = re.compile(r"= [a-z0-9]+\[\]")
+
+
 def parse_args(argv):
   p = cli.parser(__doc__)
   p.add_argument("--devices", type=int, default=8, help="simulated devices on the sequence axis")
@@ -86,6 +90,8 @@ def categorize(hlo: str) -> dict[str, str]:
   def ops_of(comp: str, seen=()) -> set[str]:
     found = set()
     for _, op, line in comps.get(comp, ()):
+      if _SCALAR.search(line):  # index arithmetic (a dynamic slice's bounds), not data
+        continue
       found.add(op)
       if op == "fusion" and (c := re.search(r"calls=%?([\w.\-]+)", line)) and c.group(1) not in seen:
         found |= ops_of(c.group(1), (*seen, comp))
