@@ -102,17 +102,23 @@ def bits_as(x, dtype):
   return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
+def carrier_dtype(arrays):
+  """The one dtype `arrays` can all be held in as bits (`bits_as`): the largest array's
+  dtype where it is the narrowest, else unsigned integers of the narrowest width."""
+  width = min(x.dtype.itemsize for x in arrays)
+  largest = max(arrays, key=lambda x: x.size).dtype
+  return largest if largest.itemsize == width else jnp.dtype(f"uint{8 * width}")
+
+
 def pack_rows(kv: KVBlocks) -> KVRows | KVBlocks:
   """`kv` as one array of rows (`KVRows`), or as it is when its arrays vary over
-  different mesh axes (`shard_map`'s checks keep those apart). The rows' dtype is the
-  narrowest of k's dtype and the positions' (unsigned integers of that width where k's
-  is wider): arrays of other dtypes are held as their bits and read back unchanged,
-  NaN payloads included."""
+  different mesh axes (`shard_map`'s checks keep those apart). The rows' dtype is
+  `carrier_dtype`'s: arrays of other dtypes are held as their bits and read back
+  unchanged, NaN payloads included."""
   fields = {name: x for name, x in kv._asdict().items() if x is not None}
   if len({jax.typeof(x).manual_axis_type for x in fields.values()}) > 1:
     return kv
-  width = min(x.dtype.itemsize for x in fields.values())
-  unit = kv.k.dtype if kv.k.dtype.itemsize == width else jnp.dtype(f"uint{8 * width}")
+  unit = carrier_dtype(list(fields.values()))
   nk = kv.k.shape[0]
   columns, pieces, start = [], [], 0
   for name, x in fields.items():

@@ -32,6 +32,7 @@ from jax_ring._kernel import (
   QBlocks,
   bits_as,
   block_bounds,
+  carrier_dtype,
   chunk_backward,
   chunk_forward,
   finalize,
@@ -119,11 +120,10 @@ def _bundled(tree, send):
   """send(x) for every array of `tree`, with the arrays bundled into one and sent once.
   A CPU device's collective-permute is a copy at which all the ring's devices meet;
   XLA copies each array once more before it anyway (the loop still reads it), so one
-  bundle costs no more bytes and needs one meeting, not one per array (K, V and their
-  int32 positions, or dK and dV: a third or half of them). Arrays of other dtypes
-  travel as bits (`lax.bitcast_convert_type`) of the largest array's dtype, or of
-  unsigned integers where that is not the narrowest, and come back unchanged, NaN
-  payloads included."""
+  bundle costs no more bytes and needs one meeting, not one per array (dK and dV, or
+  the Pallas kernels' K, V and positions; the XLA tiles' K/V already travel as one
+  array, `pack_rows`). Arrays of other dtypes travel as bits of `carrier_dtype` and
+  come back unchanged, NaN payloads included."""
   leaves, treedef = jax.tree.flatten(tree)
   groups: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
@@ -141,9 +141,7 @@ def _bundled(tree, send):
     # as rows of one length: on CPU, fused 1-d concatenations of unequal sizes, or
     # ones converting their large operands, ran 10-20x slower than this (0.8-3 ms
     # against 0.05 ms for K, V and positions at T=8192 on 8 devices, from a profile).
-    width = min(leaves[i].dtype.itemsize for i in members)
-    largest = max((leaves[i] for i in members), key=lambda x: x.size).dtype
-    unit = largest if largest.itemsize == width else jnp.dtype(f"uint{8 * width}")
+    unit = carrier_dtype([leaves[i] for i in members])
     bits = [bits_as(leaves[i], unit) for i in members]
     row = math.gcd(*(b.size for b in bits))
     sent = send(jnp.concatenate([b.reshape(-1, row) for b in bits]))
