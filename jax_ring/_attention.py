@@ -28,7 +28,14 @@ from jax_ring._mesh import (
 from jax_ring._mods import NO_MODS, ScoreArgs, ScoreMods, first_index, with_sinks
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import RingConfig, ring, schedule
-from jax_ring._tiles import BlockSizes, check_block_sizes, fit_tile_budget, local_blocks, mesh_platform
+from jax_ring._tiles import (
+  BlockSizes,
+  check_block_sizes,
+  fit_tile_budget,
+  local_blocks,
+  mesh_platform,
+  quadrant_tiles,
+)
 
 
 def check_arguments(
@@ -286,8 +293,15 @@ def _ring_shard(
     kv_seg = None if kv_seg is None else pad_seq(kv_seg, padded_s - s, -1)
   back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
   groups = block_sizes.head_groups(key.shape[2], max(padded_t, padded_s))
-  if not use_pallas:  # the XLA tiles hold whole score tiles in memory; the kernel's stay on chip
-    bq, bk = fit_tile_budget(bq, bk, b * query.shape[2] // groups, block_sizes)
+  rows = b * query.shape[2] // groups
+  quadrants = None
+  if not use_pallas and is_causal and window is None and layout == "zigzag" and t == s:
+    plain = not (has_padding or mods.active or q_seg is not None or kv_seg is not None)
+    quadrants = quadrant_tiles(t, rows, block_sizes) if plain else None
+  if quadrants is not None:
+    bq, bk = quadrants
+  elif not use_pallas:  # the XLA tiles hold whole score tiles in memory; the kernel's stay on chip
+    bq, bk = fit_tile_budget(bq, bk, rows, block_sizes)
   cfg = RingConfig(
     axis_name=axis_name,
     ring_size=ring_size,
@@ -301,6 +315,7 @@ def _ring_shard(
     head_groups=groups,
     kernel="pallas" if use_pallas else "xla",
     mods=mods,
+    quadrants=quadrants is not None,
   )
   out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg, args)
   return out[:, :t], lse[:, :t]

@@ -395,27 +395,22 @@ def chunk_forward(
   args=None,
 ):
   """Adds the keys of `kv` to the running state (o, m, l) of every query block.
-  q_bounds: `block_bounds(q_pos, q_seg)`, the same at every ring step.
+  q_bounds: `block_bounds(q_pos, q_seg)`, the same at every ring step. q and acc may
+  also be lists, one entry a block (q [B, K, G, bq, H], acc a tuple (o, m, l)), which
+  no step slices or stacks: the blocks are then visited one after another in the
+  program, each like a block of the arrays.
 
   Under masks, only the key blocks from the first to the last visible one are visited
   (`_visible_range`), and each tile's branch reads its key block itself: a tile the
   masks hide costs neither a matmul nor a copy of its blocks."""
   masked = spec.positional or q_seg is not None
+  if not masked:
+    return dense_forward(policy, q, q_pos, kv, acc, mods, args)
   read, k_pos, k_seg = kv_reader(kv)
   kb = block_bounds(k_pos, k_seg, spec.has_padding)
-  nk = k_pos.shape[0]
 
   def over_q(_, xs):
     q, qp, qs, q_bound, state = xs
-    if not masked:
-
-      def over_k(state, j):
-        k, v, kp, _ = read(j)
-        return block_update(q, k, v, None, policy, *state, _tile_of(mods, args, qp, kp)), None
-
-      state, _ = lax.scan(over_k, state, jnp.arange(nk))
-      return None, state
-
     classes = jax.vmap(lambda b: tile_class(spec, q_bound, b))(kb)
 
     def update(with_mask):
@@ -432,7 +427,30 @@ def chunk_forward(
     lo, hi = _visible_range(classes)
     return None, lax.fori_loop(lo, hi, body, state)
 
+  if isinstance(acc, list):  # query blocks and their states as lists: none sliced or stacked
+    seg = lambda i: None if q_seg is None else q_seg[i]
+    return [over_q(None, (q[i], q_pos[i], seg(i), _index(q_bounds, i), a))[1] for i, a in enumerate(acc)]
   _, acc = lax.scan(over_q, None, (q, q_pos, q_seg, q_bounds, acc))
+  return acc
+
+
+def dense_forward(policy, q, q_pos, kv: KVBlocks | KVRows, acc, mods=NO_MODS, args=None, k_blocks=None):
+  """chunk_forward without masks: every query block against the key blocks
+  `k_blocks` (a static range; default all of them), no tile skipped or masked."""
+  read, k_pos, _ = kv_reader(kv)
+  k_blocks = range(k_pos.shape[0]) if k_blocks is None else k_blocks
+
+  def over_q(_, xs):
+    q, qp, state = xs
+
+    def over_k(state, j):
+      k, v, kp, _ = read(j)
+      return block_update(q, k, v, None, policy, *state, _tile_of(mods, args, qp, kp)), None
+
+    state, _ = lax.scan(over_k, state, jnp.arange(k_blocks.start, k_blocks.stop))
+    return None, state
+
+  _, acc = lax.scan(over_q, None, (q, q_pos, acc))
   return acc
 
 
@@ -471,29 +489,31 @@ def chunk_backward(
 ):
   """Adds the gradient contributions of the pair (all query blocks, kv) to dq, dk, dv.
 
-  dk_t and dv_t are transposed, [nk, B, K, H, bk]; so are their updates.
+  dk_t and dv_t are transposed, [nk, B, K, H, bk]; so are their updates. dq and the
+  query fields of `qb` (q, q_t, do, do_t, lse, delta) may also be lists, one entry a
+  block, as in `chunk_forward`: under masks every key block then visits each listed
+  query block through its tile's class, and no tile slices a block out of an array.
   """
   masked = spec.positional or qb.seg is not None
+  if not masked:
+    return dense_backward(policy, qb, dq, kv, dk_t, dv_t, mods, args)
   read, k_pos, k_seg = kv_reader(kv)
   k_bounds = block_bounds(k_pos, k_seg, spec.has_padding)
   blocks = jnp.arange(k_pos.shape[0])
 
-  if not masked:
+  if isinstance(dq, list):  # query blocks, their residuals and dq as lists: none sliced per tile
 
-    def over_k(dq, xs):
+    def over_k_listed(dq, xs):
       j, k_bound, dkb, dvb = xs
       kb, vb, kp, ks = read(j)
-
-      def over_q(carry, ys):
-        q, q_t, do, do_t, l, delta, qp, qs, q_bound, dqb = ys
-        tile = _tile_of(mods, args, qp, kp)
-        g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, None, policy, tile)
-        return (carry[0] + g_k, carry[1] + g_v), dqb + g_q
-
-      (dkb, dvb), dq = lax.scan(over_q, (dkb, dvb), (*qb, dq))
+      dq = list(dq)
+      for i in range(len(dq)):
+        branches = _listed_branches(spec, policy, qb, i, kb, vb, kp, ks, mods, args)
+        cls = tile_class(spec, _index(qb.bounds, i), k_bound)
+        dkb, dvb, dq[i] = lax.switch(cls, branches, dkb, dvb, dq[i])
       return dq, (dkb, dvb)
 
-    dq, (dk_t, dv_t) = lax.scan(over_k, dq, (blocks, k_bounds, dk_t, dv_t))
+    dq, (dk_t, dv_t) = lax.scan(over_k_listed, dq, (blocks, k_bounds, dk_t, dv_t))
     return dq, dk_t, dv_t
 
   # Masked: only the query blocks from the first to the last visible one are visited
@@ -529,3 +549,53 @@ def chunk_backward(
 
   dq, (dk_t, dv_t) = lax.scan(over_k, dq, (blocks, k_bounds, dk_t, dv_t))
   return dq, dk_t, dv_t
+
+
+def _listed_branches(spec: MaskSpec, policy, qb: QBlocks, i: int, k, v, k_pos, k_seg, mods, args):
+  """(skip, masked, whole): updates of (dK, dV, dQ) by the tile of query block i of
+  listed residuals (`chunk_backward` with lists) and one key block."""
+  q, q_t, do, do_t, lse, delta = (getattr(qb, f)[i] for f in ("q", "q_t", "do", "do_t", "lse", "delta"))
+  qp, qs = qb.pos[i], None if qb.seg is None else qb.seg[i]
+  tile = _tile_of(mods, args, qp, k_pos)
+
+  def add(with_mask):
+    def update(dk, dv, dq):
+      mask = block_mask(spec, qp, k_pos, qs, k_seg) if with_mask else None
+      g_q, g_k, g_v = block_backward(q, q_t, k, v, do, do_t, lse, delta, mask, policy, tile)
+      return dk + g_k, dv + g_v, dq + g_q
+
+    return update
+
+  return (lambda dk, dv, dq: (dk, dv, dq)), add(True), add(False)
+
+
+def dense_backward(
+  policy, qb: QBlocks, dq, kv: KVBlocks | KVRows, dk_t, dv_t, mods=NO_MODS, args=None, k_blocks=None
+):
+  """chunk_backward without masks, for the key blocks `k_blocks` (a static range;
+  default all of them): the dK/dV blocks outside it come back unchanged."""
+  read, k_pos, _ = kv_reader(kv)
+  lo, hi = (0, k_pos.shape[0]) if k_blocks is None else (k_blocks.start, k_blocks.stop)
+
+  def over_k(dq, xs):
+    j, dkb, dvb = xs
+    kb, vb, kp, _ = read(j)
+
+    def over_q(carry, ys):
+      q, q_t, do, do_t, l, delta, qp, dqb = ys
+      tile = _tile_of(mods, args, qp, kp)
+      g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, None, policy, tile)
+      return (carry[0] + g_k, carry[1] + g_v), dqb + g_q
+
+    (dkb, dvb), dq = lax.scan(
+      over_q, (dkb, dvb), (qb.q, qb.q_t, qb.do, qb.do_t, qb.lse, qb.delta, qb.pos, dq)
+    )
+    return dq, (dkb, dvb)
+
+  def body(j, carry):  # dK/dV updated in place: blocks outside [lo, hi) are not touched
+    dq, dk_t, dv_t = carry
+    dq, (dkb, dvb) = over_k(dq, (j, dk_t[j], dv_t[j]))
+    put = lambda whole, block: lax.dynamic_update_index_in_dim(whole, block, j, 0)
+    return dq, put(dk_t, dkb), put(dv_t, dvb)
+
+  return lax.fori_loop(lo, hi, body, (dq, dk_t, dv_t))

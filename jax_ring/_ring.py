@@ -26,6 +26,7 @@ from jax import lax
 
 from jax_ring import _mosaic, _pallas
 from jax_ring._kernel import (
+  Bounds,
   KVBlocks,
   KVRows,
   MaskSpec,
@@ -35,8 +36,12 @@ from jax_ring._kernel import (
   carrier_dtype,
   chunk_backward,
   chunk_forward,
+  dense_backward,
+  dense_forward,
   finalize,
+  kv_reader,
   pack_rows,
+  tile_class,
 )
 from jax_ring._merge import merge_local
 from jax_ring._mods import ScoreArgs, ScoreMods, group_args
@@ -79,6 +84,12 @@ class RingConfig:
   kernel: str = "xla"
   # Score modifiers (soft-cap, ALiBi, score_mod, dropout): the XLA tiles only.
   mods: ScoreMods = ScoreMods()
+  # The XLA tiles' causal zigzag steps by quadrants (`_quadrant_kind`): the shard's
+  # queries are one block (block_q = the local length), and a ring step whose visible
+  # keys form one rectangle (all queries x the first half of the keys, or the second
+  # half of the queries x all keys) runs it without masks; others take the masked
+  # tiles over the shard's two halves. Set by `quadrant_tiles`.
+  quadrants: bool = False
 
 
 def ring_permutation(ring_size: int, shift: int, axis_size: int | None = None):
@@ -316,6 +327,9 @@ def ring_forward_state(cfg: RingConfig, x: Inputs):
       cfg.mask, pol, x.q, x.q_pos, x.q_seg, q_bounds, _as_compute(kv, pol), acc, cfg.mods, x.args
     )
 
+  if cfg.quadrants:
+    compute = _quadrant_forward(cfg, x)
+
   return finalize(*_forward_passes(cfg, compute, _traveling(x.kv), (o, m, l)))
 
 
@@ -354,6 +368,9 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
     dq, dk, dv = chunk_backward(cfg.mask, pol, qb, dq, _as_compute(kv, pol), *dkv, cfg.mods, x.args)
     return dq, (dk, dv)
 
+  if cfg.quadrants:
+    compute = _quadrant_backward(cfg, qb, x.args)
+
   (dk, dv), dq = _backward_passes(cfg, compute, _traveling(x.kv), zeros_kv, dq)
   untranspose = lambda x: jnp.swapaxes(x, -1, -2)
   scale = jnp.asarray(cfg.scale, pol.accum_dtype)
@@ -361,6 +378,131 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
     h = x.q.shape[-1]
     return jnp.concatenate([dq[..., :h] * scale, dq[..., h:]], axis=-1), untranspose(dk), untranspose(dv)
   return dq * scale, untranspose(dk), untranspose(dv)
+
+
+# Quadrants (RingConfig.quadrants): the shard's queries are one block [1, ..., t, ...]
+# and its keys `nk` blocks; the zigzag layout puts two chunks of the sequence in each
+# shard's halves, so every ring step's 2 x 2 quadrants (query half, key half) are
+# each hidden, whole or split by the causal diagonal.
+def _split_rows(x, n: int, axis: int):
+  """A one-block array [1, ..., t (at `axis`, counted from the end), ...] as a list of
+  n blocks [..., t / n, ...] of consecutive rows (without the leading 1)."""
+  y = x[0]
+  at, size = y.ndim + axis, y.shape[axis] // n
+  return [lax.slice_in_dim(y, i * size, (i + 1) * size, axis=at) for i in range(n)]
+
+
+def _joined_rows(parts, axis: int):
+  """Inverse of `_split_rows`."""
+  return jnp.concatenate(parts, axis=parts[0].ndim + axis)[None]
+
+
+def _diagonal_blocks(t: int) -> int:
+  """How many query blocks (`_split_rows`) a shard of t tokens takes in a step that is
+  not one rectangle: at most 8 of 256 rows or more where they divide the halves, else
+  the halves. As lists, no step slices or stacks them."""
+  size = max(256, t // 8)
+  return t // size if (t // 2) % size == 0 else 2
+
+
+def _second_half(x, axis: int):
+  """Rows [t / 2, t) of a one-block array, kept one block."""
+  t = x.shape[axis]
+  return lax.slice_in_dim(x, t // 2, t, axis=x.ndim + axis)
+
+
+def _put_second_half(x, half, axis: int):
+  """x with `_second_half` replaced by `half`."""
+  return lax.dynamic_update_slice_in_dim(x, half, x.shape[axis] - half.shape[axis], axis=x.ndim + axis)
+
+
+def _quadrant_kind(spec: MaskSpec, q_halves: Bounds, k_pos):
+  """What a ring step computes, from the bounds of the query halves and the key
+  positions [nk, bk]: 1 when every query sees exactly the first half of the keys, all
+  of it (a rectangle without masks); 2 when the second half of the queries sees all
+  the keys and the first half none; else 0 (every tile by its class, masked where it
+  must be). Exact for any positions: 1 and 2 are sufficient conditions."""
+  k_halves = block_bounds(k_pos.reshape(2, -1), None, spec.has_padding)
+  c = jax.vmap(lambda q: jax.vmap(lambda k: tile_class(spec, q, k))(k_halves))(q_halves)  # [q half, k half]
+  whole, hidden = c == 2, c == 0
+  keys_first = whole[0, 0] & whole[1, 0] & hidden[0, 1] & hidden[1, 1]
+  queries_second = hidden[0, 0] & hidden[0, 1] & whole[1, 0] & whole[1, 1]
+  return jnp.where(keys_first, 1, jnp.where(queries_second, 2, 0))
+
+
+# Where the rows of each array of the forward state and of QBlocks are (from the end).
+_STATE_ROWS = (-2, -1, -1)
+_QBLOCK_ROWS = dict(q=-2, q_t=-1, do=-2, do_t=-1, lse=-1, delta=-1, pos=-1)
+
+
+def _quadrant_forward(cfg: RingConfig, x: Inputs):
+  """The forward step `compute(kv, acc)` by quadrants."""
+  pol = cfg.policy
+  t = x.q.shape[-2]
+  n = _diagonal_blocks(t)
+  q_n, pos_n = _split_rows(x.q, n, -2), x.q_pos.reshape(n, -1)
+  bounds_n = block_bounds(pos_n, None)
+  bounds_h = block_bounds(x.q_pos.reshape(2, -1), None)
+  q_2, pos_2 = _second_half(x.q, -2), _second_half(x.q_pos, -1)
+
+  def compute(kv, acc):
+    kv = _as_compute(kv, pol)
+    _, k_pos, _ = kv_reader(kv)
+    nk = k_pos.shape[0]
+
+    def by_blocks(acc):
+      parts = [_split_rows(a, n, r) for a, r in zip(acc, _STATE_ROWS)]
+      out = chunk_forward(cfg.mask, pol, q_n, pos_n, None, bounds_n, kv, list(zip(*parts)), cfg.mods, x.args)
+      return tuple(_joined_rows(list(a), r) for a, r in zip(zip(*out), _STATE_ROWS))
+
+    def keys_first(acc):
+      return dense_forward(pol, x.q, x.q_pos, kv, acc, cfg.mods, x.args, range(nk // 2))
+
+    def queries_second(acc):
+      part = tuple(_second_half(a, r) for a, r in zip(acc, _STATE_ROWS))
+      out = dense_forward(pol, q_2, pos_2, kv, part, cfg.mods, x.args)
+      return tuple(_put_second_half(a, o, r) for a, o, r in zip(acc, out, _STATE_ROWS))
+
+    kind = _quadrant_kind(cfg.mask, bounds_h, k_pos)
+    return lax.switch(kind, (by_blocks, keys_first, queries_second), acc)
+
+  return compute
+
+
+def _quadrant_backward(cfg: RingConfig, qb: QBlocks, args):
+  """The backward step `compute(kv, dkv, dq)` by quadrants."""
+  pol = cfg.policy
+  t = qb.q.shape[-2]
+  n = _diagonal_blocks(t)
+  split = {name: _split_rows(getattr(qb, name), n, r) for name, r in _QBLOCK_ROWS.items() if name != "pos"}
+  pos_n = qb.pos.reshape(n, -1)
+  qb_n = qb._replace(**split, pos=pos_n, seg=None, bounds=block_bounds(pos_n, None))
+  bounds_h = block_bounds(qb.pos.reshape(2, -1), None)
+  qb_2 = qb._replace(
+    **{name: _second_half(getattr(qb, name), r) for name, r in _QBLOCK_ROWS.items()}, seg=None
+  )
+
+  def compute(kv, dkv, dq):
+    kv = _as_compute(kv, pol)
+    _, k_pos, _ = kv_reader(kv)
+    nk = k_pos.shape[0]
+
+    def by_blocks(dq, dk, dv):
+      dq_n, dk, dv = chunk_backward(cfg.mask, pol, qb_n, _split_rows(dq, n, -2), kv, dk, dv, cfg.mods, args)
+      return _joined_rows(dq_n, -2), dk, dv
+
+    def keys_first(dq, dk, dv):
+      return dense_backward(pol, qb, dq, kv, dk, dv, cfg.mods, args, range(nk // 2))
+
+    def queries_second(dq, dk, dv):
+      part, dk, dv = dense_backward(pol, qb_2, _second_half(dq, -2), kv, dk, dv, cfg.mods, args)
+      return _put_second_half(dq, part, -2), dk, dv
+
+    kind = _quadrant_kind(cfg.mask, bounds_h, k_pos)
+    dq, dk, dv = lax.switch(kind, (by_blocks, keys_first, queries_second), dq, *dkv)
+    return dq, (dk, dv)
+
+  return compute
 
 
 # The Pallas kernels take heads before rows, unblocked: q [B, N, T, H] (N = K * G, head

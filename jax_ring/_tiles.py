@@ -218,6 +218,31 @@ def local_blocks(
     padded = -(-padded // math.lcm(bq, bk)) * math.lcm(bq, bk)
 
 
+def quadrant_tiles(
+  length: int, rows: int, bs: BlockSizes, devices: int | None = None
+) -> tuple[int, int] | None:
+  """(block_q, block_kv) = (length, SHARED_CORE_SHORT_KV) when a causal zigzag shard
+  of `length` tokens runs by quadrants (`_ring.RingConfig.quadrants`), else None.
+
+  That is where full attention's shard is one query block (`default_tiles`): on a CPU
+  mesh with more devices than cores, automatic blocks, a shard of at most
+  SHARED_CORE_WHOLE_Q tokens whose halves are whole key blocks, and a score tile of
+  `rows` (batch x query heads of a pass) x length x block_kv within TILE_ELEMENTS.
+  Measured on 8 devices of a 2-core CPU against the halves' 256 x 256 tiles, in
+  interleaved rounds (docs/benchmarks.md): causal at T=8192 took 0.91x their forward
+  time and 0.97x their forward+backward; at T=32768 (4096-token shards, one block then
+  too large for the cache) 1.09x their forward+backward, so longer shards keep them.
+  """
+  if devices is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = 1 if mesh.empty else devices_here(mesh.size)
+  bk = SHARED_CORE_SHORT_KV
+  automatic = bs.block_q is None and bs.block_kv is None
+  shared = mesh_platform() == "cpu" and devices > (os.cpu_count() or 1)
+  fits = length <= SHARED_CORE_WHOLE_Q and length % (2 * bk) == 0 and rows * length * bk <= TILE_ELEMENTS
+  return (length, bk) if automatic and shared and fits else None
+
+
 def fit_tile_budget(bq: int, bk: int, rows: int, bs: BlockSizes) -> tuple[int, int]:
   """(bq, bk), the automatic ones halved (the larger first, not below MIN_EXACT_TILE)
   until a score tile of `rows` (batch x query heads per pass) x bq x bk elements is at

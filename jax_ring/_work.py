@@ -27,7 +27,9 @@ def work_report(
   it; the others are skipped. Steps a windowed contiguous ring never runs are 0.
   Segment ids are data, not layout, and are left out: with them, fewer blocks run.
   Blocks are `local_blocks`'s; on short shards the score-tile budget
-  (`fit_tile_budget`, which depends on batch and heads) may halve them in the call.
+  (`fit_tile_budget`, which depends on batch and heads) may halve them in the call,
+  and causal zigzag shards of at most 1024 tokens on a CPU mesh that shares its cores
+  run their steps by quadrants (`_tiles.quadrant_tiles`): the same keys, in other tiles.
   """
   window = _validation.normalize_window(local_window_size)
   is_causal = _validation.check_bool(is_causal, "is_causal")
