@@ -229,9 +229,10 @@ def quadrant_tiles(
   SHARED_CORE_WHOLE_Q tokens whose halves are whole key blocks, and a score tile of
   `rows` (batch x query heads of a pass) x length x block_kv within TILE_ELEMENTS.
   Measured on 8 devices of a 2-core CPU against the halves' 256 x 256 tiles, in
-  interleaved rounds (docs/benchmarks.md): causal at T=8192 took 0.91x their forward
-  time and 0.97x their forward+backward; at T=32768 (4096-token shards, one block then
-  too large for the cache) 1.09x their forward+backward, so longer shards keep them.
+  interleaved rounds (docs/benchmarks.md): causal at T=8192 took 0.91-0.92x their
+  forward time and 0.96-0.97x their forward+backward in two runs; at T=32768
+  (4096-token shards, one block then too large for the cache) 1.09x their
+  forward+backward in 3 rounds, so longer shards keep them.
   """
   if devices is None:
     mesh = jax.sharding.get_abstract_mesh()

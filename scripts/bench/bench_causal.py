@@ -7,10 +7,15 @@ default), and on inputs already in that layout (`token_order="layout"`, what
 rate as a fraction of the matmul rate (forward 4*B*N*T^2*H FLOPs, half when causal;
 forward+backward 3.5x that), and causal / full for every round with the median and the
 range over the rounds. `--variants` adds rows of causal attention on ring-order inputs
-with other tiles (`BQxBK`) or other tokens x kv heads per pass (`pass=N`).
+with other tiles (`BQxBK`) or other tokens x kv heads per pass (`pass=N`). `--parts`
+adds full attention over half the scores in the two shapes a causal zigzag ring step
+takes when it is one rectangle (`_tiles.quadrant_tiles`): every query against the
+first half of the keys, and the second half of the queries against every key. Their
+time against full's is the least a causal step costs besides its diagonal one.
 
   python scripts/bench/bench_causal.py --out docs/benchmarks.md
   python scripts/bench/bench_causal.py --lengths 8192 --variants 512x128 256x128 pass=2048
+  python scripts/bench/bench_causal.py --lengths 8192 --rounds 7 --variants 256x256 --parts
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ def parse_args(argv):
     nargs="*",
     default=[],
     help="extra causal ring-order rows: BQxBK tiles or pass=N tokens x kv heads per pass",
+  )
+  p.add_argument(
+    "--parts", action="store_true", help="full attention rows over half the keys, and over half the queries"
   )
   p.add_argument("--out", default=None, help="Markdown file for the table (its 'causal' section)")
   return p.parse_args(argv)
@@ -71,19 +79,24 @@ def main(argv=None):
     q, k, v, g = inputs([shape] * 4, sharding)
     zigzag = [jax.device_put(layouts.to_layout(x, "zigzag", args.devices), sharding) for x in (q, k, v, g)]
     programs = {}
-    rows = [(*m, BlockSizes()) for m in MASKS]
+    # (label, is_causal, token_order, blocks, operands: None for q, k, v, g in the order)
+    rows = [(*m, BlockSizes(), None) for m in MASKS]
     for name, fields in variants:
-      rows.append((f"causal, ring order, {name}", True, "layout", BlockSizes(**fields)))
-    for mask, causal, order, blocks in rows:
+      rows.append((f"causal, ring order, {name}", True, "layout", BlockSizes(**fields), None))
+    half = lambda x, n=length // 2, to=sharding: jax.device_put(x[:, :n], to)
+    if args.parts:
+      rows.append(("full, half the keys", False, "natural", BlockSizes(), (q, half(k), half(v), g)))
+      rows.append(("full, half the queries", False, "natural", BlockSizes(), (half(q), k, v, half(g))))
+    for mask, causal, order, blocks, operands in rows:
       attend = lambda q, k, v, causal=causal, order=order, blocks=blocks: ring_attention(
         q, k, v, mesh=mesh, is_causal=causal, token_order=order, block_sizes=blocks
       )
-      x = zigzag if order == "layout" else (q, k, v, g)
+      x = operands or (zigzag if order == "layout" else (q, k, v, g))
       programs[mask] = (
         jax.jit(attend).lower(*x[:3]).compile(),
         jax.jit(fwd_bwd(attend)).lower(*x).compile(),
         x,
-        causal,
+        causal or operands is not None,  # half of full's scores
       )
     rate = matmul_rate(3)
     times = {mask: ([], []) for mask in programs}
