@@ -92,7 +92,9 @@ class BlockSizes:
   No score tile larger than [block_q x block_kv] exists per head. None (the default)
   picks per call (`default_tiles`): 256 x 256 on a CPU mesh with more devices than
   cores (there a shard of 257 to 1024 tokens, a multiple of 128, not in zigzag halves,
-  is one query block against key blocks of 128), else 1024 x 512; then the largest
+  is one query block against key blocks of 128, and so is a causal zigzag shard of at
+  most 1024 tokens whose steps run by quadrants, `quadrant_tiles`), else 1024 x 512;
+  then the largest
   divisor of the local length up to that size (a multiple of 8, at least 128), or,
   where there is none, the size halved (not below 256) until it divides the length
   rounded up to 256; then halved (not below 128)
