@@ -508,7 +508,8 @@ def chunk_backward(
       kb, vb, kp, ks = read(j)
       dq = list(dq)
       for i in range(len(dq)):
-        branches = _listed_branches(spec, policy, qb, i, kb, vb, kp, ks, mods, args)
+        listed = lambda i=i: (*(getattr(qb, f)[i] for f in _Q_FIELDS), qb.pos[i], _item(qb.seg, i))
+        branches = _tile_branches(spec, policy, listed, kb, vb, kp, ks, mods, args)
         cls = tile_class(spec, _index(qb.bounds, i), k_bound)
         dkb, dvb, dq[i] = lax.switch(cls, branches, dkb, dvb, dq[i])
       return dq, (dkb, dvb)
@@ -524,23 +525,11 @@ def chunk_backward(
     kb, vb, kp, ks = read(j)
     classes = jax.vmap(lambda b: tile_class(spec, b, k_bound))(qb.bounds)
 
-    def add(with_mask):
-      def compute(i, dkb, dvb, dqb):
-        q, q_t, do, do_t, l, delta, qp, qs, _ = _index(qb, i)
-        mask = block_mask(spec, qp, kp, qs, ks) if with_mask else None
-        tile = _tile_of(mods, args, qp, kp)
-        g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, mask, policy, tile)
-        return dkb + g_k, dvb + g_v, dqb + g_q
-
-      return compute
-
-    def skip(i, dkb, dvb, dqb):
-      return dkb, dvb, dqb
-
     def body(i, carry):
       dkb, dvb, dq = carry
       dqb = lax.dynamic_index_in_dim(dq, i, keepdims=False)
-      dkb, dvb, dqb = lax.switch(classes[i], (skip, add(True), add(False)), i, dkb, dvb, dqb)
+      branches = _tile_branches(spec, policy, lambda: _index(qb, i)[:8], kb, vb, kp, ks, mods, args)
+      dkb, dvb, dqb = lax.switch(classes[i], branches, dkb, dvb, dqb)
       return dkb, dvb, lax.dynamic_update_index_in_dim(dq, dqb, i, 0)
 
     lo, hi = _visible_range(classes)
@@ -551,16 +540,24 @@ def chunk_backward(
   return dq, dk_t, dv_t
 
 
-def _listed_branches(spec: MaskSpec, policy, qb: QBlocks, i: int, k, v, k_pos, k_seg, mods, args):
-  """(skip, masked, whole): updates of (dK, dV, dQ) by the tile of query block i of
-  listed residuals (`chunk_backward` with lists) and one key block."""
-  q, q_t, do, do_t, lse, delta = (getattr(qb, f)[i] for f in ("q", "q_t", "do", "do_t", "lse", "delta"))
-  qp, qs = qb.pos[i], None if qb.seg is None else qb.seg[i]
-  tile = _tile_of(mods, args, qp, k_pos)
+# The query-side fields of QBlocks a tile's backward reads, before positions and ids.
+_Q_FIELDS = ("q", "q_t", "do", "do_t", "lse", "delta")
+
+
+def _item(x, i):
+  return None if x is None else x[i]
+
+
+def _tile_branches(spec: MaskSpec, policy, q_block, k, v, k_pos, k_seg, mods, args):
+  """(skip, masked, whole): updates of (dK, dV, dQ) by the tile of one query block and
+  one key block. `q_block()` gives the query block's (q, q_t, do, do_t, lse, delta,
+  positions, ids); the branches call it, so a skipped tile reads nothing."""
 
   def add(with_mask):
     def update(dk, dv, dq):
+      q, q_t, do, do_t, lse, delta, qp, qs = q_block()
       mask = block_mask(spec, qp, k_pos, qs, k_seg) if with_mask else None
+      tile = _tile_of(mods, args, qp, k_pos)
       g_q, g_k, g_v = block_backward(q, q_t, k, v, do, do_t, lse, delta, mask, policy, tile)
       return dk + g_k, dv + g_v, dq + g_q
 
@@ -577,8 +574,8 @@ def dense_backward(
   read, k_pos, _ = kv_reader(kv)
   lo, hi = (0, k_pos.shape[0]) if k_blocks is None else (k_blocks.start, k_blocks.stop)
 
-  def over_k(dq, xs):
-    j, dkb, dvb = xs
+  def body(j, carry):  # dK/dV updated in place: blocks outside [lo, hi) are not touched
+    dq, dk_t, dv_t = carry
     kb, vb, kp, _ = read(j)
 
     def over_q(carry, ys):
@@ -587,14 +584,8 @@ def dense_backward(
       g_q, g_k, g_v = block_backward(q, q_t, kb, vb, do, do_t, l, delta, None, policy, tile)
       return (carry[0] + g_k, carry[1] + g_v), dqb + g_q
 
-    (dkb, dvb), dq = lax.scan(
-      over_q, (dkb, dvb), (qb.q, qb.q_t, qb.do, qb.do_t, qb.lse, qb.delta, qb.pos, dq)
-    )
-    return dq, (dkb, dvb)
-
-  def body(j, carry):  # dK/dV updated in place: blocks outside [lo, hi) are not touched
-    dq, dk_t, dv_t = carry
-    dq, (dkb, dvb) = over_k(dq, (j, dk_t[j], dv_t[j]))
+    xs = (*(getattr(qb, f) for f in _Q_FIELDS), qb.pos, dq)
+    (dkb, dvb), dq = lax.scan(over_q, (dk_t[j], dv_t[j]), xs)
     put = lambda whole, block: lax.dynamic_update_index_in_dim(whole, block, j, 0)
     return dq, put(dk_t, dkb), put(dv_t, dvb)
 
