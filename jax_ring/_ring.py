@@ -88,7 +88,8 @@ class RingConfig:
   # queries are one block (block_q = the local length), and a ring step whose visible
   # keys form one rectangle (all queries x the first half of the keys, or the second
   # half of the queries x all keys) runs it without masks; others take the masked
-  # tiles over the shard's two halves. Set by `quadrant_tiles`.
+  # tiles over listed blocks of the queries (`_diagonal_blocks`). Set from
+  # `_tiles.quadrant_tiles`.
   quadrants: bool = False
 
 
@@ -327,9 +328,7 @@ def ring_forward_state(cfg: RingConfig, x: Inputs):
       cfg.mask, pol, x.q, x.q_pos, x.q_seg, q_bounds, _as_compute(kv, pol), acc, cfg.mods, x.args
     )
 
-  if cfg.quadrants:
-    compute = _quadrant_forward(cfg, x)
-
+  compute = _quadrant_forward(cfg, x) if cfg.quadrants else compute
   return finalize(*_forward_passes(cfg, compute, _traveling(x.kv), (o, m, l)))
 
 
@@ -368,9 +367,7 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
     dq, dk, dv = chunk_backward(cfg.mask, pol, qb, dq, _as_compute(kv, pol), *dkv, cfg.mods, x.args)
     return dq, (dk, dv)
 
-  if cfg.quadrants:
-    compute = _quadrant_backward(cfg, qb, x.args)
-
+  compute = _quadrant_backward(cfg, qb, x.args) if cfg.quadrants else compute
   (dk, dv), dq = _backward_passes(cfg, compute, _traveling(x.kv), zeros_kv, dq)
   untranspose = lambda x: jnp.swapaxes(x, -1, -2)
   scale = jnp.asarray(cfg.scale, pol.accum_dtype)
