@@ -119,6 +119,7 @@ class _Projected(nnx.Module):
     qkv_sharding,
     out_sharding,
     rngs: nnx.Rngs,
+    qk_norm_epsilon: float | None = None,
   ):
     self.num_heads = _positive_int("num_heads", num_heads)
     self.in_features = _positive_int("in_features", in_features)
@@ -152,6 +153,15 @@ class _Projected(nnx.Module):
     self.out = nnx.Linear(
       num_heads * head_dim, out_features, kernel_init=_kernel_init(init, out_sharding), **common
     )
+    if qk_norm_epsilon is not None and (
+      isinstance(qk_norm_epsilon, bool) or not isinstance(qk_norm_epsilon, (int, float)) or qk_norm_epsilon <= 0
+    ):
+      raise ValueError(f"qk_norm_epsilon={qk_norm_epsilon!r} must be a positive number or None")
+    norm = lambda: nnx.RMSNorm(
+      head_dim, epsilon=qk_norm_epsilon, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
+    self.query_norm = nnx.data(None) if qk_norm_epsilon is None else norm()
+    self.key_norm = nnx.data(None) if qk_norm_epsilon is None else norm()
 
   def project(self, x, positions):
     if x.ndim != 3 or x.shape[-1] != self.in_features:
@@ -160,6 +170,8 @@ class _Projected(nnx.Module):
     q = self.query(x).reshape(b, t, self.num_heads, self.head_dim)
     k = self.key(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.value(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    if self.query_norm is not None:
+      q, k = self.query_norm(q), self.key_norm(k)
     if self.rope_base is not None:
       pos = jnp.arange(t) if positions is None else positions
       rope = lambda x: apply_rope(x, pos, self.rope_base, self.rope_max_wavelength)
@@ -258,6 +270,9 @@ class RingAttention(_Cached, _Projected):
     rope_base: rotary embeddings with this base on q and k at global positions
       (None: none). rope_max_wavelength: frequencies of longer wavelength are dropped
       (`rope_frequencies`), for models run past the length they were trained at.
+    qk_norm_epsilon: an RMSNorm over the head dimension (with this epsilon) on each
+      query and key head after the projections, before the rotary embeddings (Gemma 3,
+      OLMo 2, Qwen 3); None: none.
     use_bias, dtype, param_dtype, kernel_init: as in `flax.nnx.Linear`.
     qkv_sharding, out_sharding: optional partition names for the [D, N*H] and [N*H, D]
       kernels (e.g. (None, "model") and ("model", None)), stored as metadata only.
@@ -297,6 +312,7 @@ class RingAttention(_Cached, _Projected):
     attention_dropout_rate: float = 0.0,
     rope_base: float | None = None,
     rope_max_wavelength: float | None = None,
+    qk_norm_epsilon: float | None = None,
     use_bias: bool = False,
     dtype=None,
     param_dtype=jnp.float32,
@@ -321,6 +337,7 @@ class RingAttention(_Cached, _Projected):
       qkv_sharding=qkv_sharding,
       out_sharding=out_sharding,
       rngs=rngs,
+      qk_norm_epsilon=qk_norm_epsilon,
     )
     self.kind = kind
     self.options = nnx.static(
@@ -423,7 +440,7 @@ class RingAttention(_Cached, _Projected):
       cache,
       lengths=lengths,
       segment_ids=segment_ids,
-      layout="auto" if self.kind == "ring" else "contiguous",
+      layout=o["layout"] if self.kind == "ring" else "contiguous",
       block_sizes=o["block_sizes"],
       **self._decode_options(),
     )

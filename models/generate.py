@@ -73,9 +73,10 @@ def sample(logits, rng, sampling: Sampling):
 def _prefill(graphdef, state, prompts, lengths, rng, *, sampling: Sampling):
   model = nnx.merge(graphdef, state)
   logits = model.prefill(prompts, lengths=lengths)
-  # Each row's logits at its last prompt token (a masked sum: fine on any sharding).
-  at_last = jnp.arange(logits.shape[1])[None, :, None] == (lengths - 1)[:, None, None]
-  last = jnp.sum(jnp.where(at_last, logits, 0.0), axis=1)
+  if logits.ndim == 3:  # [B, P, V]: each row's at its last prompt token (a masked sum: any sharding)
+    at_last = jnp.arange(logits.shape[1])[None, :, None] == (lengths - 1)[:, None, None]
+    logits = jnp.sum(jnp.where(at_last, logits, 0.0), axis=1)
+  last = logits
   return sample(last, rng, sampling), nnx.state(model)
 
 
