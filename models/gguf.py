@@ -232,6 +232,8 @@ def load_gguf(path, *, mesh=None, attention: str = "ring", seq_axis="seq", dtype
       targets[target.format(i=i)] = (name.format(i=i), transpose)
   weights = file.tensors(cache_dir)
   devices = jax.devices()[:1] if attention == "dense" else mesh.devices.reshape(-1)
+  if attention != "dense":  # weights carry no sharding in their types, whatever the mesh's axes
+    mesh = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
   flat = []
   for path, variable in nnx.to_flat_state(state):
     key = ".".join(str(p) for p in path)

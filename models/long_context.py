@@ -1,0 +1,378 @@
+"""Long-context retrieval with a pretrained model: documents of up to 32K tokens with
+needles at several depths, read by ring attention over a mesh and by two baselines.
+
+A document holds one needle per depth, each a different kind of fact: the pass key (5
+digits) first, then a secret animal, city, fruit, ... (task "passkey": "The pass key is
+48213. Remember it. 48213 is the pass key." in repeated filler, as in Mohtashami and
+Jaggi 2023, arXiv 2305.16300; task "needle": "The secret city is Oslo." in Shakespeare,
+as the needles of RULER, Hsieh et al. 2024, arXiv 2404.06654). The document is
+prefilled into the KV cache once; each question ("What is the secret city? The secret
+city is") continues that cache by decoding, from the same cached state each time, and
+the answer is the first word (or number) the model generates.
+
+Readers:
+- "ring": the whole document on every device of the mesh, each holding T / devices
+  tokens (`attention="ring"`).
+- "local": shard-local attention, each device attending within its own T / devices
+  tokens; the question continues the last device's tokens, so the answer depends on
+  those alone, and this reader runs the model on them (`local_equals_last_shard`
+  checks the identity against `attention="local"`).
+- "last4k": the model reading only BOS and the document's last 4,095 tokens, what a
+  model with a 4K limit would see.
+- "dense": the whole document on one device with dense attention (the reference the
+  ring's logits are compared with), where it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "shakespeare")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+TASKS = ("passkey", "needle")
+READERS = ("ring", "local", "last4k", "dense")
+LAST = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+  label: str
+  answer: str  # digits
+  depth: float  # where the needle starts, as a fraction of the document
+  prompt: str  # what the model continues
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+  task: str
+  tokens: np.ndarray  # int32 [T], BOS first
+  questions: tuple[Question, ...]
+
+
+def _needle(task: str, label: str, answer: str) -> tuple[str, str]:
+  """(needle sentence, question) of a task."""
+  match task:
+    case "passkey":
+      return (
+        f"The {label} is {answer}. Remember it. {answer} is the {label}. ",
+        f" What is the {label}? The {label} is",
+      )
+    case "needle":
+      return (f"The {label} is {answer}. ", f"\nWhat is the {label}? The {label} is")
+    case _:
+      raise ValueError(f"Unsupported task={task!r}; expected one of {TASKS}")
+
+
+# One needle per depth, each a different kind of answer: needles of one kind ("the
+# door code is 48213", "the room number is 60208") all get the last one's answer from
+# this model. The pass key comes first; the others draw from their lists.
+FACTS = (
+  ("pass key", None),
+  ("secret animal", ("giraffe", "octopus", "penguin", "kangaroo", "flamingo", "hedgehog", "walrus", "beaver")),
+  ("secret city", ("Lisbon", "Nairobi", "Oslo", "Kyoto", "Quito", "Dublin", "Cairo", "Lima")),
+  ("secret fruit", ("mango", "papaya", "apricot", "pomegranate", "lychee", "kiwi", "plum", "fig")),
+  ("secret instrument", ("violin", "trumpet", "harp", "banjo", "cello", "flute", "tuba", "accordion")),
+  ("secret metal", ("copper", "cobalt", "nickel", "titanium", "zinc", "tungsten", "platinum", "chromium")),
+  ("secret planet", ("Mercury", "Venus", "Mars", "Jupiter", "Saturn", "Uranus", "Neptune", "Pluto")),
+  ("secret gemstone", ("ruby", "emerald", "sapphire", "topaz", "opal", "garnet", "amethyst", "jade")),
+)
+
+
+@functools.cache
+def _shakespeare() -> str:
+  parts = []
+  for name in sorted(os.listdir(DATA)):
+    with open(os.path.join(DATA, name), encoding="utf-8") as f:
+      parts.append(f.read())
+  return "\n\n".join(parts)
+
+
+def _haystack(tokenizer, task: str, count: int, rng) -> list[int]:
+  """`count` tokens of the task's filler, cut at a sentence end."""
+  if task == "passkey":
+    unit = tokenizer.encode(FILLER)
+    return (unit * (count // len(unit) + 1))[:count]
+  text = _shakespeare()
+  start = int(rng.integers(0, len(text) // 2))
+  start = text.index("\n", start) + 1
+  ids = tokenizer.encode(text[start : start + 6 * count])
+  if len(ids) < count:
+    ids = ids + tokenizer.encode(text[: 6 * count])
+  return ids[:count]
+
+
+def make_document(tokenizer, task: str, length: int, depths, seed: int = 0) -> Document:
+  """A document of exactly `length` tokens (BOS first) with a needle at each depth in
+  [0, 1], each with its own label and a random answer (5 digits for the pass key, 7 for
+  the magic number), placed at the sentence boundary nearest to its depth."""
+  depths = sorted(float(d) for d in depths)
+  if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+    raise ValueError(f"depths={depths} must be numbers in [0, 1]")
+  if len(depths) > len(FACTS):
+    raise ValueError(f"{len(depths)} depths: at most {len(FACTS)} needles a document")
+  rng = np.random.default_rng([seed, length, TASKS.index(task)])
+  needles, questions = [], []
+  for (label, pool), depth in zip(FACTS, depths):
+    answer = str(int(rng.integers(10_000, 100_000))) if pool is None else str(pool[rng.integers(len(pool))])
+    sentence, question = _needle(task, label, answer)
+    needles.append(tokenizer.encode(sentence))
+    questions.append((label, answer, question))
+  room = length - 1 - sum(len(n) for n in needles)
+  if room < 16:
+    raise ValueError(f"length={length} leaves no room for a haystack around {len(needles)} needles")
+  hay = _haystack(tokenizer, task, room, rng)
+  ends = {i + 1 for i, t in enumerate(hay) if tokenizer.pieces[t].endswith((".", "\n")) or t == 107}
+  ends = np.array(sorted(ends | {0, room}))
+  out, cut, placed = [tokenizer.bos_id], 0, []
+  for needle, depth in zip(needles, depths):
+    at = int(ends[np.argmin(np.abs(ends - depth * room))])
+    at = max(at, cut)
+    out += hay[cut:at]
+    placed.append(len(out) / length)
+    out += needle
+    cut = at
+  out += hay[cut:]
+  qs = tuple(Question(label, answer, d, q) for (label, answer, q), d in zip(questions, placed))
+  return Document(task, np.asarray(out, np.int32), qs)
+
+
+def is_right(expected: str, generated: str) -> bool:
+  """The answer is the first word (a number: the first number) the model generates."""
+  if expected.isdigit():
+    match = re.search(r"\d+", generated)
+    return match is not None and match.group(0) == expected
+  match = re.search(r"[A-Za-z]+", generated)
+  return match is not None and match.group(0).lower() == expected.lower()
+
+
+class Reader:
+  """A model that prefills a document into its KV cache once and answers questions by
+  decoding from that cached state: a compiled prefill per length, a decode step that
+  takes a whole question at once or one token."""
+
+  def __init__(self, model):
+    self.model = model
+
+    # The weights go in as arguments and only the caches come out: returning the
+    # weights too would copy them on every call.
+    @functools.partial(jax.jit, static_argnums=0)
+    def prefill(graphdef, weights, cache, tokens):
+      m = nnx.merge(graphdef, weights, cache)
+      return m.prefill(tokens)[0], nnx.state(m, nnx.Cache)
+
+    # Decoding updates the caches in place (donated); `answer` copies them once first.
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+    def step(graphdef, weights, cache, tokens):
+      m = nnx.merge(graphdef, weights, cache)
+      logits = m.decode(tokens)[0, -1]
+      return logits, jnp.argmax(logits).astype(jnp.int32).reshape(1, 1), nnx.state(m, nnx.Cache)
+
+    self._prefill, self._step = prefill, step
+
+  def compile(self, length: int, room: int, questions=()) -> dict:
+    """Compiles the prefill of `length` tokens with caches for `room` more, and the
+    decode steps of one token and of each question length in `questions`: {"compile_s", "temp_bytes" (the
+    prefill's, per device, from the compiler)}."""
+    self.model.init_cache(1, length + room)
+    self.graphdef, self.weights, self.cache = nnx.split(self.model, nnx.Param, nnx.Cache)
+    start = time.perf_counter()
+    tokens = lambda n: jax.ShapeDtypeStruct((1, n), jnp.int32)
+    self.compiled = self._prefill.lower(self.graphdef, self.weights, self.cache, tokens(length)).compile()
+    steps = {n: self._step.lower(self.graphdef, self.weights, self.cache, tokens(n)).compile() for n in {1, *questions}}
+    self.steps = steps
+    memory = self.compiled.memory_analysis()
+    return dict(compile_s=time.perf_counter() - start, temp_bytes=int(memory.temp_size_in_bytes))
+
+  def prefill(self, tokens: np.ndarray):
+    """(logits [V] at the last token, cached state, seconds) of tokens int [T], with
+    the prefill `compile` made for T."""
+    start = time.perf_counter()
+    logits, cache = self.compiled(self.weights, self.cache, jnp.asarray(tokens[None]))
+    logits = np.asarray(logits)
+    return logits, cache, time.perf_counter() - start
+
+  def answer(self, cache, question: list[int], new_tokens: int):
+    """The question (teacher-forced, one call), then `new_tokens` greedy tokens, from
+    `cache`: (generated ids, logits [1 + new_tokens, V], seconds per generated token)."""
+    cache = jax.tree.map(jnp.copy, cache)
+    last, nxt, cache = self.steps[len(question)](self.weights, cache, jnp.asarray([question], jnp.int32))
+    logits, out = [last], []
+    jax.block_until_ready(nxt)
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+      out.append(nxt)
+      last, nxt, cache = self.steps[1](self.weights, cache, nxt)
+      logits.append(last)
+    jax.block_until_ready(logits[-1])
+    per_token = (time.perf_counter() - start) / new_tokens
+    return [int(t[0, 0]) for t in out], np.stack([np.asarray(x) for x in logits])[:-1], per_token
+
+
+def read(reader: Reader, tokenizer, doc: Document, tokens: np.ndarray, new_tokens: int) -> dict:
+  """Prefill `tokens` (the document, or the part of it this reader sees) once, then
+  answer every question of `doc` from that state. Logits: at the prefill's last token,
+  then per question after its last token and after each generated token but the last."""
+  lengths = sorted({len(tokenizer.encode(q.prompt)) for q in doc.questions})
+  compiled = reader.compile(len(tokens), lengths[-1] + new_tokens, lengths)
+  first, cache, seconds = reader.prefill(tokens)
+  answers, logits, per_token = [], [first[None]], []
+  for q in doc.questions:
+    ids, step_logits, per = reader.answer(cache, tokenizer.encode(q.prompt), new_tokens)
+    text = tokenizer.decode(ids)
+    answers.append(
+      dict(
+        label=q.label,
+        expected=q.answer,
+        depth=round(q.depth, 3),
+        generated=text,
+        right=is_right(q.answer, text),
+      )
+    )
+    logits.append(step_logits)
+    per_token.append(per)
+  return dict(
+    answers=answers,
+    logits=np.concatenate(logits),
+    tokens=len(tokens),
+    prefill_s=seconds,
+    decode_ms=1e3 * float(np.median(per_token)),
+    **compiled,
+  )
+
+
+def reader_tokens(kind: str, doc: Document, devices: int) -> np.ndarray:
+  """The tokens a reader prefills: the whole document, its last shard, or its last 4K."""
+  match kind:
+    case "ring" | "dense":
+      return doc.tokens
+    case "local":
+      shard = -(-len(doc.tokens) // devices)
+      return doc.tokens[(devices - 1) * shard :]
+    case "last4k":  # BOS, then the document's last LAST - 1 tokens
+      return doc.tokens if len(doc.tokens) <= LAST else np.concatenate([doc.tokens[:1], doc.tokens[1 - LAST :]])
+    case _:
+      raise ValueError(f"Unsupported reader={kind!r}; expected one of {READERS}")
+
+
+ROOM = 32  # tokens a document leaves free for the question and the answer
+
+
+def run_grid(
+  ring_model,
+  dense_model,
+  tokenizer,
+  *,
+  devices: int,
+  tasks=("passkey",),
+  lengths=(4096, 8192, 16384, 32768),
+  depths=(0.05, 0.275, 0.5, 0.725, 0.95),
+  readers=("ring", "local", "last4k"),
+  dense_max: int = 4096,
+  one_per_document: bool = False,
+  new_tokens: int = 8,
+  seed: int = 0,
+  log=print,
+) -> dict:
+  """Reads every (task, length) document with each reader and returns the report:
+  "answers" (reader, task, length, depth, expected, generated, right), "runs" (per
+  reader, task and length: tokens prefilled, prefill seconds and tokens/s, decode
+  ms/token, compile seconds, per-device compiled temp MiB) and "exact" (per task and
+  length where dense ran: the ring's largest |logit difference| from dense's, and
+  whether every generated token is the same). A length is a nominal context: its
+  documents have `length - ROOM` tokens, the question and answer fill the rest."""
+  report = dict(answers=[], runs=[], exact=[], lengths=list(lengths), depths=list(depths), tasks=list(tasks))
+  dense_reader = Reader(dense_model)
+  readers_of = {"ring": Reader(ring_model), "local": dense_reader, "last4k": dense_reader, "dense": dense_reader}
+  for task in tasks:
+    for length in lengths:
+      groups = [[d] for d in depths] if one_per_document else [list(depths)]
+      docs = [make_document(tokenizer, task, length - ROOM, g, seed) for g in groups]
+      kinds = list(readers) + (["dense"] if length <= dense_max and "ring" in readers else [])
+      results = {}
+      for kind in kinds:
+        outs = [read(readers_of[kind], tokenizer, d, reader_tokens(kind, d, devices), new_tokens) for d in docs]
+        results[kind] = outs
+        for out in outs:
+          for a in out["answers"]:
+            report["answers"].append(dict(reader=kind, task=task, length=length, **a))
+        prefill = float(sum(o["prefill_s"] for o in outs))
+        tokens = int(sum(o["tokens"] for o in outs))
+        run = dict(
+          reader=kind,
+          task=task,
+          length=length,
+          tokens=tokens,
+          prefill_s=round(prefill, 2),
+          tokens_per_s=round(tokens / prefill, 1),
+          decode_ms=round(float(np.median([o["decode_ms"] for o in outs])), 1),
+          compile_s=round(float(np.median([o["compile_s"] for o in outs])), 1),
+          temp_mib=round(max(o["temp_bytes"] for o in outs) / 2**20, 1),
+          right=sum(a["right"] for o in outs for a in o["answers"]),
+          asked=sum(len(o["answers"]) for o in outs),
+        )
+        report["runs"].append(run)
+        log(
+          f"{task:8s} {length:6d} {kind:7s} {run['right']}/{run['asked']} right  prefill {prefill:6.1f} s "
+          f"({run['tokens_per_s']:7.1f} tok/s)  decode {run['decode_ms']:6.1f} ms/token  "
+          f"temp {run['temp_mib']:7.1f} MiB/device  "
+          + "  ".join(repr(a["generated"]) for o in outs for a in o["answers"])
+        )
+      if "dense" in results:
+        ring, dense = results["ring"], results["dense"]
+        diff = max(float(np.abs(r["logits"] - d["logits"]).max()) for r, d in zip(ring, dense))
+        scale = max(float(np.abs(d["logits"]).max()) for d in dense)
+        same = all(
+          ra["generated"] == da["generated"] for r, d in zip(ring, dense) for ra, da in zip(r["answers"], d["answers"])
+        )
+        report["exact"].append(
+          dict(task=task, length=length, max_abs_logit_diff=diff, max_abs_logit=scale, same_tokens=same)
+        )
+        log(f"{task:8s} {length:6d} ring vs dense: max |logit diff| {diff:.2e} (logits up to {scale:.1f}); same tokens: {same}")
+  return report
+
+
+def dense_memory(dense_model, lengths, room: int = ROOM) -> dict:
+  """Per-device compiled temp MiB of dense attention's prefill at each length
+  (compiled, not run: it says what dense would need where it does not fit)."""
+  reader = Reader(dense_model)
+  return {int(t): round(reader.compile(t - room, room)["temp_bytes"] / 2**20, 1) for t in lengths}
+
+
+def plot(report: dict, path: str) -> None:
+  """One heatmap (context length x needle depth: right or wrong) per reader and task."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  readers = [r for r in READERS if any(a["reader"] == r for a in report["answers"])]
+  tasks, lengths, depths = report["tasks"], report["lengths"], report["depths"]
+  fig, axes = plt.subplots(
+    len(tasks), len(readers), figsize=(3.6 * len(readers), 2.8 * len(tasks)), squeeze=False
+  )
+  for i, task in enumerate(tasks):
+    for j, reader in enumerate(readers):
+      ax = axes[i, j]
+      grid = np.full((len(lengths), len(depths)), np.nan)
+      for a in report["answers"]:
+        if a["reader"] == reader and a["task"] == task:
+          grid[lengths.index(a["length"]), int(np.argmin(np.abs(np.asarray(depths) - a["depth"])))] = a["right"]
+      ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+      ax.set_xticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
+      ax.set_yticks(range(len(lengths)), [f"{t // 1024}K" if t >= 1024 else str(t) for t in lengths])
+      ax.set(title=f"{reader}: {task}", xlabel="needle depth")
+      for (y, x), v in np.ndenumerate(grid):
+        if not np.isnan(v):
+          ax.text(x, y, "right" if v else "wrong", ha="center", va="center", fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

