@@ -153,9 +153,8 @@ class _Projected(nnx.Module):
     self.out = nnx.Linear(
       num_heads * head_dim, out_features, kernel_init=_kernel_init(init, out_sharding), **common
     )
-    if qk_norm_epsilon is not None and (
-      isinstance(qk_norm_epsilon, bool) or not isinstance(qk_norm_epsilon, (int, float)) or qk_norm_epsilon <= 0
-    ):
+    eps = qk_norm_epsilon
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0):
       raise ValueError(f"qk_norm_epsilon={qk_norm_epsilon!r} must be a positive number or None")
     norm = lambda: nnx.RMSNorm(
       head_dim, epsilon=qk_norm_epsilon, dtype=dtype, param_dtype=param_dtype, rngs=rngs

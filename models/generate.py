@@ -124,7 +124,11 @@ def generate(
   """Continues each prompt by up to `max_new_tokens` tokens.
 
   Args:
-    model: a `models.DecoderLM` with attention "ring" or "dense".
+    model: any `nnx.Module` with a KV cache: `init_cache(batch_size, max_length)`,
+      `prefill(tokens [B, P], lengths=[B])` -> logits [B, P, V] (or [B, V]: each row's
+      at its last prompt token) filling the caches, and `decode(tokens [B, Tq])` ->
+      logits [B, Tq, V] appending to them; `models.DecoderLM` (attention "ring" or
+      "dense") and `models.Gemma` are two.
     prompts: int [B, P]; row b's prompt is prompts[b, :prompt_lengths[b]].
     max_new_tokens: tokens to generate per row (fewer after a stop token).
     prompt_lengths: int [B] in [1, P] (default: P for every row).
@@ -142,8 +146,8 @@ def generate(
   """
   if not callable(getattr(model, "init_cache", None)) or not callable(getattr(model, "decode", None)):
     raise TypeError(
-      f"model of type {type(model).__name__} has no KV cache (init_cache/prefill/decode); "
-      "generate needs a models.DecoderLM with attention 'ring' or 'dense'"
+      f"model of type {type(model).__name__} has no KV cache: generate needs init_cache(batch_size, "
+      "max_length), prefill(tokens, lengths=) and decode(tokens) (models.DecoderLM, models.Gemma)"
     )
   prompts = np.asarray(prompts) if not isinstance(prompts, jax.Array) else prompts
   if prompts.ndim != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):

@@ -9,6 +9,7 @@ come with the `[models]` extra.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -71,23 +72,62 @@ def file_hash(path: Path) -> str:
   return h.hexdigest()
 
 
-class GGUFFile:
-  """A parsed GGUF file: `metadata` (key -> Python value; the tokenizer's long arrays
-  are read on demand by `field`), `tensor_types` (name -> type name) and `tensors()`."""
+def cache_root(cache_dir=None) -> Path:
+  """Where parsed and dequantized files are kept: `cache_dir`, else $JAX_RING_CACHE,
+  else ~/.cache/jax_ring."""
+  return Path(cache_dir or os.environ.get("JAX_RING_CACHE") or Path.home() / ".cache" / "jax_ring")
 
-  def __init__(self, path):
+
+def _plain(value):
+  """A metadata value as JSON-ready Python (numpy scalars and arrays to numbers and lists)."""
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  if isinstance(value, np.generic):
+    return value.item()
+  return value
+
+
+class GGUFFile:
+  """A GGUF file: its metadata (`field`), tensor types (`tensor_types`: name -> type
+  name) and tensors (`tensors`). The first read parses the file with the gguf package
+  and keeps the metadata and the dequantized tensors in a folder named by the file's
+  hash (`cache_root`); later reads take them from there (parsing the 262K-entry
+  vocabulary alone takes about 18 s here)."""
+
+  def __init__(self, path, cache_dir=None):
     self.path = check_magic(path)
-    gguf = _import_gguf()
+    self.folder = cache_root(cache_dir) / "gguf" / file_hash(self.path)[:32]
+    self._reader = None
+    meta = self.folder / "metadata.json"
+    if meta.is_file():
+      cached = json.loads(meta.read_text())
+      self.metadata, self.tensor_types = cached["metadata"], cached["tensor_types"]
+      return
+    reader = self.reader
+    self.metadata = {key: _plain(f.contents()) for key, f in reader.fields.items()}
+    self.tensor_types = {t.name: t.tensor_type.name for t in reader.tensors}
     try:
-      self.reader = gguf.GGUFReader(self.path)
-    except Exception as e:  # noqa: BLE001 - any parse failure is a malformed file
-      raise ValueError(f"path={str(self.path)!r} is not a readable GGUF file: {e}") from e
-    self.tensor_types = {t.name: t.tensor_type.name for t in self.reader.tensors}
+      self.folder.mkdir(parents=True, exist_ok=True)
+      tmp = meta.with_suffix(".tmp")
+      tmp.write_text(json.dumps(dict(metadata=self.metadata, tensor_types=self.tensor_types)))
+      tmp.replace(meta)
+    except OSError:  # a read-only home: run without the cache
+      pass
+
+  @property
+  def reader(self):
+    """The gguf package's reader of the file (parsed on first use)."""
+    if self._reader is None:
+      gguf = _import_gguf()
+      try:
+        self._reader = gguf.GGUFReader(self.path)
+      except Exception as e:  # noqa: BLE001 - any parse failure is a malformed file
+        raise ValueError(f"path={str(self.path)!r} is not a readable GGUF file: {e}") from e
+    return self._reader
 
   def field(self, key: str, default=None):
     """The value of metadata `key` (a str, number, bool or list), or `default`."""
-    f = self.reader.fields.get(key)
-    return default if f is None else f.contents()
+    return self.metadata.get(key, default)
 
   @property
   def architecture(self) -> str:
@@ -102,25 +142,24 @@ class GGUFFile:
           f"supported: {SUPPORTED_TYPES}"
         )
 
-  def tensors(self, cache_dir=None) -> dict[str, np.ndarray]:
+  def tensors(self) -> dict[str, np.ndarray]:
     """Every tensor as float32, shaped as NumPy reads GGUF (a [640, 1024] GGUF tensor
     is a (1024, 640) array: output features by input features). Dequantized once, then
-    read from `cache_dir` (default: $JAX_RING_CACHE or ~/.cache/jax_ring, a folder per
-    file hash)."""
+    read (memory-mapped) from the file's cache folder."""
     self.check_types()
-    root = Path(cache_dir or os.environ.get("JAX_RING_CACHE") or Path.home() / ".cache" / "jax_ring")
-    folder = root / "gguf" / file_hash(self.path)[:32]
-    done = folder / "complete"
+    done = self.folder / "complete"
     if done.is_file():
-      return {name: np.load(folder / f"{i}.npy", mmap_mode="r") for i, name in enumerate(self.tensor_types)}
+      return {
+        name: np.load(self.folder / f"{i}.npy", mmap_mode="r") for i, name in enumerate(self.tensor_types)
+      }
     gguf = _import_gguf()
     out = {}
     for t in self.reader.tensors:
       out[t.name] = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
     try:
-      folder.mkdir(parents=True, exist_ok=True)
+      self.folder.mkdir(parents=True, exist_ok=True)
       for i, name in enumerate(self.tensor_types):
-        np.save(folder / f"{i}.npy", out[name])
+        np.save(self.folder / f"{i}.npy", out[name])
       done.write_text(str(self.path))
     except OSError:  # a read-only home: run without the cache
       pass
@@ -198,7 +237,8 @@ def load_gguf(path, *, mesh=None, attention: str = "ring", seq_axis="seq", dtype
       `local_window_size`), "dense" (one device; the reference) or "local" (each shard
       of the sequence attends within itself).
     dtype: compute and parameter dtype (None: float32).
-    cache_dir: where the dequantized tensors are kept (`GGUFFile.tensors`).
+    cache_dir: where the parsed metadata and dequantized tensors are kept
+      (`cache_root`).
 
   The weights are dequantized once and cached on disk by the file's hash. On a mesh
   the embedding (the largest tensor; also the output head) is split over `seq_axis`
@@ -209,11 +249,12 @@ def load_gguf(path, *, mesh=None, attention: str = "ring", seq_axis="seq", dtype
 
   if attention not in ATTENTION_KINDS:
     raise ValueError(f"attention={attention!r} is not one of {ATTENTION_KINDS}")
-  file = GGUFFile(path)
+  file = GGUFFile(path, cache_dir)
   arch = file.architecture
   if arch not in ARCHITECTURES:
     raise ValueError(
-      f"general.architecture={arch!r} of {str(file.path)!r} is not supported; supported: {tuple(ARCHITECTURES)}"
+      f"general.architecture={arch!r} of {str(file.path)!r} is not supported; "
+      f"supported: {tuple(ARCHITECTURES)}"
     )
   file.check_types()
   if dtype is not None:
@@ -230,7 +271,7 @@ def load_gguf(path, *, mesh=None, attention: str = "ring", seq_axis="seq", dtype
     layers = range(config.num_layers) if "{i}" in name else [None]
     for i in layers:
       targets[target.format(i=i)] = (name.format(i=i), transpose)
-  weights = file.tensors(cache_dir)
+  weights = file.tensors()
   devices = jax.devices()[:1] if attention == "dense" else mesh.devices.reshape(-1)
   if attention != "dense":  # weights carry no sharding in their types, whatever the mesh's axes
     mesh = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))

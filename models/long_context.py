@@ -25,11 +25,14 @@ Readers:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import os
 import re
+import threading
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +80,10 @@ def _needle(task: str, label: str, answer: str) -> tuple[str, str]:
 # this model. The pass key comes first; the others draw from their lists.
 FACTS = (
   ("pass key", None),
-  ("secret animal", ("giraffe", "octopus", "penguin", "kangaroo", "flamingo", "hedgehog", "walrus", "beaver")),
+  (
+    "secret animal",
+    ("giraffe", "octopus", "penguin", "kangaroo", "flamingo", "hedgehog", "walrus", "beaver"),
+  ),
   ("secret city", ("Lisbon", "Nairobi", "Oslo", "Kyoto", "Quito", "Dublin", "Cairo", "Lima")),
   ("secret fruit", ("mango", "papaya", "apricot", "pomegranate", "lychee", "kiwi", "plum", "fig")),
   ("secret instrument", ("violin", "trumpet", "harp", "banjo", "cello", "flute", "tuba", "accordion")),
@@ -121,7 +127,7 @@ def make_document(tokenizer, task: str, length: int, depths, seed: int = 0) -> D
     raise ValueError(f"{len(depths)} depths: at most {len(FACTS)} needles a document")
   rng = np.random.default_rng([seed, length, TASKS.index(task)])
   needles, questions = [], []
-  for (label, pool), depth in zip(FACTS, depths):
+  for label, pool in FACTS[: len(depths)]:
     answer = str(int(rng.integers(10_000, 100_000))) if pool is None else str(pool[rng.integers(len(pool))])
     sentence, question = _needle(task, label, answer)
     needles.append(tokenizer.encode(sentence))
@@ -154,13 +160,28 @@ def is_right(expected: str, generated: str) -> bool:
   return match is not None and match.group(0).lower() == expected.lower()
 
 
+class Program(NamedTuple):
+  """A reader's compiled programs for one document length: the prefill into a fresh
+  cache, and the decode steps by token count."""
+
+  graphdef: Any
+  weights: Any
+  cache: Any
+  prefill: Any
+  steps: dict
+  compile_s: float
+  temp_bytes: int  # the prefill's, per device, from the compiler
+
+
 class Reader:
   """A model that prefills a document into its KV cache once and answers questions by
   decoding from that cached state: a compiled prefill per length, a decode step that
-  takes a whole question at once or one token."""
+  takes a whole question at once or one token. Compiled programs are kept by shape."""
 
   def __init__(self, model):
     self.model = model
+    self.programs: dict[tuple, Program] = {}
+    self.lock = threading.Lock()
 
     # The weights go in as arguments and only the caches come out: returning the
     # weights too would copy them on every call.
@@ -178,55 +199,68 @@ class Reader:
 
     self._prefill, self._step = prefill, step
 
-  def compile(self, length: int, room: int, questions=()) -> dict:
-    """Compiles the prefill of `length` tokens with caches for `room` more, and the
-    decode steps of one token and of each question length in `questions`: {"compile_s", "temp_bytes" (the
-    prefill's, per device, from the compiler)}."""
-    self.model.init_cache(1, length + room)
-    self.graphdef, self.weights, self.cache = nnx.split(self.model, nnx.Param, nnx.Cache)
-    start = time.perf_counter()
-    tokens = lambda n: jax.ShapeDtypeStruct((1, n), jnp.int32)
-    self.compiled = self._prefill.lower(self.graphdef, self.weights, self.cache, tokens(length)).compile()
-    steps = {n: self._step.lower(self.graphdef, self.weights, self.cache, tokens(n)).compile() for n in {1, *questions}}
-    self.steps = steps
-    memory = self.compiled.memory_analysis()
-    return dict(compile_s=time.perf_counter() - start, temp_bytes=int(memory.temp_size_in_bytes))
+  def compile(self, length: int, room: int, questions=()) -> Program:
+    """The programs for a document of `length` tokens with caches for `room` more: the
+    prefill and the decode steps of one token and of each length in `questions`
+    (safe to call from another thread)."""
+    key = (length, room, tuple(sorted(set(questions))))
+    with self.lock:
+      if key in self.programs:
+        return self.programs[key]
+      self.model.init_cache(1, length + room)
+      graphdef, weights, cache = nnx.split(self.model, nnx.Param, nnx.Cache)
+      start = time.perf_counter()
+      tokens = lambda n: jax.ShapeDtypeStruct((1, n), jnp.int32)
+      prefill = self._prefill.lower(graphdef, weights, cache, tokens(length)).compile()
+      steps = {n: self._step.lower(graphdef, weights, cache, tokens(n)).compile() for n in {1, *questions}}
+      temp = int(prefill.memory_analysis().temp_size_in_bytes)
+      program = Program(graphdef, weights, cache, prefill, steps, time.perf_counter() - start, temp)
+      self.programs[key] = program
+      return program
 
-  def prefill(self, tokens: np.ndarray):
-    """(logits [V] at the last token, cached state, seconds) of tokens int [T], with
-    the prefill `compile` made for T."""
+  @staticmethod
+  def prefill(program: Program, tokens: np.ndarray):
+    """(logits [V] at the last token, cached state, seconds) of tokens int [T]."""
     start = time.perf_counter()
-    logits, cache = self.compiled(self.weights, self.cache, jnp.asarray(tokens[None]))
+    logits, cache = program.prefill(program.weights, program.cache, jnp.asarray(tokens[None]))
     logits = np.asarray(logits)
     return logits, cache, time.perf_counter() - start
 
-  def answer(self, cache, question: list[int], new_tokens: int):
+  @staticmethod
+  def answer(program: Program, cache, question: list[int], new_tokens: int):
     """The question (teacher-forced, one call), then `new_tokens` greedy tokens, from
     `cache`: (generated ids, logits [1 + new_tokens, V], seconds per generated token)."""
+    steps, weights = program.steps, program.weights
     cache = jax.tree.map(jnp.copy, cache)
-    last, nxt, cache = self.steps[len(question)](self.weights, cache, jnp.asarray([question], jnp.int32))
+    last, nxt, cache = steps[len(question)](weights, cache, jnp.asarray([question], jnp.int32))
     logits, out = [last], []
     jax.block_until_ready(nxt)
     start = time.perf_counter()
     for _ in range(new_tokens):
       out.append(nxt)
-      last, nxt, cache = self.steps[1](self.weights, cache, nxt)
+      last, nxt, cache = steps[1](weights, cache, nxt)
       logits.append(last)
     jax.block_until_ready(logits[-1])
     per_token = (time.perf_counter() - start) / new_tokens
     return [int(t[0, 0]) for t in out], np.stack([np.asarray(x) for x in logits])[:-1], per_token
 
 
-def read(reader: Reader, tokenizer, doc: Document, tokens: np.ndarray, new_tokens: int) -> dict:
+def question_lengths(tokenizer, doc: Document) -> list[int]:
+  return sorted({len(tokenizer.encode(q.prompt)) for q in doc.questions})
+
+
+def read(reader: Reader, tokenizer, doc: Document, tokens: np.ndarray, new_tokens: int, program=None) -> dict:
   """Prefill `tokens` (the document, or the part of it this reader sees) once, then
   answer every question of `doc` from that state. Logits: at the prefill's last token,
-  then per question after its last token and after each generated token but the last."""
-  lengths = sorted({len(tokenizer.encode(q.prompt)) for q in doc.questions})
-  compiled = reader.compile(len(tokens), lengths[-1] + new_tokens, lengths)
-  first, cache, seconds = reader.prefill(tokens)
+  then per question after its last token and after each generated token but the last.
+  `program`: the reader's compiled programs for these tokens (compiled here if None)."""
+  lengths = question_lengths(tokenizer, doc)
+  if program is None:
+    program = reader.compile(len(tokens), lengths[-1] + new_tokens, lengths)
+  first, cache, seconds = reader.prefill(program, tokens)
   answers, logits, per_token = [], [first[None]], []
   for q in doc.questions:
-    ids, step_logits, per = reader.answer(cache, tokenizer.encode(q.prompt), new_tokens)
+    ids, step_logits, per = reader.answer(program, cache, tokenizer.encode(q.prompt), new_tokens)
     text = tokenizer.decode(ids)
     answers.append(
       dict(
@@ -245,7 +279,8 @@ def read(reader: Reader, tokenizer, doc: Document, tokens: np.ndarray, new_token
     tokens=len(tokens),
     prefill_s=seconds,
     decode_ms=1e3 * float(np.median(per_token)),
-    **compiled,
+    compile_s=program.compile_s,
+    temp_bytes=program.temp_bytes,
   )
 
 
@@ -258,7 +293,9 @@ def reader_tokens(kind: str, doc: Document, devices: int) -> np.ndarray:
       shard = -(-len(doc.tokens) // devices)
       return doc.tokens[(devices - 1) * shard :]
     case "last4k":  # BOS, then the document's last LAST - 1 tokens
-      return doc.tokens if len(doc.tokens) <= LAST else np.concatenate([doc.tokens[:1], doc.tokens[1 - LAST :]])
+      if len(doc.tokens) <= LAST:
+        return doc.tokens
+      return np.concatenate([doc.tokens[:1], doc.tokens[1 - LAST :]])
     case _:
       raise ValueError(f"Unsupported reader={kind!r}; expected one of {READERS}")
 
@@ -278,7 +315,7 @@ def run_grid(
   readers=("ring", "local", "last4k"),
   dense_max: int = 4096,
   one_per_document: bool = False,
-  new_tokens: int = 8,
+  new_tokens: int = 6,
   seed: int = 0,
   log=print,
 ) -> dict:
@@ -291,15 +328,38 @@ def run_grid(
   documents have `length - ROOM` tokens, the question and answer fill the rest."""
   report = dict(answers=[], runs=[], exact=[], lengths=list(lengths), depths=list(depths), tasks=list(tasks))
   dense_reader = Reader(dense_model)
-  readers_of = {"ring": Reader(ring_model), "local": dense_reader, "last4k": dense_reader, "dense": dense_reader}
+  readers_of = dict(ring=Reader(ring_model), local=dense_reader, last4k=dense_reader, dense=dense_reader)
+  groups = [[d] for d in depths] if one_per_document else [list(depths)]
+  documents = {
+    (task, length): [make_document(tokenizer, task, length - ROOM, g, seed) for g in groups]
+    for task in tasks
+    for length in lengths
+  }
+  # The ring's program for the next document compiles in a thread while the baselines
+  # read this one (compiling its 18 layers takes about as long as a 4K prefill); the
+  # ring's own prefill and decoding never share the machine with a compile.
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  keys = list(documents)
+
+  def compile_ring(i):
+    if "ring" not in readers or i >= len(keys):
+      return None
+    docs = documents[keys[i]]
+    q = question_lengths(tokenizer, docs[0])
+    return pool.submit(readers_of["ring"].compile, len(docs[0].tokens), q[-1] + new_tokens, q)
+
+  ahead = {keys[0]: compile_ring(0)}
   for task in tasks:
     for length in lengths:
-      groups = [[d] for d in depths] if one_per_document else [list(depths)]
-      docs = [make_document(tokenizer, task, length - ROOM, g, seed) for g in groups]
+      docs = documents[task, length]
       kinds = list(readers) + (["dense"] if length <= dense_max and "ring" in readers else [])
       results = {}
       for kind in kinds:
-        outs = [read(readers_of[kind], tokenizer, d, reader_tokens(kind, d, devices), new_tokens) for d in docs]
+        reader = readers_of[kind]
+        program = ahead[task, length].result() if kind == "ring" else None
+        outs = [
+          read(reader, tokenizer, d, reader_tokens(kind, d, devices), new_tokens, program) for d in docs
+        ]
         results[kind] = outs
         for out in outs:
           for a in out["answers"]:
@@ -330,21 +390,27 @@ def run_grid(
         ring, dense = results["ring"], results["dense"]
         diff = max(float(np.abs(r["logits"] - d["logits"]).max()) for r, d in zip(ring, dense))
         scale = max(float(np.abs(d["logits"]).max()) for d in dense)
-        same = all(
-          ra["generated"] == da["generated"] for r, d in zip(ring, dense) for ra, da in zip(r["answers"], d["answers"])
-        )
+        pairs = [(a, b) for r, d in zip(ring, dense) for a, b in zip(r["answers"], d["answers"])]
+        same = all(a["generated"] == b["generated"] for a, b in pairs)
         report["exact"].append(
           dict(task=task, length=length, max_abs_logit_diff=diff, max_abs_logit=scale, same_tokens=same)
         )
-        log(f"{task:8s} {length:6d} ring vs dense: max |logit diff| {diff:.2e} (logits up to {scale:.1f}); same tokens: {same}")
+        log(
+          f"{task:8s} {length:6d} ring vs dense: max |logit diff| {diff:.2e} (logits up to {scale:.1f}); "
+          f"same tokens: {same}"
+        )
+  pool.shutdown()
   return report
 
 
-def dense_memory(dense_model, lengths, room: int = ROOM) -> dict:
-  """Per-device compiled temp MiB of dense attention's prefill at each length
-  (compiled, not run: it says what dense would need where it does not fit)."""
+def dense_memory(report: dict, dense_model, room: int = ROOM) -> dict:
+  """Per-device compiled temp MiB of dense attention's prefill at each length of the
+  report: the dense run's where it ran, else compiled (not run), which says what dense
+  would need where it does not fit."""
+  ran = {r["length"]: r["temp_mib"] for r in report["runs"] if r["reader"] == "dense"}
   reader = Reader(dense_model)
-  return {int(t): round(reader.compile(t - room, room)["temp_bytes"] / 2**20, 1) for t in lengths}
+  compiled = lambda t: round(reader.compile(t - room, room).temp_bytes / 2**20, 1)
+  return {int(t): ran[t] if t in ran else compiled(t) for t in report["lengths"]}
 
 
 def plot(report: dict, path: str) -> None:
@@ -365,7 +431,8 @@ def plot(report: dict, path: str) -> None:
       grid = np.full((len(lengths), len(depths)), np.nan)
       for a in report["answers"]:
         if a["reader"] == reader and a["task"] == task:
-          grid[lengths.index(a["length"]), int(np.argmin(np.abs(np.asarray(depths) - a["depth"])))] = a["right"]
+          column = int(np.argmin(np.abs(np.asarray(depths) - a["depth"])))
+          grid[lengths.index(a["length"]), column] = a["right"]
       ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
       ax.set_xticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
       ax.set_yticks(range(len(lengths)), [f"{t // 1024}K" if t >= 1024 else str(t) for t in lengths])

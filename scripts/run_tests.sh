@@ -19,4 +19,5 @@ fi
 export JAX_RING_AOT_PYTHON="$ROOT/.venv-aot/bin/python"
 ruff check .
 ruff format --check .
-python -m pytest -n 2 -q "$@"
+# --dist loadgroup: the real model's tests (group "gemma") share one worker, which loads it once.
+python -m pytest -n 2 --dist loadgroup -q "$@"

@@ -153,7 +153,7 @@ def test_ring_equals_dense(path, dense, tokenizer, devices, length):
   ring, _ = models.load_gguf(path, mesh=make_mesh((devices,), ("seq",)), attention="ring")
   h_ring, h_dense = _hidden(ring, tokens), _hidden(dense, tokens)
   assert _rel(h_ring, h_dense) < 1e-4
-  positions = POSITIONS[POSITIONS < length]
+  positions = POSITIONS[length > POSITIONS]
   logits_ring = _logits_at(ring, jnp.asarray(np.asarray(h_ring)), positions)
   logits_dense = _logits_at(dense, h_dense, positions)
   assert _rel(logits_ring, logits_dense) < 1e-4
@@ -322,17 +322,17 @@ def test_errors_name_the_problem(tmp_path, path, dense):
   junk = tmp_path / "junk.bin"
   junk.write_bytes(b"PK\x03\x04 not a gguf file")
   with pytest.raises(ValueError, match="is not a GGUF file"):
-    models.load_gguf(junk)
+    models.load_gguf(junk, cache_dir=tmp_path)
   with pytest.raises(ValueError, match="is not a file"):
-    models.load_gguf(tmp_path / "missing.gguf")
+    models.load_gguf(tmp_path / "missing.gguf", cache_dir=tmp_path)
   bert = tmp_path / "bert.gguf"
   _write_gguf(bert, arch="bert")
   with pytest.raises(ValueError, match="general.architecture='bert'"):
-    models.load_gguf(bert)
+    models.load_gguf(bert, cache_dir=tmp_path)
   odd = tmp_path / "iq2.gguf"
   _write_gguf(odd, tensor_type=gguf.GGMLQuantizationType.IQ2_XXS)
   with pytest.raises(ValueError, match="has type IQ2_XXS"):
-    models.load_gguf(odd)
+    models.load_gguf(odd, cache_dir=tmp_path)
   with pytest.raises(ValueError, match="attention='flash'"):
     models.load_gguf(path, attention="flash")
   too_long = np.zeros((1, 32769), np.int32)

