@@ -20,6 +20,7 @@ Legend: B batch, T sequence length, D model width, V vocabulary size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -29,6 +30,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ring import nn as ring_nn
+
+from .transformer import GatedMLP
 
 ATTENTION_KINDS = ("ring", "dense", "local")
 
@@ -85,17 +88,7 @@ class GemmaConfig:
       raise ValueError(f"seq_axis={seq_axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
 
 
-class GeGLU(nnx.Module):
-  """down(gelu_tanh(gate(x)) * up(x)) (Shazeer 2020, "GLU Variants Improve Transformer")."""
-
-  def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-    kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.gate = nnx.Linear(dim, hidden, **kw)
-    self.up = nnx.Linear(dim, hidden, **kw)
-    self.down = nnx.Linear(hidden, dim, **kw)
-
-  def __call__(self, x):
-    return self.down(jax.nn.gelu(self.gate(x), approximate=True) * self.up(x))
+gelu_tanh = functools.partial(jax.nn.gelu, approximate=True)
 
 
 class GemmaAttention(ring_nn.RingAttention):
@@ -138,7 +131,9 @@ class GemmaBlock(nnx.Module):
     )
     self.post_attn_norm = norm()
     self.mlp_norm = norm()
-    self.mlp = GeGLU(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.mlp = GatedMLP(
+      config.dim, config.mlp_hidden, activation=gelu_tanh, dtype=dt, param_dtype=pdt, rngs=rngs
+    )  # GeGLU
     self.post_mlp_norm = norm()
 
   def __call__(self, x, attend):

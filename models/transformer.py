@@ -179,17 +179,19 @@ def _dtype(name):
   return None if name is None else jnp.dtype(name)
 
 
-class SwiGLU(nnx.Module):
-  """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+class GatedMLP(nnx.Module):
+  """A gated feed-forward, down(activation(gate(x)) * up(x)) (Shazeer 2020, "GLU
+  Variants Improve Transformer"): SwiGLU with silu (the default), GeGLU with GELU."""
 
-  def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, dim: int, hidden: int, *, activation=jax.nn.silu, dtype, param_dtype, rngs: nnx.Rngs):
     kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.activation = activation
     self.gate = nnx.Linear(dim, hidden, **kw)
     self.up = nnx.Linear(dim, hidden, **kw)
     self.down = nnx.Linear(hidden, dim, **kw)
 
   def __call__(self, x):
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    return self.down(self.activation(self.gate(x)) * self.up(x))
 
 
 def make_attention(config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs, layer: int = 0):
@@ -315,7 +317,7 @@ class Block(nnx.Module):
       config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs, layer=layer
     )
     self.mlp_norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
-    self.mlp = SwiGLU(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.mlp = GatedMLP(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)  # SwiGLU
 
   def __call__(self, x, attend, remat: bool = False, mix=None):
     """attend(attention module, normalized x) -> the attention sub-layer's output;

@@ -153,6 +153,14 @@ LENGTH = 600
 POSITIONS = np.array([0, 1, 255, 511, 512, 513, 598, 599])
 
 
+@pytest.fixture(scope="module")
+def dense_601(dense, tokenizer):
+  """Dense's hidden states of 601 tokens: a causal model's first n of them are its
+  hidden states of the first n tokens, so one forward serves every shorter length."""
+  tokens = _tokens(tokenizer, 601)
+  return tokens, _hidden(dense, jnp.asarray(tokens))
+
+
 def test_gradients_flow_and_ring_equals_dense(path, dense, tokenizer):
   """Gradients of the next-token loss with respect to the 18 blocks' weights (the
   embedding's 168M-parameter gradient is left out to keep the test's memory down): ring
@@ -188,10 +196,10 @@ def test_gradients_flow_and_ring_equals_dense(path, dense, tokenizer):
   gc.collect()
 
 
-def test_dense_equals_the_float64_numpy_forward(dense, weights, tokenizer):
-  tokens = _tokens(tokenizer, LENGTH)
-  expected = numpy_hidden(weights, tokens[0])
-  h = np.asarray(_hidden(dense, jnp.asarray(tokens)))[0]
+def test_dense_equals_the_float64_numpy_forward(dense, dense_601, weights):
+  tokens, h_all = dense_601
+  expected = numpy_hidden(weights, tokens[0, :LENGTH])
+  h = np.asarray(h_all)[0, :LENGTH]
   assert _rel(h, expected) < 1e-4
   logits = np.asarray(_logits_at(dense, jnp.asarray(h[None]), POSITIONS))[0]
   embed = weights["token_embd.weight"]  # tied head, in float64 a slice at a time
@@ -201,26 +209,28 @@ def test_dense_equals_the_float64_numpy_forward(dense, weights, tokenizer):
   assert _rel(logits, np.concatenate(rows).T) < 1e-4
 
 
-def _check_ring(ring, dense, tokens):
-  h_ring, h_dense = _hidden(ring, tokens), _hidden(dense, tokens)
+def _check_ring(ring, dense, dense_601, length):
+  tokens, h_all = dense_601
+  h_dense = h_all[:, :length]
+  h_ring = _hidden(ring, jnp.asarray(tokens[:, :length]))
   assert _rel(h_ring, h_dense) < 1e-4
-  positions = POSITIONS[tokens.shape[1] > POSITIONS]
+  positions = POSITIONS[length > POSITIONS]
   logits_ring = _logits_at(ring, jnp.asarray(np.asarray(h_ring)), positions)
   logits_dense = _logits_at(dense, h_dense, positions)
   assert _rel(logits_ring, logits_dense) < 1e-4
 
 
 @pytest.mark.parametrize("devices, length", [(1, 600), (2, 599), (4, 601)])  # multiples and not
-def test_ring_equals_dense(path, dense, tokenizer, devices, length):
+def test_ring_equals_dense(path, dense, dense_601, devices, length):
   ring, _ = models.load_gguf(path, mesh=make_mesh((devices,), ("seq",)), attention="ring")
-  _check_ring(ring, dense, jnp.asarray(_tokens(tokenizer, length, seed=devices)))
+  _check_ring(ring, dense, dense_601, length)
   del ring
   gc.collect()
 
 
 @pytest.mark.parametrize("length", [600, 597])
-def test_ring_on_8_devices_equals_dense(ring8, dense, tokenizer, length):
-  _check_ring(ring8, dense, jnp.asarray(_tokens(tokenizer, length, seed=length)))
+def test_ring_on_8_devices_equals_dense(ring8, dense, dense_601, length):
+  _check_ring(ring8, dense, dense_601, length)
 
 
 def test_call_gives_logits_in_natural_order(ring8, dense, tokenizer):
