@@ -19,8 +19,11 @@ Readers:
   checks the identity against `attention="local"`).
 - "last4k": the model reading only BOS and the document's last 4,095 tokens, what a
   model with a 4K limit would see.
-- "dense": the whole document on one device with dense attention (the reference the
-  ring's logits are compared with), where it runs.
+- "dense": the same model on one device (`attention="dense"`), the whole document,
+  where it runs: the ring's logits and tokens are compared with its. Its prefill and
+  decoding run the library's KV-cache attention on a one-device mesh; its forward
+  (`model(tokens)`) runs `jax.nn.dot_product_attention`, which the tests hold to a
+  float64 NumPy forward.
 """
 
 from __future__ import annotations

@@ -241,16 +241,14 @@ def test_call_gives_logits_in_natural_order(ring8, dense, tokenizer):
 
 
 def test_generation_ring_equals_dense_token_for_token(ring8, dense, tokenizer):
+  """Greedy decoding on dense against sampling with top_k=1 on the ring (only the
+  argmax is kept, so at any temperature it is greedy): the same tokens, the pass key."""
   prompt = "The pass key is 48213. Remember it. " + "The grass is green. " * 12 + "The pass key is"
   ids = np.asarray([[tokenizer.bos_id] + tokenizer.encode(prompt)], np.int32)
-  ring = ring8
-  greedy_ring = models.generate(ring, ids, max_new_tokens=6)
   greedy_dense = models.generate(dense, ids, max_new_tokens=6)
-  np.testing.assert_array_equal(greedy_ring.tokens, greedy_dense.tokens)
-  assert tokenizer.decode(greedy_ring.tokens[0]).startswith(" 48213")
-  # Sampling: top_k=1 keeps only the argmax, so at any temperature it must be greedy.
-  top1 = models.generate(ring, ids, max_new_tokens=6, temperature=0.7, top_k=1, rng=jax.random.key(1))
-  np.testing.assert_array_equal(top1.tokens, greedy_ring.tokens)
+  top1_ring = models.generate(ring8, ids, max_new_tokens=6, temperature=0.7, top_k=1, rng=jax.random.key(1))
+  np.testing.assert_array_equal(top1_ring.tokens, greedy_dense.tokens)
+  assert tokenizer.decode(top1_ring.tokens[0]).startswith(" 48213")
 
 
 def test_local_reader_is_attention_local_on_the_last_shard(path, dense, tokenizer):
