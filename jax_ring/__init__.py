@@ -28,12 +28,12 @@ from jax_ring._work import work_report
 
 
 def __getattr__(name: str):
-  """`jax_ring.nn` (the Flax modules) on first use: `import jax_ring` alone does not
-  import Flax."""
-  if name == "nn":
+  """`jax_ring.nn` (the Flax modules), `jax_ring.models` and `jax_ring.aot` on first
+  use: `import jax_ring` alone does not import Flax."""
+  if name in ("nn", "models", "aot"):
     import importlib
 
-    return importlib.import_module("jax_ring.nn")
+    return importlib.import_module(f"jax_ring.{name}")
   raise AttributeError(f"module 'jax_ring' has no attribute {name!r}")
 
 

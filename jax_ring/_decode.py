@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jax_ring import _validation, layouts
 from jax_ring._attention import GlobalConfig, check_arguments, global_impl
 from jax_ring._dilated import check_patterns
-from jax_ring._kernel import Tile, block_update, finalize
+from jax_ring._kernel import Tile, block_update, expose_floored, finalize
 from jax_ring._merge import merge_local, merge_partials
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, place, place_on_mesh, usable_mesh
 from jax_ring._mods import NO_MODS, ScoreArgs, ScoreMods, first_index, with_sinks
@@ -397,7 +397,7 @@ def _decode_shard(
     o, lse = partial(window=cfg.window)
   else:  # every pattern on this shard, merged here; one merge over the devices for all
     o, lse = merge_local(*zip(*(partial(window=None, pattern=p) for p in cfg.patterns)))
-  out, lse = merge_partials(o, lse, cfg.axis_name)
+  out, lse = expose_floored(*merge_partials(o, lse, cfg.axis_name))
   if sinks is not None:
     out, lse = with_sinks(out, lse, sinks)
   return out.astype(cfg.policy.out_dtype(query.dtype)), lse

@@ -41,7 +41,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_ring import _pallas, _validation
-from jax_ring._kernel import MaskSpec
+from jax_ring._kernel import MaskSpec, expose_floored
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_on_mesh, usable_mesh
 from jax_ring._policy import Policy, get_policy
 from jax_ring._ring import RingConfig, prepare, ring_backward_state, ring_forward_state, zeros_varying_like
@@ -319,7 +319,7 @@ def _forward(cfg: DilatedConfig, q, k, v, seg):
   chunk, local = local_chunk(cfg, q.shape[1])
   out, lse = _by_chunks(functools.partial(_forward_patterns, cfg, local), chunk, q, k, v, seg)
   rings = tuple(p for p in cfg.patterns if p.ring > 1)
-  return _forward_patterns(cfg, rings, q, k, v, seg, out, lse)
+  return expose_floored(*_forward_patterns(cfg, rings, q, k, v, seg, out, lse))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

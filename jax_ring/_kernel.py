@@ -242,7 +242,21 @@ def _scores(q, k, mask, policy: Policy, tile: Tile | None = None):
   kept, the CPU compiler copied every score tile once more before its row maximum.
   """
   s, _, _ = _modified(tile, _dot("xqh,xsh->xqs", _rows(q), _flat(k), policy), q.shape)
-  return _where_visible(mask, s, q.shape, -jnp.inf)
+  return _where_visible(mask, floor_scores(s), q.shape, -jnp.inf)
+
+
+def floor_scores(s):
+  """Visible scores with -inf (an inf in q or k) raised to the dtype's lowest finite
+  value, before the masks write -inf. Beside any finite score such a key still weighs
+  exp(-huge) = 0; but a row whose every visible score is -inf keeps its running maximum
+  at the floor instead of -inf, so `finalize` tells it (0 / 0 in jax.nn: non-finite)
+  from a row the masks leave empty (0)."""
+  return jnp.where(s == -jnp.inf, jnp.finfo(s.dtype).min, s)
+
+
+def floored(m):
+  """Rows whose running maximum is still the floor: every visible score was -inf."""
+  return m == jnp.finfo(m.dtype).min
 
 
 def _where_visible(mask, x, q_shape, hidden):
@@ -283,14 +297,27 @@ def saw_keys(l):
   return l != 0
 
 
-def finalize(o, m, l):
+def finalize(o, m, l, log_base: float = 1.0):
   """(normalized output, lse) from the running state. Rows that saw no key: 0, -inf;
-  a non-finite row stays non-finite (`saw_keys`)."""
+  a non-finite row stays non-finite (`saw_keys`). A row whose every visible score was
+  -inf (`floor_scores`) gets 0 and lse at the floor: merged with partial results that
+  saw a finite score it weighs 0, as its keys do; merged with nothing else it stays at
+  the floor, until `expose_floored` makes it non-finite. `log_base`: the factor m
+  carries (log2(e) when the scores were scaled for exp2)."""
   seen = saw_keys(l)
-  safe_l = jnp.where(seen, l, 1.0)
-  out = jnp.where(seen[..., None], o / safe_l[..., None], 0.0)
-  lse = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
-  return out, lse
+  dead = floored(m)
+  safe_l = jnp.where(seen & ~dead, l, 1.0)
+  out = jnp.where((seen & ~dead)[..., None], o / safe_l[..., None], 0.0)
+  lse = jnp.where(seen, m / log_base + jnp.log(safe_l), -jnp.inf)
+  return out, jnp.where(dead, jnp.finfo(lse.dtype).min, lse)
+
+
+def expose_floored(out, lse):
+  """The merged result as the caller sees it: a row whose lse is still at the floor
+  saw only -inf scores, 0 / 0, so its output is NaN and its lse +inf (the backward's
+  weights exp(s - lse) are then 0; the NaN reaches dq and dk through delta)."""
+  dead = floored(lse)
+  return jnp.where(dead[..., None], jnp.nan, out), jnp.where(dead, jnp.inf, lse)
 
 
 def block_backward(q, q_t, k, v, do, do_t, lse, delta, mask, policy: Policy, tile: Tile | None = None):

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_ring import _pallas
-from jax_ring._kernel import MaskSpec, saw_keys
+from jax_ring._kernel import MaskSpec, floored, saw_keys
 
 # Key blocks are lane-aligned (the score tile's last axis); query blocks sublane-aligned.
 MIN_BLOCK_K = 128
@@ -112,10 +112,11 @@ def _forward_kernel(*refs, spec: MaskSpec, nq: int, nk: int, has_seg: bool, prec
   @pl.when(j == nk - 1)
   def _():
     l = l_acc[...]
-    seen = saw_keys(l)
+    seen, dead = saw_keys(l), floored(m_acc[...])
     safe_l = jnp.where(seen, l, 1.0)
-    o_ref[...] = jnp.where(seen, o_acc[...] / safe_l, 0.0).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m_acc[...] + jnp.log(safe_l), -jnp.inf)
+    out = jnp.where(seen, o_acc[...] / safe_l, 0.0)
+    o_ref[...] = jnp.where(dead, 0.0, out).astype(o_ref.dtype)  # see _kernel.finalize
+    lse_ref[...] = jnp.where(dead, m_acc[...], jnp.where(seen, m_acc[...] + jnp.log(safe_l), -jnp.inf))
 
 
 def _when_visible(spec, q_bounds, k_bounds, body):

@@ -36,8 +36,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import ManualAxisType
 
-from jax_ring._kernel import MaskSpec, finalize
+from jax_ring._kernel import MaskSpec, finalize, floor_scores
 from jax_ring._kernel import block_bounds as _tile_bounds
+from jax_ring._policy import get_policy
 
 # Triton wants power-of-two tiles of at least 16 rows for its dot.
 MIN_BLOCK = 16
@@ -106,8 +107,10 @@ def log_fallback(why: str) -> None:
   _log.info("jax_ring: kernel='auto' runs the XLA tiles: %s", why)
 
 
-def choose_kernel(kernel: str, platform: str, head_dim: int, policy) -> KernelChoice:
-  """The kernel a call runs: `kernel` is "auto", "xla" or "pallas".
+def choose_kernel(kernel: str, platform: str, head_dim: int, policy=None) -> KernelChoice:
+  """The kernel a call runs: `kernel` is "auto", "xla" or "pallas"; `policy` a Policy,
+  a preset name, or None (the preset of a device of `platform`: float32 on CPU,
+  bfloat16 on GPU and TPU).
 
   "auto" picks the XLA tiles on CPU (the Pallas kernel runs there only interpreted)
   and the Pallas kernel on a GPU or TPU when `unsupported` finds nothing, else the XLA tiles,
@@ -118,7 +121,9 @@ def choose_kernel(kernel: str, platform: str, head_dim: int, policy) -> KernelCh
     raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
   if kernel == "xla":
     return KernelChoice("xla", "kernel='xla' was asked for")
-  why = unsupported(platform, head_dim, policy)
+  if policy is None:
+    policy = "float32" if platform == "cpu" else "bfloat16"
+  why = unsupported(platform, head_dim, get_policy(policy))
   if kernel == "pallas":
     if why is not None:
       raise ValueError(f"kernel='pallas': {why}")
@@ -360,6 +365,7 @@ def scores(q, k, mask, precision, log2: bool = False):
   s = dot(q, k, (1, 1), precision)
   if log2:
     s = s * _LOG2E
+  s = floor_scores(s)
   return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
@@ -403,7 +409,7 @@ def _forward_kernel(
     jnp.zeros((bq,), jnp.float32),
   )
   o, m, l = _loop(nk, body, init, range_ref)
-  out, lse = finalize(o, m / _LOG2E if log2 else m, l)
+  out, lse = finalize(o, m, l, _LOG2E if log2 else 1.0)
   o_ref[...], lse_ref[...] = out.astype(o_ref.dtype), lse
 
 

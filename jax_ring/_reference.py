@@ -37,7 +37,9 @@ def attention_with_lse(query, key, value, mask, scale, *, modify=None, sinks=Non
   """Dense masked attention; returns output [B, T, N, H] and log-sum-exp [B, N, T].
 
   A query whose row of `mask` is empty gets output 0 and lse -inf. A NaN or inf in a
-  query, or in a key or value the mask lets it see, makes its row non-finite.
+  query, or in a key or value the mask lets it see, makes its row non-finite; so does
+  a row whose every admitted logit is -inf (0 / 0, as in jax.nn; sinks or not; its
+  lse is +inf).
   `modify`: logits [B, N, T, S] -> logits, before the mask; `sinks` [N]: one more
   logit per head in every row's denominator (lse includes it); `dropout`: weights
   [B, N, T, S] -> dropped weights, after the normalization.
@@ -52,6 +54,7 @@ def attention_with_lse(query, key, value, mask, scale, *, modify=None, sinks=Non
   mask = mask[:, None]  # [B, 1, T, S]
   logits = jnp.where(mask, logits, -jnp.inf)
   row_max = jnp.max(logits, axis=-1, keepdims=True)
+  dead = jnp.any(mask, axis=-1, keepdims=True) & jnp.isneginf(row_max)  # admitted, all -inf
   if sinks is not None:
     sink = jnp.broadcast_to(sinks.astype(logits.dtype)[None, :, None, None], row_max.shape)
     row_max = jnp.maximum(row_max, sink)
@@ -71,9 +74,9 @@ def attention_with_lse(query, key, value, mask, scale, *, modify=None, sinks=Non
   out = jnp.einsum("bnts,bsnh->btnh", probs, jnp.where(finite, value, 0), precision="highest")
   seen_by = jnp.broadcast_to(mask, logits.shape).astype(value.dtype)
   reached = jnp.einsum("bnts,bsnh->btnh", seen_by, (~finite).astype(value.dtype)) > 0
-  out = jnp.where(reached, jnp.nan, out)
-  lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)[..., 0]
-  return out, lse
+  out = jnp.where(reached | jnp.swapaxes(dead, 1, 2), jnp.nan, out)
+  lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+  return out, jnp.where(dead, jnp.inf, lse)[..., 0]
 
 
 def reference_attention(

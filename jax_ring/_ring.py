@@ -38,6 +38,7 @@ from jax_ring._kernel import (
   chunk_forward,
   dense_backward,
   dense_forward,
+  expose_floored,
   finalize,
   kv_reader,
   pack_rows,
@@ -671,7 +672,7 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args=None):
       k_seg,
       group_args(args, j * wq, wq),
     )
-    o, l = ring_forward_state(cfg, x)
+    o, l = expose_floored(*ring_forward_state(cfg, x))
     o = unblock_q(o).reshape(b, t, wq, q.shape[3])
     l = unblock_rows(l).reshape(b, t, wq)
     put = lambda a, new: lax.dynamic_update_slice_in_dim(a, new.astype(a.dtype), j * wq, axis=2)

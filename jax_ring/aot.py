@@ -90,12 +90,30 @@ class Target:
   memory_bytes: int | None = None  # per device
 
   def describe(self):
-    """The `jax.experimental.topologies` description of the target."""
+    """The `jax.experimental.topologies` description of the target. Without the
+    compiler for it (the `[aot]` extra) a RuntimeError says what to install."""
     from jax.experimental import topologies
 
-    if self.platform == "cuda":
-      return topologies.get_topology_desc(platform="cuda", target_config=self.config, topology=self.topology)
-    return topologies.get_topology_desc(topology_name=self.topology, platform="tpu")
+    try:
+      if self.platform == "cuda":
+        return topologies.get_topology_desc(platform="cuda", target_config=self.config, topology=self.topology)
+      return topologies.get_topology_desc(topology_name=self.topology, platform="tpu")
+    except (NotImplementedError, RuntimeError) as e:
+      raise RuntimeError(missing_compiler(self, e)) from e
+
+
+def missing_compiler(t: Target, error: Exception) -> str:
+  """What to install to compile for `t`, given the error JAX raised without it."""
+  import jax
+
+  what = "the CUDA plugin and ptxas" if t.platform == "cuda" else "libtpu"
+  return (
+    f"target {t.name!r}: JAX cannot describe a {t.platform} topology here ({error}). Compiling "
+    f"for it needs {what} at JAX's version: install the [aot] extra, best in an environment "
+    f"of its own (it adds about 2 GB), e.g. `python -m venv .venv-aot && .venv-aot/bin/pip "
+    f"install -e '.[aot]'` from a checkout (jax {jax.__version__} here; the extra pins "
+    f"jax[tpu] and jax-cuda12-plugin to the version it was tested with)."
+  )
 
 
 GiB = 1 << 30

@@ -1,4 +1,12 @@
-"""Small transformer models built only on jax_ring's public API."""
+"""Small transformer models built only on jax_ring's public API.
+
+`from jax_ring import models` gives the models and `generate` at once; the modules
+with heavier dependencies load on first use: `models.runtime` (process set-up),
+`models.training` (optax, orbax: the `[train]` extra), `models.long_context` (the
+main job) and the rest of the package's modules.
+"""
+
+import importlib
 
 from .gemma import Gemma, GemmaConfig
 from .generate import Generated, generate
@@ -20,3 +28,13 @@ __all__ = [
   "generate",
   "load_gguf",
 ]
+
+# Submodules reached as attributes (`models.runtime.initialize_distributed()`), imported
+# when first named so that `import jax_ring.models` needs no optional extra.
+_SUBMODULES = ("cli", "long_context", "needle", "report", "runtime", "tasks", "training")
+
+
+def __getattr__(name):
+  if name in _SUBMODULES:
+    return importlib.import_module(f"{__name__}.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

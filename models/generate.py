@@ -22,6 +22,14 @@ import numpy as np
 from flax import nnx
 
 
+# What generate needs of a model (its docstring and errors say it).
+PROTOCOL = (
+  "an nnx.Module with nnx.Param weights and init_cache(batch_size, max_length), "
+  "prefill(tokens [B, P], lengths=[B]) -> logits [B, P, V] or [B, V] filling its caches, "
+  "and decode(tokens [B, Tq]) -> logits [B, Tq, V] appending to them"
+)
+
+
 class Generated(NamedTuple):
   tokens: jax.Array  # int32 [B, max_new_tokens]
   lengths: jax.Array  # int32 [B]
@@ -77,6 +85,12 @@ def sample(logits, rng, sampling: Sampling):
 def _prefill(graphdef, weights, state, prompts, lengths, rng, *, sampling: Sampling):
   model = nnx.merge(graphdef, weights, state)
   logits = model.prefill(prompts, lengths=lengths)
+  b, p = prompts.shape
+  if logits.ndim not in (2, 3) or logits.shape[0] != b or (logits.ndim == 3 and logits.shape[1] != p):
+    raise ValueError(
+      f"{type(model).__name__}.prefill returned shape {tuple(logits.shape)} for prompts {(b, p)}: "
+      f"expected logits [B, P, V] or [B, V] ({PROTOCOL})"
+    )
   if logits.ndim == 3:  # [B, P, V]: each row's at its last prompt token (a masked sum: any sharding)
     at_last = jnp.arange(logits.shape[1])[None, :, None] == (lengths - 1)[:, None, None]
     logits = jnp.sum(jnp.where(at_last, logits, 0.0), axis=1)
@@ -129,11 +143,14 @@ def generate(
   """Continues each prompt by up to `max_new_tokens` tokens.
 
   Args:
-    model: any `nnx.Module` with a KV cache: `init_cache(batch_size, max_length)`,
-      `prefill(tokens [B, P], lengths=[B])` -> logits [B, P, V] (or [B, V]: each row's
-      at its last prompt token) filling the caches, and `decode(tokens [B, Tq])` ->
-      logits [B, Tq, V] appending to them; `models.DecoderLM` (attention "ring" or
-      "dense") and `models.Gemma` are two.
+    model: any `nnx.Module` with `nnx.Param` weights and a KV cache:
+      `init_cache(batch_size, max_length)`, `prefill(tokens [B, P], lengths=[B])` ->
+      logits [B, P, V] (or [B, V]: each row's at its last prompt token) filling the
+      caches, and `decode(tokens [B, Tq])` -> logits [B, Tq, V] appending to them.
+      Every variable that is not an `nnx.Param` (the caches) is carried through the
+      jitted loop and written back to `model`. `models.DecoderLM` (attention "ring"
+      or "dense"), `models.LongNet` and `models.Gemma` are three; docs/guides/
+      inference.md builds one of your own on `jax_ring.nn.RingAttention`.
     prompts: int [B, P]; row b's prompt is prompts[b, :prompt_lengths[b]].
     max_new_tokens: tokens to generate per row (fewer after a stop token).
     prompt_lengths: int [B] in [1, P] (default: P for every row).
@@ -149,10 +166,11 @@ def generate(
   Returns:
     `Generated(tokens int32 [B, max_new_tokens], lengths int32 [B])`.
   """
-  if not callable(getattr(model, "init_cache", None)) or not callable(getattr(model, "decode", None)):
+  missing = [m for m in ("init_cache", "prefill", "decode") if not callable(getattr(model, m, None))]
+  if missing or not isinstance(model, nnx.Module):
     raise TypeError(
-      f"model of type {type(model).__name__} has no KV cache: generate needs init_cache(batch_size, "
-      "max_length), prefill(tokens, lengths=) and decode(tokens) (models.DecoderLM, models.Gemma)"
+      f"model of type {type(model).__name__} {'lacks ' + ', '.join(missing) if missing else 'is no nnx.Module'}: "
+      f"generate needs {PROTOCOL} (docs/guides/inference.md, 'Your own model')"
     )
   prompts = np.asarray(prompts) if not isinstance(prompts, jax.Array) else prompts
   if prompts.ndim != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):

@@ -124,7 +124,11 @@ def compile_for(mesh, args, seq_len: int):
 def main(argv=None):
   args = parse_args(argv)
   target = aot.target(args.target)
-  mesh = aot.target_mesh(args.target, linked=not args.make_mesh)
+  try:
+    mesh = aot.target_mesh(args.target, linked=not args.make_mesh)
+  except RuntimeError as e:  # no compiler for the target: say what to install, no traceback
+    print(f"aot.py: {e}", file=sys.stderr)
+    return 2
   result = {"target": args.target, "kernel": args.kernel, "model": args.model}
   if args.max_length:
     budget = (args.budget_gib * 2**30) if args.budget_gib else target.memory_bytes

@@ -200,3 +200,22 @@ def test_ring_overlap_reads_the_schedule():
     SCHEDULED.replace("%late = f32[8]{0} custom-call(%cpd)", "%late = f32[8]{0} add(%cpd, %cpd)")
   )
   assert step.overlapped
+
+
+@pytest.mark.parametrize("target, needs", [("h100x8", "CUDA plugin"), ("v5e:2x4", "libtpu")])
+def test_without_the_aot_extra_the_script_names_the_fix(target, needs):
+  """In the test venv itself (.venv: the [dev] extra, never [aot]) the script ends
+  with one line naming the extra and what it brings, not JAX's traceback."""
+  import sys
+
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_ENABLE_X64")}
+  done = subprocess.run(
+    [sys.executable, "scripts/aot.py", f"--target={target}", "--seq-len=4096"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+  )
+  assert done.returncode == 2, done.stderr[-3000:]
+  assert "[aot] extra" in done.stderr and needs in done.stderr and "Traceback" not in done.stderr, done.stderr

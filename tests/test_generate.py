@@ -186,5 +186,18 @@ def test_decoding_needs_a_cache_and_a_decodable_kind():
     generate(_DENSE, PROMPTS, prompt_lengths=np.array([0, 4, 6]), max_new_tokens=2)
   with pytest.raises(ValueError, match="temperature=1.0 samples: pass rng"):
     generate(_DENSE, PROMPTS, max_new_tokens=2, temperature=1.0)
-  with pytest.raises(TypeError, match="model of type object has no KV cache"):
+  with pytest.raises(TypeError, match=r"object lacks init_cache, prefill, decode: generate needs an nnx.Module"):
     generate(object(), PROMPTS, max_new_tokens=2)
+
+  class Flat(nnx.Module):  # prefill returns [B * P, V]
+    def init_cache(self, batch_size, max_length):
+      pass
+
+    def prefill(self, tokens, *, lengths):
+      return jnp.zeros((tokens.size, 5))
+
+    def decode(self, tokens):
+      return jnp.zeros((*tokens.shape, 5))
+
+  with pytest.raises(ValueError, match=r"Flat.prefill returned shape \(27, 5\) for prompts \(3, 9\)"):
+    generate(Flat(), PROMPTS, max_new_tokens=2)

@@ -22,8 +22,9 @@ from jax_ring import reference_attention, reference_dilated_attention, ring_atte
 
 T, N, K, H = 64, 4, 2, 16
 SPOT = (21, 1, 3)  # (position, head, channel) of the poisoned entry
-# (tensor, value) per batch row; the last row is clean.
-CASES = [(w, x) for w in "qkv" for x in (np.nan, np.inf, -np.inf)] + [(None, None)]
+# (tensor, value) per batch row; the last row is clean. "q+": -inf in q where every
+# key is positive, so each score the poisoned query sees is -inf (0 / 0 in jax.nn).
+CASES = [(w, x) for w in "qkv" for x in (np.nan, np.inf, -np.inf)] + [("q+", -np.inf), (None, None)]
 PAD = 4  # the last PAD tokens are padding (segment id -1): they see nothing
 TOL = 1e-5
 
@@ -40,8 +41,10 @@ def poisoned(seed=0):
   pos, head, channel = SPOT
   for row, (which, value) in enumerate(CASES):
     if which is not None:
-      target = {"q": q, "k": k, "v": v}[which]
-      target[row, pos, head if which == "q" else head // (N // K), channel] = value
+      target = {"q": q, "q+": q, "k": k, "v": v}[which]
+      target[row, pos, head if which[0] == "q" else head // (N // K), channel] = value
+    if which == "q+":
+      k[row, :, head // (N // K), channel] = np.abs(k[row, :, head // (N // K), channel]) + 0.1
   seg = np.zeros((b, T), np.int32)
   seg[:, T - PAD :] = -1
   return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(seg)
@@ -85,6 +88,9 @@ def check_rows(out, expected_out, seg, mask):
       sees = sees_value(mask, row)
       assert ours[row][sees].all(), f"case {CASES[row]}: a row that sees the value is finite"
       np.testing.assert_array_equal(ref[row], sees)
+    elif which == "q+":  # jax.nn's finite mask value turns 0 / 0 into the masked keys' mean
+      np.testing.assert_array_equal(ours[row], ref[row], err_msg=f"case {CASES[row]}")
+      assert ref[row].sum() == 1 and ref[row][SPOT[:2]], "the reference hides 0 / 0"
     else:
       np.testing.assert_array_equal(ours[row], theirs[row], err_msg=f"case {CASES[row]}")
       np.testing.assert_array_equal(ref[row], theirs[row], err_msg=f"reference, case {CASES[row]}")
@@ -127,8 +133,17 @@ def test_poisoned_gradients_are_not_finite_and_no_wider_than_jax_nn(kernel):
   ring = lambda *a: ring_attention(*a, mesh=mesh, is_causal=True, segment_ids=seg, kernel=kernel)
   ours = jax.vjp(ring, q, k, v)[1](cot)
   theirs = jax.vjp(lambda *a: jax.nn.dot_product_attention(*a, mask=mask), q, k, v)[1](cot)
-  for name, g, r in zip("qkv", ours, theirs):
+  # jax.nn's finite mask value hides the "q+" row's 0 / 0. There the poison may reach
+  # its own dq row, dv of the keys it sees, and dk of its kv head (dK = dS^T Q meets
+  # 0 * -inf in every key's row, as in jax.nn's "q" -inf case).
+  plus, (pos, head, _) = CASES.index(("q+", -np.inf)), SPOT
+  reach = np.zeros((3, T, N), bool)
+  reach[0, pos, head] = True
+  reach[1, :, head // (N // K)] = True
+  reach[2, : pos + 1, head // (N // K)] = True
+  for name, g, r, allowed in zip("qkv", ours, theirs, reach[[0, 1, 2]]):
     bad, nn_bad = bad_rows(g), bad_rows(r)
+    nn_bad[plus] = allowed[:, : g.shape[2]]
     assert not (bad & ~nn_bad).any(), f"d{name}: non-finite where jax.nn's gradient is finite"
     assert not bad[-1].any(), f"d{name} of the clean row"
   for row in range(len(CASES) - 1):
@@ -218,3 +233,42 @@ def test_reference_is_exact_for_a_poisoned_value():
   np.testing.assert_array_equal(bad_rows(reference(True))[row], sees_value(mask, row))
   heads = sees_value(mask, row).any(0)  # the heads that read the poisoned kv head
   assert bad_rows(jax.nn.dot_product_attention(q, k, v, mask=mask))[row][:, heads].all()
+
+
+def test_a_query_whose_every_score_is_minus_inf_is_not_hidden():
+  """The "q+" case really is 0 / 0 (every score -inf, none +inf): jax.nn without a mask
+  gives NaN there (with a dense mask its finite mask value hands the row to the masked
+  keys instead). The ring returns a non-finite row, not an empty row's 0."""
+  q, k, v, seg = poisoned()
+  mask = dense_mask(seg, True)
+  row, (pos, head, channel) = CASES.index(("q+", -np.inf)), SPOT
+  scores = np.einsum("h,sh->s", np.asarray(q[row, pos, head], np.float64), np.asarray(k[row, : pos + 1, head // 2]))
+  assert (scores == -np.inf).all() and np.asarray(mask)[row, 0, pos, : pos + 1].all()
+  assert bad_rows(jax.nn.dot_product_attention(q, k, v))[row, pos, head]
+  out = ring_attention(q, k, v, mesh=make_mesh((2,), ("seq",)), is_causal=True, segment_ids=seg)
+  assert bad_rows(out)[row].sum() == 1 and bad_rows(out)[row, pos, head]
+
+
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_minus_inf_scores_weigh_nothing_beside_finite_ones(kernel):
+  """Keys whose every score is -inf fill the first device's shard: the queries that see
+  only them are 0 / 0 (non-finite), and every later query, which also sees finite
+  scores on the other devices' steps, equals the float64 reference over those."""
+  rng = np.random.default_rng(3)
+  q = rng.standard_normal((1, T, N, H)).astype(np.float32)
+  k = rng.standard_normal((1, T, K, H)).astype(np.float32)
+  v = rng.standard_normal((1, T, K, H)).astype(np.float32)
+  q[..., 0] = np.abs(q[..., 0]) + 0.1
+  k[:, : T // 4, :, 0] = -np.inf  # device 0 of 4 holds exactly these keys
+  mesh = make_mesh((4,), ("seq",))
+  out = np.asarray(ring_attention(q, k, v, mesh=mesh, is_causal=True, kernel=kernel, layout="contiguous"))
+  assert bad_rows(out)[0, : T // 4].all() and not bad_rows(out)[0, T // 4 :].any()
+  i = np.arange(T)[:, None]
+  want = np.zeros((T, N, H))
+  for n in range(N):  # the later queries, by hand over the finite keys
+    kn, vn = k[0, T // 4 :, n // (N // K)].astype(np.float64), v[0, T // 4 :, n // (N // K)]
+    s = q[0, :, n].astype(np.float64) @ kn.T / np.sqrt(H)
+    s = np.where(np.arange(T // 4, T)[None] <= i, s, -np.inf)[T // 4 :]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want[T // 4 :, n] = (p / p.sum(-1, keepdims=True)) @ vn
+  assert rel_err(out[0, T // 4 :], want[T // 4 :]) < TOL

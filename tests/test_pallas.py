@@ -420,6 +420,19 @@ def test_auto_picks_xla_on_cpu_and_pallas_on_gpu():
   assert choose_kernel("xla", "gpu", 64, FLOAT32).kernel == "xla"
 
 
+@pytest.mark.parametrize("policy", [None, "bfloat16", "float32"])
+def test_choose_kernel_takes_none_and_preset_names(policy):
+  """As every other `policy=` does (the kernels guide's call: policy None)."""
+  assert choose_kernel("auto", "cpu", 64, policy).kernel == "xla"
+  assert choose_kernel("auto", "gpu", 64, policy).kernel == "pallas"
+  assert choose_kernel("auto", "gpu", 24, policy).kernel == "xla"
+  assert choose_kernel("auto", "cpu", 64).kernel == "xla"
+  with pytest.raises(ValueError, match="compute dtype float64"):
+    choose_kernel("pallas", "gpu", 64, "float64")
+  with pytest.raises(ValueError, match="policy='f32' is not a preset"):
+    choose_kernel("auto", "gpu", 64, "f32")
+
+
 @pytest.mark.parametrize(
   "platform, head_dim, policy, reason",
   [
