@@ -678,6 +678,7 @@ def ring_attention(
   )
   if kernel == "pallas" and mods.pallas_problem() is not None:
     raise ValueError(f"kernel='pallas': {mods.pallas_problem()}; use kernel='auto' or 'xla'")
+  _validation.notice_mesh(mesh, "ring_attention", seq_axis, named, t, mesh.shape[seq_axis] * nu)
   layout = layouts.resolve(layout, is_causal, shard_len=-(-t // mesh.shape[seq_axis]))
   laid_out = _check_token_order(token_order, layout, t, s, mesh.shape[seq_axis], nu)
   policy = get_policy(policy, mesh.devices.flat[0])

@@ -115,6 +115,7 @@ def _check_axes(mesh, seq_axis, batch_axis, head_axis, *inputs) -> CacheAxes:
   named = [a for a in (seq_axis, batch_axis, head_axis) if a is not None]
   if len(set(named)) != len(named):
     raise ValueError(f"{seq_axis=}, {batch_axis=}, {head_axis=} must name different mesh axes")
+  _validation.notice_mesh(mesh, "KV cache", seq_axis, named)
   return CacheAxes(usable_mesh(mesh, *inputs), seq_axis, batch_axis, head_axis)
 
 
@@ -221,11 +222,36 @@ def check_cache(cache, axes: CacheAxes, num_heads: int | None = None, head_dim: 
     raise ValueError(
       f"cache capacity {s} must be divisible by the {axes.devices} devices of {axes.seq_axis!r}"
     )
+  _check_same_mesh(cache, axes.mesh)
   if num_heads is not None and num_heads % k:
     raise ValueError(f"num_heads={num_heads} must be a multiple of the cache's num_kv_heads={k}")
   if head_dim is not None and head_dim != h:
     raise ValueError(f"query head_dim={head_dim} must equal the cache's head_dim={h}")
   return b, s, k, h
+
+
+def _describe(mesh) -> str:
+  ids = [d.id for d in mesh.devices.flat]
+  return f"{dict(mesh.shape)} over devices {ids}"
+
+
+def _check_same_mesh(cache, mesh) -> None:
+  """ValueError naming both meshes when the cache's arrays live on a mesh with other
+  devices or axes than the call's (JAX would say only "incompatible devices")."""
+  if isinstance(cache.k, jax.core.Tracer):  # under jit: JAX places the traced arrays
+    return
+  sharding = getattr(cache.k, "sharding", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return
+  held = sharding.mesh
+  same = tuple(held.axis_names) == tuple(mesh.axis_names) and [d.id for d in held.devices.flat] == [
+    d.id for d in mesh.devices.flat
+  ]
+  if not same:
+    raise ValueError(
+      f"the cache lives on mesh {_describe(held)}, but this call's mesh is {_describe(mesh)}: pass the "
+      "mesh the cache was made with (init_cache(..., mesh=)), or move the cache there first"
+    )
 
 
 def _concrete(x) -> int | None:

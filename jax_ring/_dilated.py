@@ -491,6 +491,7 @@ def dilated_attention(
     if batch_axis is not None and batch_axis == seq_axis:
       raise ValueError(f"batch_axis={batch_axis!r} and seq_axis={seq_axis!r} must be different mesh axes")
     _validation.check_divides(b, nb, "batch", "batch_axis", batch_axis)
+    _validation.notice_mesh(mesh, "dilated_attention", seq_axis, (seq_axis, batch_axis), t)
     policy = get_policy(policy, mesh.devices.flat[0])
   platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
   choice = _pallas.choose_kernel(kernel, platform, h, policy)

@@ -171,6 +171,7 @@ def _pass_forward(cfg: RingConfig, compute, kv, acc, transfers: int, shift: int)
   """Computes with kv, then with `transfers` shards arriving from `shift` direction."""
   if transfers:
 
+    @jax.named_scope("forward_ring_step")  # the loop's name in compiled programs (hlo.ring_overlap)
     def step(carry, _):
       kv, acc = carry
       incoming = _send(kv, cfg, shift)  # issued before this step's compute
@@ -208,6 +209,7 @@ def _pass_backward_with(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: i
   dkv = zeros_kv()
   if transfers:
 
+    @jax.named_scope("backward_ring_step")
     def step(carry, _):
       kv, dkv, dq = carry
       incoming = _send(kv, cfg, shift)
@@ -232,6 +234,7 @@ def _pass_backward_late(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: i
   dq, dkv = compute(kv, zeros_kv(), dq)
   if transfers:
 
+    @jax.named_scope("backward_ring_step")
     def step(carry, _):
       kv, dkv, dq = carry
       (after, arrived) = send((kv, dkv))

@@ -2,9 +2,42 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+_NOTICED: set = set()  # the notices already given in this process
+
+
+def notice_once(key, message: str) -> None:
+  """A UserWarning the first time `key` is seen in this process, never again."""
+  if key not in _NOTICED:
+    _NOTICED.add(key)
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def notice_mesh(mesh, caller: str, seq_axis, named, length: int | None = None, parts: int | None = None) -> None:
+  """Warns once about what a call would otherwise do silently on this mesh: axes of
+  size > 1 that no argument names (every device along them repeats the same work),
+  and a length the ring does not divide (the output comes back replicated along it)."""
+  for axis in mesh.axis_names:
+    if axis not in named and mesh.shape[axis] > 1:
+      notice_once(
+        ("unused axis", caller, axis, mesh.shape[axis]),
+        f"jax_ring.{caller}: mesh axis {axis!r} (size {mesh.shape[axis]}) is not named as seq_axis, "
+        "batch_axis, head_axis or ulysses_axis, so every device along it repeats the same work. Name it "
+        f"(e.g. batch_axis={axis!r}) or pass a mesh without it.",
+      )
+  p = parts or mesh.shape[seq_axis]
+  if length is not None and length % p:
+    notice_once(
+      ("replicated output", caller, p),
+      f"jax_ring.{caller}: length {length} does not divide by the {p} devices of the sequence, "
+      f"so the output comes back replicated along {seq_axis!r} (every device holds all {length} rows); "
+      f"a length that is a multiple of {p} keeps it sharded. (Said once per process.)",
+    )
 
 
 def check_qkv(query, key, value, *, same_length: bool = False):

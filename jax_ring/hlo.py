@@ -148,6 +148,7 @@ class LoopOverlap(NamedTuple):
   synchronous: int  # collective-permutes that block (no start/done)
   compute: int  # heavy ops in the body: loops, conditionals, kernel calls, GEMM fusions
   hidden: int  # of those, the ones between the start and the done of some permute
+  name: str = ""  # what the loop is, from its ops' source names (`loop_name`)
 
   @property
   def overlapped(self) -> bool:
@@ -192,7 +193,12 @@ def ring_overlap(compiled) -> list[LoopOverlap]:
   its done. `compiled`: a `jax.stages.Compiled` or its `as_text()`."""
   hlo = compiled if isinstance(compiled, str) else compiled.as_text()
   comps, _ = _computations(hlo)
-  bodies = {m.group(1) for lines in comps.values() for line in lines if (m := _WHILE.search(line))}
+  callers = {}  # body -> the op_name of the while that runs it (per call site, unlike a body XLA shares)
+  for lines in comps.values():
+    for line in lines:
+      if m := _WHILE.search(line):
+        callers[m.group(1)] = (n.group(1) if (n := _OP_NAME.search(line)) else "")
+  bodies = set(callers)
   found = []
   for body in sorted(bodies):
     ops = [(i, op, line) for line in comps.get(body, ()) if (i := _instruction(line)) for op in [i[1]]]
@@ -211,8 +217,37 @@ def ring_overlap(compiled) -> list[LoopOverlap]:
       elif _heavy(op, line, comps):
         compute += 1
         hidden += bool(open_)
-    found.append(LoopOverlap(body, len(starts), sync, compute, hidden))
+    found.append(LoopOverlap(body, len(starts), sync, compute, hidden, loop_name(comps.get(body, ()), callers[body])))
   return found
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def loop_name(lines, caller: str = "") -> str:
+  """What a ring loop is, read from source names (`op_name` metadata): "forward ring
+  step" or "backward ring step" from its collective-permutes (jax_ring's named scopes;
+  a body traced under `transpose(...)` is a backward one), and from `caller`, the
+  op_name of the while that runs it, the model layer (`layer_3`: models.DecoderLM's
+  scopes) and LongNet pattern (`pattern_w2048_r2`). XLA may share one body between
+  layers, so the layer comes from the call site. "" when the program has no names."""
+  names = [m.group(1) for line in lines if " collective-permute" in line and (m := _OP_NAME.search(line))]
+  if not names:
+    return ""
+  source = names[0] + " " + caller
+  if "backward_ring_step" in source or "forward_ring_step" not in source and "transpose(" in source:
+    what = "backward ring step"
+  elif "forward_ring_step" in source or "jvp(" in source:
+    what = "forward ring step"
+  else:
+    what = "ring loop"
+  parts = [what]
+  where = caller or names[0]
+  if layer := re.search(r"layer_(\d+)", where):
+    parts.append(f"layer {layer.group(1)}")
+  if pattern := re.search(r"pattern_w(\d+)_r(\d+)", where):
+    parts.append(f"pattern w={pattern.group(1)} r={pattern.group(2)}")
+  return ", ".join(parts)
 
 
 def _sends(comps, body: str) -> bool:

@@ -14,6 +14,7 @@ H head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -622,6 +623,38 @@ class DilatedAttention(_Cached, _Projected):
     return self._output(out)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SegmentMask:
+  """Packed rows for an `attention_fn` from `make_attention_fn`: build it with
+  `segment_mask` and pass it where Flax takes a mask. Flax hands `mask=` to the
+  attention function untouched on full-sequence calls, so the ring gets the segment ids
+  instead of a dense [T, T] matrix. A pytree: it may cross `jax.jit` / `nnx.jit`."""
+
+  segment_ids: jax.Array  # int [*batch, T]: equal ids see each other; negative: padding
+
+
+def segment_mask(segment_ids) -> SegmentMask:
+  """`mask=` for packed sequences through `flax.nnx.MultiHeadAttention(attention_fn=
+  make_attention_fn(...))`: query i sees key j only when segment_ids[..., i] ==
+  segment_ids[..., j] (and a negative id is padding: such a query sees nothing, such a
+  key is seen by no one), combined with the causal mask and window the attention_fn
+  applies. The dense equivalent is `nnx.make_attention_mask(ids, ids, jnp.equal)`,
+  which the ring cannot take.
+
+      mha = nnx.MultiHeadAttention(..., attention_fn=make_attention_fn(mesh=mesh, is_causal=True))
+      y = mha(x, mask=segment_mask(ids))   # ids: int [B, T]
+  """
+  if isinstance(segment_ids, SegmentMask):
+    return segment_ids
+  ids = segment_ids if isinstance(segment_ids, jax.Array) else jnp.asarray(segment_ids)
+  if ids.ndim < 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(
+      f"segment_ids of shape {tuple(ids.shape)} and dtype {ids.dtype} must be an int array [*batch, T]"
+    )
+  return SegmentMask(ids)
+
+
 def make_attention_fn(
   *,
   mesh,
@@ -647,10 +680,11 @@ def make_attention_fn(
   Flax's convention: with `dropout_rate > 0` and `deterministic=False` it drops with
   the `dropout_rng` Flax passes (one decision per (query, key) shared by every row and
   head when `broadcast_dropout`, Flax's default), exactly as `jax_ring.ring_attention`
-  does. A dense `mask` or `bias`, or `sow_weights`, cannot be honoured without the
-  [T, T] matrix ring attention never builds: they raise ValueError. Express masks
-  with `is_causal`, `local_window_size` here, or call `jax_ring.ring_attention` with
-  segment ids. `logit_soft_cap`, `sinks`, `alibi_slopes`, `score_mod`: as in
+  does. Packed rows: pass `mask=segment_mask(segment_ids)` to the Flax module's call
+  (per call, under jit too). A dense `mask` or `bias`, or `sow_weights`, cannot be
+  honoured without the [T, T] matrix ring attention never builds: they raise
+  ValueError. Express masks with `is_causal` (here or on the module's call),
+  `local_window_size` here and `segment_mask` for segments. `logit_soft_cap`, `sinks`, `alibi_slopes`, `score_mod`: as in
   `jax_ring.ring_attention`, on every call (decoding included).
 
   Under `nnx.MultiHeadAttention(decode=True)` Flax passes one query against its whole
@@ -696,6 +730,15 @@ def make_attention_fn(
     batch = query.shape[:-3]
     flat = lambda x: x.reshape(-1, *x.shape[-3:]) if x.ndim != 4 else x
     restore = lambda out: out.reshape(*batch, *out.shape[-3:]) if query.ndim != 4 else out
+    segment_ids = None
+    if isinstance(mask, SegmentMask):
+      segment_ids, mask = mask.segment_ids, None
+      if segment_ids.shape != query.shape[:-2]:
+        raise ValueError(
+          f"segment_mask of shape {tuple(segment_ids.shape)} does not fit the query's "
+          f"[*batch, T] = {tuple(query.shape[:-2])} (decoding calls take no segment_mask)"
+        )
+      segment_ids = segment_ids.reshape(-1, segment_ids.shape[-1])
     if mask is not None and _is_key_mask(query, mask):
       # One query against its cache (Flax's decode step: mask [*batch, 1, 1, S]).
       visible = jnp.broadcast_to(mask, (*batch, *mask.shape[-3:]))[..., 0, 0, :].reshape(-1, key.shape[-3])
@@ -705,8 +748,10 @@ def make_attention_fn(
       return restore(out)
     if mask is not None:
       raise ValueError(
-        f"mask of shape {tuple(mask.shape)} was passed: ring attention takes no dense mask; "
-        "use is_causal=, local_window_size= or segment ids"
+        f"mask of shape {tuple(mask.shape)} was passed: ring attention takes no dense mask. "
+        "Causal: make_attention_fn(mesh=..., is_causal=True) or the module's call with "
+        "is_causal=True; a window: make_attention_fn(local_window_size=...); packed rows: "
+        "mask=jax_ring.nn.segment_mask(segment_ids) on the module's call"
       )
     dropout = {}
     if dropout_rate > 0.0 and not deterministic:
@@ -729,6 +774,7 @@ def make_attention_fn(
       head_axis=head_axis,
       ulysses_axis=ulysses_axis,
       is_causal=factory_causal or is_causal,
+      segment_ids=segment_ids,
       local_window_size=window,
       layout=layout,
       policy=policy,
@@ -782,7 +828,9 @@ def _attend_cached_prefix(query, key, value, visible, mesh, seq_axis, batch_axis
 __all__ = [
   "DilatedAttention",
   "RingAttention",
+  "SegmentMask",
   "apply_rope",
   "make_attention_fn",
+  "segment_mask",
   "shard_segments",
 ]

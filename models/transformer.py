@@ -520,6 +520,7 @@ def run_blocks(blocks, x, attend, *, remat: bool, scan: bool, mix=None):
   step = lambda block, x: block(x, attend, **kw)
   if scan:
     return nnx.scan(step, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(blocks, x)
-  for block in blocks:
-    x = step(block, x)
+  for i, block in enumerate(blocks):
+    with jax.named_scope(f"layer_{i}"):  # names the compiled program's ops by layer (scripts/aot.py)
+      x = step(block, x)
   return x

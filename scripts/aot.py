@@ -9,17 +9,22 @@ configuration before you have the cluster.
     python scripts/aot.py --target h100x8 --max-length --budget-gib 70
     python scripts/aot.py --target v5e:8x8 --model --layers 2 --max-length
 
-Needs the AOT extra in its own environment (`pip install -e ".[aot]"`: the CUDA plugin
-and jax[tpu] at the installed jax's version); `JAX_PLATFORMS=cpu` is set here.
+Needs the [aot] extra, best in an environment of its own (`python -m venv .venv-aot &&
+.venv-aot/bin/pip install -e ".[aot]"`: the CUDA plugin with ptxas and jax[tpu], pinned
+to the jax version tested; README, "Install into your own project"). Without it the
+script says so and exits with status 2. `JAX_PLATFORMS=cpu` is set here.
 Targets: h100x8, a100x8, v5e:2x4, v5e:8x8, v5e:16x16, v5p:4x4x4, v6e:2x4.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import re
 import sys
+import threading
 
 # Before jax is imported: JAX stays on the CPU (the CUDA plugin would otherwise try to
 # start a GPU, fail and not register), and libtpu does not look for a TPU VM's metadata.
@@ -28,9 +33,46 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several compiles at once (the tests)
 
+
+
+def print_each_line_once() -> None:
+  """Routes this process's stderr (file descriptor 2, which the CUDA plugin and libtpu
+  write to from C++) through a filter that passes each line once: the plugin logs
+  "Could not find cuda drivers" for every client it starts, four times a run. Lines
+  that differ only in their log prefix (time, thread) count as the same. Everything
+  written before exit, a traceback included, is passed on before the process ends."""
+  real = os.dup(2)
+  read, write = os.pipe()
+  os.dup2(write, 2)
+  os.close(write)
+  prefix = re.compile(rb"^[IWEF]\d{4} [\d:.]+\s+\d+ ")
+
+  def pump():
+    seen = set()
+    with os.fdopen(read, "rb") as src, os.fdopen(real, "wb", buffering=0) as dst:
+      for line in src:
+        key = prefix.sub(b"", line)
+        if key not in seen:
+          seen.add(key)
+          dst.write(line)
+
+  thread = threading.Thread(target=pump, daemon=True)
+  thread.start()
+
+  def drain():
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # closes the pipe's last writer
+    thread.join(timeout=10)
+
+  atexit.register(drain)
+
+
+if __name__ == "__main__":
+  print_each_line_once()
+
 from launch import HelpFormatter  # noqa: E402  (the launcher's: no jax imported before the env is set)
 
-from jax_ring import aot  # noqa: E402
+from jax_ring import aot, choose_kernel, policy_for  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -130,6 +172,9 @@ def main(argv=None):
     print(f"aot.py: {e}", file=sys.stderr)
     return 2
   result = {"target": args.target, "kernel": args.kernel, "model": args.model}
+  device = mesh.devices.flat[0]
+  choice = choose_kernel(args.kernel, device.platform, args.head_dim, policy_for(device))
+  result["kernel_resolved"], result["kernel_reason"] = choice.kernel, choice.reason
   if args.max_length:
     budget = (args.budget_gib * 2**30) if args.budget_gib else target.memory_bytes
     step = args.granularity or 2 * target.devices * 1024
@@ -166,7 +211,8 @@ def main(argv=None):
     print(json.dumps(result))
     return
   what = "DecoderLM step" if args.model else "ring attention"
-  print(f"{args.target}: {what}, T={args.seq_len}, kernel={args.kernel}")
+  print(f"{args.target}: {what}, T={args.seq_len}, kernel={args.kernel}: {result['kernel_resolved']}")
+  print(f"  ({result['kernel_reason']})")
   if "max_length" in result:
     print(f"  longest sequence within {result['budget_gib']:.1f} GiB per device: {result['max_length']}")
   print(f"  memory per device: temp {result['temp_mib']:.1f} MiB, arguments {result['argument_mib']:.1f} MiB")
@@ -177,8 +223,8 @@ def main(argv=None):
   for step in result["ring_steps"]:
     state = "all compute under a transfer" if step["overlapped"] else "NOT overlapped"
     print(
-      f"  ring loop {step['body']}: {step['starts']} async / {step['synchronous']} sync permutes, "
-      f"{step['hidden']} of {step['compute']} compute ops hidden: {state}"
+      f"  {step['name'] or 'ring loop'} ({step['body']}): {step['starts']} async / {step['synchronous']} "
+      f"sync permutes, {step['hidden']} of {step['compute']} compute ops hidden: {state}"
     )
   for name, programs in sorted(result["launch_grids"].items()):
     print(f"  {name}: {programs} programs per launch")

@@ -1,6 +1,6 @@
-"""Start N local processes of a script over `jax.distributed`: multi-host on one box.
+r"""Start N local processes of a script over `jax.distributed`: multi-host on one box.
 
-    python scripts/launch.py --processes 2 --devices-per-process 4 -- \\
+    python scripts/launch.py --processes 2 --devices-per-process 4 -- \
         scripts/train.py --attention ring --steps 100
 
 Every process gets the coordinator (127.0.0.1 and a free port), the process count and

@@ -1,4 +1,4 @@
-"""The demo: needle in a haystack over real text, split across the devices of a mesh.
+r"""The demo: needle in a haystack over real text, split across the devices of a mesh.
 
 Each example is a window of Shakespeare (data/shakespeare, byte tokens) with a needle
 sentence, "The code of <name> is <digits>.", planted at a random depth, and a question

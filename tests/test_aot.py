@@ -39,6 +39,8 @@ def aot(*args: str) -> dict:
 def _all_overlapped(report):
   steps = report["ring_steps"]
   assert len(steps) >= 2, steps  # the forward's ring loop and the backward's
+  assert {s["name"] for s in steps} == {"forward ring step", "backward ring step"}, steps
+  assert report["kernel_resolved"] == (report["kernel"] if report["kernel"] != "auto" else "pallas")
   for step in steps:
     assert step["synchronous"] == 0 and step["overlapped"], step
 
@@ -200,6 +202,43 @@ def test_ring_overlap_reads_the_schedule():
     SCHEDULED.replace("%late = f32[8]{0} custom-call(%cpd)", "%late = f32[8]{0} add(%cpd, %cpd)")
   )
   assert step.overlapped
+
+
+def test_ring_loops_are_named_by_what_they_are():
+  """A loop is named from its permutes' source names (forward or backward step) and its
+  while's call site (the layer): XLA shares one body between layers, whose metadata then
+  names only the first layer."""
+  from jax_ring.hlo import ring_overlap
+
+  permute = 'collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}'
+  step = 'metadata={op_name="jit(loss)/transpose(jvp(layer_0))/x/backward_ring_step/ppermute"}'
+  text = SCHEDULED.replace(permute, f"{permute}, {step}").replace(
+    "body=%body", 'body=%body, metadata={op_name="jit(loss)/transpose(jvp(layer_7))/x/while"}'
+  )
+  assert [s.name for s in ring_overlap(text)] == ["backward ring step, layer 7"]
+  forward = text.replace("backward_ring_step", "forward_ring_step").replace("transpose(jvp(layer_7))", "jvp(layer_2)")
+  assert [s.name for s in ring_overlap(forward)] == ["forward ring step, layer 2"]
+  assert [s.name for s in ring_overlap(SCHEDULED)] == [""]  # no source names: nothing invented
+
+
+def test_text_report_names_loops_and_kernel_and_says_each_line_once():
+  """What a user reads: the kernel "auto" resolved to, loops by name, and the CUDA
+  plugin's per-client notice once (it printed four times)."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_ENABLE_X64")}
+  done = subprocess.run(
+    [PYTHON, "scripts/aot.py", "--target=h100x8", *SHAPE],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "kernel=auto: pallas" in done.stdout, done.stdout
+  assert "  forward ring step (" in done.stdout and "  backward ring step (" in done.stdout, done.stdout
+  lines = [line for line in done.stderr.splitlines() if line.strip()]
+  assert sum("Could not find cuda drivers" in line for line in lines) <= 1, done.stderr
+  assert len(lines) == len(set(lines)), done.stderr
 
 
 @pytest.mark.parametrize("target, needs", [("h100x8", "CUDA plugin"), ("v5e:2x4", "libtpu")])

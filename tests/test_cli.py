@@ -40,3 +40,19 @@ def test_every_option_has_help_and_one_default(name):
 def test_scripts_are_all_covered():
   expected = {"demo", "launch", "needle_demo", "long_context", "train", "aot", "bench", "bench_gemma"}
   assert expected | {"bench_memory", "bench_tile"} <= set(SCRIPTS)
+
+
+def test_no_script_docstring_joins_its_example_lines():
+  """A backslash at a line's end inside a plain docstring joins the next line to it,
+  so `--help` printed the example command as one long line; the scripts whose example
+  commands continue over lines keep their docstrings raw."""
+  import ast
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parents[1]
+  for path in [*root.glob("scripts/*.py"), *root.glob("scripts/bench/*.py")]:
+    tree = ast.parse(path.read_text())
+    first = tree.body[0] if tree.body else None
+    if first is not None and isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+      source = ast.get_source_segment(path.read_text(), first)
+      assert not ("\\\n" in source and not source.startswith('r"""')), f"{path}: a non-raw docstring with \\ line ends"

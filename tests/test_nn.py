@@ -10,6 +10,7 @@ from conftest import make_mesh, rel_err
 from flax import nnx
 from jax.sharding import AxisType
 
+import jax_ring
 from jax_ring import nn as ring_nn
 from jax_ring.models import DecoderLM, LMConfig, LongNet, LongNetConfig
 
@@ -170,6 +171,61 @@ def test_make_attention_fn_matches_flax_default(devices):
   assert rel_err(out_a, out_b) < TOL
   assert rel_err(gxa, gxb) < TOL
   _assert_close_trees(gma, gmb)
+
+
+PACKED = np.array([[0] * 13 + [1] * 17 + [2] * 10, [5] * 25 + [7] * 15], np.int32)  # [2, 40]
+
+
+@pytest.mark.parametrize("devices", [1, 3, 8])
+def test_packed_rows_through_flax_mha_match_flax_with_the_dense_mask(devices):
+  """Packed sequences through nnx.MultiHeadAttention: mask=segment_mask(ids) on the
+  ring's attention_fn gives Flax's own attention under the dense mask
+  make_attention_mask(ids, ids, equal) & causal, outputs and gradients (weights and
+  inputs), inside nnx.jit with the mask an argument."""
+  mesh = _auto_mesh((devices,), ("seq",))
+  make = lambda fn: nnx.MultiHeadAttention(
+    num_heads=4,
+    in_features=32,
+    num_kv_heads=2,
+    decode=False,
+    rngs=nnx.Rngs(0),
+    **({} if fn is None else {"attention_fn": fn}),
+  )
+  flax_default, ring = make(None), make(ring_nn.make_attention_fn(mesh=mesh, is_causal=True))
+  ids = jnp.asarray(PACKED)
+  dense = nnx.combine_masks(nnx.make_attention_mask(ids, ids, jnp.equal), nnx.make_causal_mask(ids))
+  assert not dense[0, 0, 13, :13].any() and dense[0, 0, 13, 13]  # a segment boundary is masked
+
+  @nnx.jit
+  def grads(m, mask):
+    f = lambda m, x: jnp.sum(jnp.sin(m(x, mask=mask)))
+    return nnx.value_and_grad(f, argnums=(0, 1))(m, _x()), m(_x(), mask=mask)
+
+  ((_, (gma, gxa)), out_a), ((_, (gmb, gxb)), out_b) = grads(ring, ring_nn.segment_mask(ids)), grads(flax_default, dense)
+  assert rel_err(out_a, out_b) < TOL
+  assert rel_err(gxa, gxb) < TOL
+  _assert_close_trees(gma, gmb)
+  # Without the segments the answer differs: the mask was applied, not ignored.
+  assert rel_err(ring(_x()), out_b) > 1e-2
+
+
+def test_segment_mask_padding_sees_nothing_and_bad_masks_are_refused():
+  mesh = make_mesh((4,), ("seq",))
+  fn = ring_nn.make_attention_fn(mesh=mesh, is_causal=True)
+  keys = jax.random.split(jax.random.PRNGKey(2), 3)
+  q, k, v = (jax.random.normal(key, (2, 40, 4, 8), jnp.float64) for key in keys)
+  ids = PACKED.copy()
+  ids[1, 33:] = -1  # row 1's tail is padding
+  out = fn(q, k, v, mask=ring_nn.segment_mask(ids))
+  want = jax_ring.reference_attention(q, k, v, is_causal=True, segment_ids=jnp.asarray(ids))
+  assert rel_err(out, want) < TOL
+  assert (np.asarray(out)[1, 33:] == 0).all()
+  with pytest.raises(ValueError, match=r"segment_mask of shape \(2, 39\) does not fit"):
+    fn(q, k, v, mask=ring_nn.segment_mask(ids[:, :39]))
+  with pytest.raises(TypeError, match="segment_ids of shape \\(2, 40\\) and dtype float32"):
+    ring_nn.segment_mask(np.zeros((2, 40), np.float32))
+  with pytest.raises(ValueError, match=r"packed rows: mask=jax_ring.nn.segment_mask"):
+    fn(q, k, v, mask=nnx.make_attention_mask(jnp.asarray(ids), jnp.asarray(ids), jnp.equal))
 
 
 def test_make_attention_fn_rejects_dense_mask():

@@ -39,3 +39,17 @@ def test_wheel_installs_one_package_and_imports(tmp_path):
   version, location = out.split()
   assert location.startswith(str(venv)), location
   assert version == _run(sys.executable, "-c", "import jax_ring; print(jax_ring.__version__)").strip()
+
+
+def test_readme_install_table_names_every_extra():
+  """The README's install table lists exactly the extras pyproject.toml defines, so a
+  user never meets an extra the docs do not explain (or one that does not exist)."""
+  import re
+  import tomllib
+
+  extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+  readme = (ROOT / "README.md").read_text()
+  table = readme.split("## Install into your own project", 1)[1].split("\n## ", 1)[0]
+  listed = set(re.findall(r"^\| `\[(\w+)\]` \|", table, re.M))
+  assert listed == extras, (listed, extras)
+  assert "pip wheel --no-deps" in table and "pip install jax_ring\n" not in readme

@@ -1,5 +1,7 @@
 """Bad input raises a clear ValueError/TypeError naming the argument, before XLA."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -178,3 +180,42 @@ def test_shard_variant_refuses_auto_layout():
   causal) and compute wrong answers for natural-order shards."""
   with pytest.raises(ValueError, match=r"layout='auto'.*'contiguous'.*jax_ring.layouts.to_layout"):
     _shard_call(axis_name="seq", layout="auto", is_causal=True)
+
+
+def test_silent_surprises_are_said_once(monkeypatch):
+  """An axis no argument names repeats the work on every device along it, and a length
+  the ring does not divide comes back replicated: each is a UserWarning naming the
+  axis or the length, the first time only (not once per call or per layer)."""
+  from jax_ring import _validation
+
+  monkeypatch.setattr(_validation, "_NOTICED", set())
+  mesh = make_mesh((2, 4), ("data", "seq"))
+  x = jnp.ones((2, 30, 4, 16))
+  with pytest.warns(UserWarning) as seen:
+    out = jax_ring.ring_attention(x, x, x, mesh=mesh)
+    jax_ring.ring_attention(x, x, x, mesh=mesh)
+  messages = [str(w.message) for w in seen]
+  assert len(messages) == 2, messages
+  assert "mesh axis 'data' (size 2) is not named" in messages[0] and "batch_axis='data'" in messages[0]
+  assert "length 30 does not divide by the 4 devices" in messages[1] and "replicated" in messages[1]
+  assert out.sharding.spec == P()  # what the notice says: replicated, not sharded along "seq"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # named axes, a length the ring divides: nothing to say
+    y = jnp.ones((2, 32, 4, 16))
+    assert jax_ring.ring_attention(y, y, y, mesh=mesh, batch_axis="data").sharding.spec[1] == "seq"
+    jax_ring.dilated_attention(y, y, y, segment_lengths=(8,), dilation_rates=(1,), mesh=mesh, batch_axis="data")
+  with pytest.warns(UserWarning, match="jax_ring.KV cache: mesh axis 'data'"):
+    jax_ring.init_cache(2, 64, 4, 16, mesh=mesh)
+
+
+def test_decoding_on_another_mesh_names_both_meshes():
+  import jax
+
+  first, second = (jax.make_mesh((4,), ("seq",), devices=jax.devices()[i : i + 4]) for i in (0, 4))
+  cache = jax_ring.init_cache(1, 64, 2, 16, mesh=first)
+  q = jnp.ones((1, 1, 4, 16))
+  with pytest.raises(ValueError, match=r"cache lives on mesh \{'seq': 4\} over devices \[0, 1, 2, 3\], but .* \[4, 5, 6, 7\]"):
+    jax_ring.decode_attention(q, cache, mesh=second)
+  with pytest.raises(ValueError, match="cache lives on mesh"):
+    jax_ring.update_cache(cache, jnp.ones((1, 1, 2, 16)), jnp.ones((1, 1, 2, 16)), mesh=second)
+  assert jax_ring.decode_attention(q, cache, mesh=first).shape == q.shape

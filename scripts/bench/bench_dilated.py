@@ -1,4 +1,4 @@
-"""Dilated attention (LongNet) at long lengths on simulated (or real) devices.
+r"""Dilated attention (LongNet) at long lengths on simulated (or real) devices.
 
 For each length: forward+backward median time of --repeats runs of the compiled
 program (no warm-up run: compilation is timed apart), its useful FLOP rate, per-device
@@ -12,7 +12,7 @@ Useful FLOPs of forward+backward count the score and output products only, 3.5x 
 forward's: 3.5 x 4 x T x T x N x H for full attention, and 3.5 x 4 x T x sum_i(w_i / r_i^2)
 x N x H for the dilated patterns (a segment of w tokens keeps w / r of them per head).
 
-    python scripts/bench/bench_dilated.py --lengths 65536 131072 262144 524288 1048576 \\
+    python scripts/bench/bench_dilated.py --lengths 65536 131072 262144 524288 1048576 \
         --out docs/benchmarks.md
 """
 
