@@ -18,7 +18,9 @@ def notice_once(key, message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=3)
 
 
-def notice_mesh(mesh, caller: str, seq_axis, named, length: int | None = None, parts: int | None = None) -> None:
+def notice_mesh(
+  mesh, caller: str, seq_axis, named, length: int | None = None, parts: int | None = None
+) -> None:
   """Warns once about what a call would otherwise do silently on this mesh: axes of
   size > 1 that no argument names (every device along them repeats the same work),
   and a length the ring does not divide (the output comes back replicated along it)."""

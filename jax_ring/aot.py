@@ -96,7 +96,9 @@ class Target:
 
     try:
       if self.platform == "cuda":
-        return topologies.get_topology_desc(platform="cuda", target_config=self.config, topology=self.topology)
+        return topologies.get_topology_desc(
+          platform="cuda", target_config=self.config, topology=self.topology
+        )
       return topologies.get_topology_desc(topology_name=self.topology, platform="tpu")
     except (NotImplementedError, RuntimeError) as e:
       raise RuntimeError(missing_compiler(self, e)) from e

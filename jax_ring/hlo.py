@@ -197,7 +197,7 @@ def ring_overlap(compiled) -> list[LoopOverlap]:
   for lines in comps.values():
     for line in lines:
       if m := _WHILE.search(line):
-        callers[m.group(1)] = (n.group(1) if (n := _OP_NAME.search(line)) else "")
+        callers[m.group(1)] = n.group(1) if (n := _OP_NAME.search(line)) else ""
   bodies = set(callers)
   found = []
   for body in sorted(bodies):
@@ -217,7 +217,9 @@ def ring_overlap(compiled) -> list[LoopOverlap]:
       elif _heavy(op, line, comps):
         compute += 1
         hidden += bool(open_)
-    found.append(LoopOverlap(body, len(starts), sync, compute, hidden, loop_name(comps.get(body, ()), callers[body])))
+    found.append(
+      LoopOverlap(body, len(starts), sync, compute, hidden, loop_name(comps.get(body, ()), callers[body]))
+    )
   return found
 
 

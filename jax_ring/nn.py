@@ -684,8 +684,9 @@ def make_attention_fn(
   (per call, under jit too). A dense `mask` or `bias`, or `sow_weights`, cannot be
   honoured without the [T, T] matrix ring attention never builds: they raise
   ValueError. Express masks with `is_causal` (here or on the module's call),
-  `local_window_size` here and `segment_mask` for segments. `logit_soft_cap`, `sinks`, `alibi_slopes`, `score_mod`: as in
-  `jax_ring.ring_attention`, on every call (decoding included).
+  `local_window_size` here and `segment_mask` for segments. `logit_soft_cap`,
+  `sinks`, `alibi_slopes`, `score_mod`: as in `jax_ring.ring_attention`, on every call
+  (decoding included).
 
   Under `nnx.MultiHeadAttention(decode=True)` Flax passes one query against its whole
   cache (key, value [B, S, K, H]) with the mask of the filled prefix ([B, 1, 1, S]):

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-
 # What generate needs of a model (its docstring and errors say it).
 PROTOCOL = (
   "an nnx.Module with nnx.Param weights and init_cache(batch_size, max_length), "
@@ -168,9 +167,10 @@ def generate(
   """
   missing = [m for m in ("init_cache", "prefill", "decode") if not callable(getattr(model, m, None))]
   if missing or not isinstance(model, nnx.Module):
+    what = "lacks " + ", ".join(missing) if missing else "is no nnx.Module"
     raise TypeError(
-      f"model of type {type(model).__name__} {'lacks ' + ', '.join(missing) if missing else 'is no nnx.Module'}: "
-      f"generate needs {PROTOCOL} (docs/guides/inference.md, 'Your own model')"
+      f"model of type {type(model).__name__} {what}: generate needs {PROTOCOL} "
+      "(docs/guides/inference.md, 'Your own model')"
     )
   prompts = np.asarray(prompts) if not isinstance(prompts, jax.Array) else prompts
   if prompts.ndim != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):

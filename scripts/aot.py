@@ -34,7 +34,6 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several compiles at once (the tests)
 
 
-
 def print_each_line_once() -> None:
   """Routes this process's stderr (file descriptor 2, which the CUDA plugin and libtpu
   write to from C++) through a filter that passes each line once: the plugin logs

@@ -210,13 +210,15 @@ def test_ring_loops_are_named_by_what_they_are():
   names only the first layer."""
   from jax_ring.hlo import ring_overlap
 
-  permute = 'collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}'
+  permute = "collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}"
   step = 'metadata={op_name="jit(loss)/transpose(jvp(layer_0))/x/backward_ring_step/ppermute"}'
   text = SCHEDULED.replace(permute, f"{permute}, {step}").replace(
     "body=%body", 'body=%body, metadata={op_name="jit(loss)/transpose(jvp(layer_7))/x/while"}'
   )
   assert [s.name for s in ring_overlap(text)] == ["backward ring step, layer 7"]
-  forward = text.replace("backward_ring_step", "forward_ring_step").replace("transpose(jvp(layer_7))", "jvp(layer_2)")
+  forward = text.replace("backward_ring_step", "forward_ring_step").replace(
+    "transpose(jvp(layer_7))", "jvp(layer_2)"
+  )
   assert [s.name for s in ring_overlap(forward)] == ["forward ring step, layer 2"]
   assert [s.name for s in ring_overlap(SCHEDULED)] == [""]  # no source names: nothing invented
 

@@ -55,4 +55,6 @@ def test_no_script_docstring_joins_its_example_lines():
     first = tree.body[0] if tree.body else None
     if first is not None and isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
       source = ast.get_source_segment(path.read_text(), first)
-      assert not ("\\\n" in source and not source.startswith('r"""')), f"{path}: a non-raw docstring with \\ line ends"
+      assert not ("\\\n" in source and not source.startswith('r"""')), (
+        f"{path}: a non-raw docstring with \\ line ends"
+      )

@@ -71,7 +71,9 @@ def test_every_dotted_name_in_the_docs_resolves():
       "print('\\n'.join(missing)); sys.exit(1 if missing else 0)",
     ]
   )
-  names = sorted({m.group(1) for page in [*PAGES, *(ROOT / "docs").glob("*.md")] for m in NAME.finditer(page.read_text())})
+  names = sorted(
+    {m.group(1) for page in [*PAGES, *(ROOT / "docs").glob("*.md")] for m in NAME.finditer(page.read_text())}
+  )
   assert "models.runtime.initialize_distributed" in names and len(names) > 20, names
   done = subprocess.run(
     [sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT
@@ -100,11 +102,14 @@ def test_attention_guide_signature_names_every_argument():
   import jax_ring
 
   row = next(
-    line for line in (ROOT / "docs" / "guides" / "attention.md").read_text().splitlines()
+    line
+    for line in (ROOT / "docs" / "guides" / "attention.md").read_text().splitlines()
     if line.startswith("| `ring_attention(")
   )
   for name, param in inspect.signature(jax_ring.ring_attention).parameters.items():
     if name in ("query", "key", "value"):
       continue
-    written = name if param.default is inspect.Parameter.empty else f"{name}={param.default!r}".replace("'", '"')
+    written = (
+      name if param.default is inspect.Parameter.empty else f"{name}={param.default!r}".replace("'", '"')
+    )
     assert written in row, written

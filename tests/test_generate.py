@@ -186,7 +186,9 @@ def test_decoding_needs_a_cache_and_a_decodable_kind():
     generate(_DENSE, PROMPTS, prompt_lengths=np.array([0, 4, 6]), max_new_tokens=2)
   with pytest.raises(ValueError, match="temperature=1.0 samples: pass rng"):
     generate(_DENSE, PROMPTS, max_new_tokens=2, temperature=1.0)
-  with pytest.raises(TypeError, match=r"object lacks init_cache, prefill, decode: generate needs an nnx.Module"):
+  with pytest.raises(
+    TypeError, match=r"object lacks init_cache, prefill, decode: generate needs an nnx.Module"
+  ):
     generate(object(), PROMPTS, max_new_tokens=2)
 
   class Flat(nnx.Module):  # prefill returns [B * P, V]

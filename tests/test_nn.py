@@ -201,7 +201,10 @@ def test_packed_rows_through_flax_mha_match_flax_with_the_dense_mask(devices):
     f = lambda m, x: jnp.sum(jnp.sin(m(x, mask=mask)))
     return nnx.value_and_grad(f, argnums=(0, 1))(m, _x()), m(_x(), mask=mask)
 
-  ((_, (gma, gxa)), out_a), ((_, (gmb, gxb)), out_b) = grads(ring, ring_nn.segment_mask(ids)), grads(flax_default, dense)
+  ((_, (gma, gxa)), out_a), ((_, (gmb, gxb)), out_b) = (
+    grads(ring, ring_nn.segment_mask(ids)),
+    grads(flax_default, dense),
+  )
   assert rel_err(out_a, out_b) < TOL
   assert rel_err(gxa, gxb) < TOL
   _assert_close_trees(gma, gmb)

@@ -241,8 +241,10 @@ def test_a_query_whose_every_score_is_minus_inf_is_not_hidden():
   keys instead). The ring returns a non-finite row, not an empty row's 0."""
   q, k, v, seg = poisoned()
   mask = dense_mask(seg, True)
-  row, (pos, head, channel) = CASES.index(("q+", -np.inf)), SPOT
-  scores = np.einsum("h,sh->s", np.asarray(q[row, pos, head], np.float64), np.asarray(k[row, : pos + 1, head // 2]))
+  row, (pos, head, _) = CASES.index(("q+", -np.inf)), SPOT
+  scores = np.einsum(
+    "h,sh->s", np.asarray(q[row, pos, head], np.float64), np.asarray(k[row, : pos + 1, head // 2])
+  )
   assert (scores == -np.inf).all() and np.asarray(mask)[row, 0, pos, : pos + 1].all()
   assert bad_rows(jax.nn.dot_product_attention(q, k, v))[row, pos, head]
   out = ring_attention(q, k, v, mesh=make_mesh((2,), ("seq",)), is_causal=True, segment_ids=seg)

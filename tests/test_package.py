@@ -45,6 +45,7 @@ def test_readme_install_table_names_every_extra():
   """The README's install table lists exactly the extras pyproject.toml defines, so a
   user never meets an extra the docs do not explain (or one that does not exist)."""
   import re
+
   import tomllib
 
   extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])

@@ -203,7 +203,9 @@ def test_silent_surprises_are_said_once(monkeypatch):
     warnings.simplefilter("error")  # named axes, a length the ring divides: nothing to say
     y = jnp.ones((2, 32, 4, 16))
     assert jax_ring.ring_attention(y, y, y, mesh=mesh, batch_axis="data").sharding.spec[1] == "seq"
-    jax_ring.dilated_attention(y, y, y, segment_lengths=(8,), dilation_rates=(1,), mesh=mesh, batch_axis="data")
+    jax_ring.dilated_attention(
+      y, y, y, segment_lengths=(8,), dilation_rates=(1,), mesh=mesh, batch_axis="data"
+    )
   with pytest.warns(UserWarning, match="jax_ring.KV cache: mesh axis 'data'"):
     jax_ring.init_cache(2, 64, 4, 16, mesh=mesh)
 
@@ -214,7 +216,9 @@ def test_decoding_on_another_mesh_names_both_meshes():
   first, second = (jax.make_mesh((4,), ("seq",), devices=jax.devices()[i : i + 4]) for i in (0, 4))
   cache = jax_ring.init_cache(1, 64, 2, 16, mesh=first)
   q = jnp.ones((1, 1, 4, 16))
-  with pytest.raises(ValueError, match=r"cache lives on mesh \{'seq': 4\} over devices \[0, 1, 2, 3\], but .* \[4, 5, 6, 7\]"):
+  with pytest.raises(
+    ValueError, match=r"cache lives on mesh \{'seq': 4\} over devices \[0, 1, 2, 3\], but .* \[4, 5, 6, 7\]"
+  ):
     jax_ring.decode_attention(q, cache, mesh=second)
   with pytest.raises(ValueError, match="cache lives on mesh"):
     jax_ring.update_cache(cache, jnp.ones((1, 1, 2, 16)), jnp.ones((1, 1, 2, 16)), mesh=second)
