@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import os
+import sys
 import warnings
 
 import jax.numpy as jnp
@@ -9,13 +13,36 @@ import numpy as np
 from jax import lax
 
 _NOTICED: set = set()  # the notices already given in this process
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+# Mesh axes a caller inside jax_ring replicates over on purpose (a Ulysses module's KV
+# cache lives on the ring axis alone): no notice for them.
+_REPLICATED = contextvars.ContextVar("jax_ring_replicated_axes", default=())
+
+
+@contextlib.contextmanager
+def replicated_over(*axes):
+  """Within it, `notice_mesh` says nothing about `axes` (None entries are ignored)."""
+  token = _REPLICATED.set(_REPLICATED.get() + tuple(a for a in axes if a is not None))
+  try:
+    yield
+  finally:
+    _REPLICATED.reset(token)
+
+
+def _caller_level() -> int:
+  """The stacklevel of the first frame outside jax_ring: the user's call."""
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 def notice_once(key, message: str) -> None:
-  """A UserWarning the first time `key` is seen in this process, never again."""
+  """A UserWarning, pointing at the user's call, the first time `key` is seen in this
+  process; never again."""
   if key not in _NOTICED:
     _NOTICED.add(key)
-    warnings.warn(message, UserWarning, stacklevel=3)
+    warnings.warn(message, UserWarning, stacklevel=_caller_level())
 
 
 def notice_mesh(
@@ -25,7 +52,7 @@ def notice_mesh(
   size > 1 that no argument names (every device along them repeats the same work),
   and a length the ring does not divide (the output comes back replicated along it)."""
   for axis in mesh.axis_names:
-    if axis not in named and mesh.shape[axis] > 1:
+    if axis not in named and axis not in _REPLICATED.get() and mesh.shape[axis] > 1:
       notice_once(
         ("unused axis", caller, axis, mesh.shape[axis]),
         f"jax_ring.{caller}: mesh axis {axis!r} (size {mesh.shape[axis]}) is not named as seq_axis, "

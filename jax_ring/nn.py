@@ -190,9 +190,10 @@ class _Cached:
     along the sequence like the attention. `dtype` defaults to the module's `dtype`
     (else float32), which the projected keys must have."""
     dtype = jnp.dtype(dtype or self.query.dtype or jnp.float32)
-    cache = init_cache(
-      batch_size, max_length, self.num_kv_heads, self.head_dim, dtype=dtype, **self._cache_axes()
-    )
+    with _validation.replicated_over(self._replicated_axis()):
+      cache = init_cache(
+        batch_size, max_length, self.num_kv_heads, self.head_dim, dtype=dtype, **self._cache_axes()
+      )
     self.cached_key = nnx.Cache(cache.k)
     self.cached_value = nnx.Cache(cache.v)
     self.cache_index = nnx.Cache(cache.lengths)  # [B]: each row's next position
@@ -232,12 +233,17 @@ class _Cached:
     positions = cache.lengths[:, None] + jnp.arange(tq)[None]
     q, k, v = self.project(x, positions)
     axes = self._cache_axes()
-    cache = update_cache(
-      cache, k.astype(cache.k.dtype), v.astype(cache.v.dtype), segment_ids=segment_ids, **axes
-    )
-    out = decode_attention(q, cache, segment_ids=segment_ids, **self._decode_options())
+    with _validation.replicated_over(self._replicated_axis()):
+      cache = update_cache(
+        cache, k.astype(cache.k.dtype), v.astype(cache.v.dtype), segment_ids=segment_ids, **axes
+      )
+      out = decode_attention(q, cache, segment_ids=segment_ids, **self._decode_options())
     self._store(cache)
     return self._output(out)
+
+  def _replicated_axis(self):
+    """A mesh axis the cache is replicated over by design (a Ulysses module's)."""
+    return dict(getattr(self, "options", ())).get("ulysses_axis")
 
 
 class RingAttention(_Cached, _Projected):
@@ -433,17 +439,18 @@ class RingAttention(_Cached, _Projected):
     cache = self.cache
     q, k, v = self.project(x, None)
     o = dict(self.options)
-    out, cache = prefill_attention(
-      q,
-      k.astype(cache.k.dtype),
-      v.astype(cache.v.dtype),
-      cache,
-      lengths=lengths,
-      segment_ids=segment_ids,
-      layout=o["layout"] if self.kind == "ring" else "contiguous",
-      block_sizes=o["block_sizes"],
-      **self._decode_options(),
-    )
+    with _validation.replicated_over(o["ulysses_axis"]):
+      out, cache = prefill_attention(
+        q,
+        k.astype(cache.k.dtype),
+        v.astype(cache.v.dtype),
+        cache,
+        lengths=lengths,
+        segment_ids=segment_ids,
+        layout=o["layout"] if self.kind == "ring" else "contiguous",
+        block_sizes=o["block_sizes"],
+        **self._decode_options(),
+      )
     self._store(cache)
     return self._output(out)
 
