@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import sys
 import warnings
 
@@ -13,7 +12,6 @@ import numpy as np
 from jax import lax
 
 _NOTICED: set = set()  # the notices already given in this process
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 # Mesh axes a caller inside jax_ring replicates over on purpose (a Ulysses module's KV
 # cache lives on the ring axis alone): no notice for them.
 _REPLICATED = contextvars.ContextVar("jax_ring_replicated_axes", default=())
@@ -30,9 +28,10 @@ def replicated_over(*axes):
 
 
 def _caller_level() -> int:
-  """The stacklevel of the first frame outside jax_ring: the user's call."""
+  """The stacklevel of the first frame outside jax_ring (and jax_ring.models): the
+  user's call."""
   frame, level = sys._getframe(1), 1
-  while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+  while frame is not None and frame.f_globals.get("__name__", "").startswith("jax_ring"):
     frame, level = frame.f_back, level + 1
   return level
 

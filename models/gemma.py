@@ -174,8 +174,8 @@ class Gemma(nnx.Module):
   def _shard(self, x):
     """x [B, T, D] split over the mesh's seq axis, as the attention wants it."""
     mesh, seq_axis = self.placement
-    if mesh is None:
-      return x
+    if mesh is None or x.shape[1] % mesh.shape[seq_axis]:
+      return x  # an uneven length: the attention pads it (and outside jit a constraint cannot)
     auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
     return jax.lax.with_sharding_constraint(x, NamedSharding(auto, P(None, seq_axis, None)))
 

@@ -228,7 +228,7 @@ def test_ring_equals_dense(path, dense, dense_601, devices, length):
   gc.collect()
 
 
-@pytest.mark.parametrize("length", [600, 597])
+@pytest.mark.parametrize("length", [597])  # 600 divides: the 1-device case above runs it
 def test_ring_on_8_devices_equals_dense(ring8, dense, dense_601, length):
   _check_ring(ring8, dense, dense_601, length)
 
@@ -394,13 +394,14 @@ def test_long_context_grid(tmp_path, ring8, dense, tokenizer):
   dense (logits and tokens), the report's table and heatmap are written."""
   import long_context as script  # scripts/long_context.py
 
+  # One fact (the second kind, a word: few tokens to generate) keeps the decoding short.
   report = long_context.run_grid(
-    ring8, dense, tokenizer, devices=8, lengths=[512], depths=[0.1, 0.6], dense_max=512, new_tokens=6
+    ring8, dense, tokenizer, devices=8, lengths=[512], depths=[0.6], dense_max=512, new_tokens=3
   )
   (exact,) = report["exact"]
   assert exact["same_tokens"] and exact["max_abs_logit_diff"] < 1e-4 * exact["max_abs_logit"]
   assert {a["reader"] for a in report["answers"]} == {"ring", "local", "last4k", "dense"}
-  doc = long_context.make_document(tokenizer, "passkey", 512 - long_context.ROOM, [0.1, 0.6])
+  doc = long_context.make_document(tokenizer, "passkey", 512 - long_context.ROOM, [0.6])
   ring = [a for a in report["answers"] if a["reader"] == "ring"]
   assert [a["expected"] for a in ring] == [q.answer for q in doc.questions]
   assert all(r["temp_mib"] > 0 and r["prefill_s"] > 0 for r in report["runs"])
