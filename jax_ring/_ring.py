@@ -120,13 +120,19 @@ def schedule(layout, window, is_causal, shard_len, ring_size, custom_positions):
 
 
 def _send(tree, cfg: RingConfig, shift: int):
-  """Every array of `tree` to the device `shift` places along the ring. On CPU the
-  arrays of one dtype travel as one (`_bundled`)."""
+  """Every array of `tree` to the device `shift` places along the ring. On CPU and GPU
+  the arrays travel bundled into one (`_bundled`): one transfer a step. On GPU, XLA
+  keeps about one collective in flight and runs a second permute of a step
+  synchronously on the compute stream ("is_sync":true); sent apart, the late scheme's
+  dK/dV were that second permute, exposed in every backward step on 8 x H100
+  (`hlo.ring_overlap`). XLA's TPU scheduler overlaps several transfers with a step's
+  compute, and there a bundle left the Pallas forward's transfer with nothing under it
+  (v6e), so on TPU each array is its own permute."""
   perm = ring_permutation(cfg.ring_size, shift, cfg.axis_size)
   send = lambda x: lax.ppermute(x, cfg.axis_name, perm)
-  if mesh_platform() == "cpu":
-    return _bundled(tree, send)
-  return jax.tree.map(send, tree)
+  if mesh_platform() == "tpu":
+    return jax.tree.map(send, tree)
+  return _bundled(tree, send)
 
 
 def _bundled(tree, send):
@@ -167,6 +173,7 @@ def _bundled(tree, send):
   return treedef.unflatten(out)
 
 
+@jax.named_scope("forward_ring_pass")  # names its transfers outside the steps (hlo.loop_name)
 def _pass_forward(cfg: RingConfig, compute, kv, acc, transfers: int, shift: int):
   """Computes with kv, then with `transfers` shards arriving from `shift` direction."""
   if transfers:
@@ -190,6 +197,7 @@ def _pass_forward(cfg: RingConfig, compute, kv, acc, transfers: int, shift: int)
 LATE_DKV_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 
+@jax.named_scope("backward_ring_pass")
 def _pass_backward(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int, home: int):
   """Like _pass_forward; dK/dV travel with their K/V (`_pass_backward_with`) or, where
   transfers run beside compute (`LATE_DKV_PLATFORMS`), one device behind

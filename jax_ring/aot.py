@@ -88,6 +88,8 @@ class Target:
   config: str | None = None  # GpuTargetConfig text proto
   sms: int | None = None  # streaming multiprocessors per GPU
   memory_bytes: int | None = None  # per device
+  link_bytes_per_s: float | None = None  # one direction, to a ring neighbour (`LINKS`)
+  peak_flops: float | None = None  # dense bf16 matmul per device (`LINKS`)
 
   def describe(self):
     """The `jax.experimental.topologies` description of the target. Without the
@@ -119,16 +121,63 @@ def missing_compiler(t: Target, error: Exception) -> str:
 
 
 GiB = 1 << 30
-TARGETS = {
-  "h100x8": Target("h100x8", "cuda", 8, "1x1x8", H100, 132, 84929347584),
-  "a100x8": Target("a100x8", "cuda", 8, "1x1x8", A100, 108, 85899345920),
-  # TPU HBM per chip: v5e 16 GiB, v5p 95 GiB, v6e 32 GiB (Google Cloud's TPU pages).
-  "v5e:2x4": Target("v5e:2x4", "tpu", 8, "v5e:2x4", memory_bytes=16 * GiB),
-  "v5e:8x8": Target("v5e:8x8", "tpu", 64, "v5e:8x8", memory_bytes=16 * GiB),
-  "v5e:16x16": Target("v5e:16x16", "tpu", 256, "v5e:16x16", memory_bytes=16 * GiB),
-  "v5p:4x4x4": Target("v5p:4x4x4", "tpu", 64, "v5p:4x4x4", memory_bytes=95 * GiB),
-  "v6e:2x4": Target("v6e:2x4", "tpu", 8, "v6e:2x4", memory_bytes=32 * GiB),
+# (bytes/s one way to a ring neighbour, dense bf16 FLOP/s, where the figures come from).
+# A ring step sends to one neighbour while it receives from the other: one direction of
+# the link between them. GPUs of an NVSwitch node reach a peer with all their NVLinks.
+LINKS = {
+  "h100": (
+    450e9,
+    989e12,
+    "NVIDIA H100 SXM5 datasheet: NVLink 4 at 900 GB/s per GPU, both directions (450 GB/s one way); "
+    "989 TFLOPS dense bf16 (1,979 with sparsity)",
+  ),
+  "a100": (
+    300e9,
+    312e12,
+    "NVIDIA A100 SXM4 datasheet: NVLink 3 at 600 GB/s per GPU, both directions; 312 TFLOPS dense bf16",
+  ),
+  "v5e": (
+    50e9,
+    197e12,
+    "Google Cloud TPU v5e page: ICI 400 GB/s per chip both directions over 4 ports (50 GB/s per port "
+    "one way); 197 TFLOPS bf16",
+  ),
+  "v5p": (
+    100e9,
+    459e12,
+    "Google Cloud TPU v5p page: ICI 4,800 Gbps (600 GB/s) per chip over 6 ports of its 3D torus "
+    "(100 GB/s per port one way); 459 TFLOPS bf16",
+  ),
+  "v6e": (
+    100e9,
+    918e12,
+    "Google Cloud TPU v6e page: ICI 800 GB/s per chip both directions over 4 ports (100 GB/s per port "
+    "one way); 918 TFLOPS bf16",
+  ),
 }
+
+
+def _target(name, platform, devices, topology, chip, **kw):
+  bw, peak, _ = LINKS[chip]
+  return Target(name, platform, devices, topology, link_bytes_per_s=bw, peak_flops=peak, **kw)
+
+
+TARGETS = {
+  "h100x8": _target("h100x8", "cuda", 8, "1x1x8", "h100", config=H100, sms=132, memory_bytes=84929347584),
+  "a100x8": _target("a100x8", "cuda", 8, "1x1x8", "a100", config=A100, sms=108, memory_bytes=85899345920),
+  # TPU HBM per chip: v5e 16 GiB, v5p 95 GiB, v6e 32 GiB (Google Cloud's TPU pages).
+  "v5e:2x4": _target("v5e:2x4", "tpu", 8, "v5e:2x4", "v5e", memory_bytes=16 * GiB),
+  "v5e:8x8": _target("v5e:8x8", "tpu", 64, "v5e:8x8", "v5e", memory_bytes=16 * GiB),
+  "v5e:16x16": _target("v5e:16x16", "tpu", 256, "v5e:16x16", "v5e", memory_bytes=16 * GiB),
+  "v5p:4x4x4": _target("v5p:4x4x4", "tpu", 64, "v5p:4x4x4", "v5p", memory_bytes=95 * GiB),
+  "v6e:2x4": _target("v6e:2x4", "tpu", 8, "v6e:2x4", "v6e", memory_bytes=32 * GiB),
+}
+
+
+def link_source(name: str) -> str:
+  """Where a target's link bandwidth and peak rate come from."""
+  chip = {"h100x8": "h100", "a100x8": "a100"}.get(name, name.split(":")[0])
+  return LINKS[chip][2]
 
 
 def target(name: str) -> Target:
@@ -295,6 +344,58 @@ def attention_flops(*, seq_len, heads, head_dim, batch=1, is_causal=True, backwa
   forward = 4 * batch * seq_len**2 * heads * head_dim
   total = forward * (3.5 if backward else 1.0)
   return total / 2 if is_causal else total
+
+
+def step_balance(report: dict, t: Target, *, seq_len, heads, kv_heads, head_dim, batch=1, is_causal=True):
+  """Per ring loop of an attention program's `report`: the bytes a step sends (read from
+  the compiled program) over the target's link against the step's FLOPs (by formula)
+  at its peak rate, in microseconds. A step is communication-bound where the transfer
+  takes longer: then the compute cannot hide it, however the schedule lies.
+
+  The FLOPs of a step: the pass's (forward, or the backward's 2.5x) over the devices,
+  the ring's steps (one per device) and the passes of kv heads (`BlockSizes`' default
+  for the target). Peak rates are an upper bound on speed, so these compute times are
+  lower bounds and the verdict "compute-bound" is the cautious one."""
+  from jax_ring._tiles import BlockSizes
+
+  local = -(-seq_len // t.devices)
+  platform = "gpu" if t.platform == "cuda" else t.platform
+  passes = BlockSizes(pass_tokens=BlockSizes().tokens_per_pass(platform)).head_groups(kv_heads, local)
+  shape = dict(seq_len=seq_len, heads=heads, head_dim=head_dim, batch=batch, is_causal=is_causal)
+  forward = attention_flops(backward=False, **shape)
+  per_step = {"forward": forward, "backward": 2.5 * forward}
+  rows = []
+  for loop in report["ring_steps"]:
+    step_bytes = loop["hidden_bytes"] + loop["exposed_bytes"]
+    direction = "backward" if loop["name"].startswith("backward") else "forward"
+    is_step = loop["name"].endswith("ring step")
+    flops = per_step[direction] / t.devices / t.devices / passes if is_step else None
+    transfer_us = step_bytes / t.link_bytes_per_s * 1e6
+    compute_us = None if flops is None else flops / t.peak_flops * 1e6
+    rows.append(
+      {
+        "name": loop["name"],
+        "bytes_per_step": step_bytes,
+        "exposed_bytes": loop["exposed_bytes"],
+        "transfer_us": transfer_us,
+        "compute_us": compute_us,
+        "bound": None if compute_us is None else ("communication" if transfer_us > compute_us else "compute"),
+      }
+    )
+  return rows
+
+
+def break_even_tokens(t: Target, *, heads, kv_heads, head_dim, is_causal=True, wire_bytes=2) -> dict:
+  """Tokens per device below which a ring step's transfer takes longer than its compute
+  at peak, forward and backward, by formula: a step of t tokens sends K and V (and on
+  the backward dK and dV in float32) for t tokens, t (K H) values each, plus their int32
+  positions, and computes 4 t² N H FLOPs forward (2.5x backward), halved when causal."""
+  c = 0.5 if is_causal else 1.0
+  forward_bytes = 2 * kv_heads * head_dim * wire_bytes + 4  # per token
+  backward_bytes = forward_bytes + 2 * kv_heads * head_dim * 4
+  flops_per_token2 = 4 * heads * head_dim * c  # a step's FLOPs / t², forward
+  per = lambda nbytes, factor: nbytes * t.peak_flops / (factor * flops_per_token2 * t.link_bytes_per_s)
+  return {"forward": per(forward_bytes, 1.0), "backward": per(backward_bytes, 2.5)}
 
 
 def max_length(fits, low: int, high: int, granularity: int) -> int:

@@ -141,19 +141,30 @@ def _tuple_constant(comps, tuple_name: str, index: int | None) -> int:
 
 
 class LoopOverlap(NamedTuple):
-  """One loop body with collective-permutes (a ring step), from `ring_overlap`."""
+  """One loop body with collective-permutes (a ring step), from `ring_overlap`.
+
+  Two questions, both per step: is every op of compute under some transfer (`hidden`
+  of `compute`), and does every transfer have compute under it (`exposed_bytes`)? A
+  transfer is exposed when XLA runs it synchronously (a plain collective-permute, or a
+  start whose backend config says "is_sync":true: XLA's GPU pipeline turns an async
+  pair with nothing to overlap into one on the compute stream) or when no compute op
+  lies between its start and its done."""
 
   body: str  # the body computation's name
-  starts: int  # asynchronous collective-permutes (start/done pairs)
-  synchronous: int  # collective-permutes that block (no start/done)
+  starts: int  # collective-permute-starts (start/done pairs), "is_sync" ones included
+  synchronous: int  # transfers that block: plain collective-permutes and "is_sync":true starts
   compute: int  # heavy ops in the body: loops, conditionals, kernel calls, GEMM fusions
-  hidden: int  # of those, the ones between the start and the done of some permute
+  hidden: int  # of those, the ones between the start and the done of some transfer
   name: str = ""  # what the loop is, from its ops' source names (`loop_name`)
+  hidden_bytes: int = 0  # bytes a device sends per step in transfers with compute under them
+  exposed_bytes: int = 0  # bytes per step in synchronous transfers or ones with nothing under them
+  exposed: int = 0  # how many transfers are exposed
 
   @property
   def overlapped(self) -> bool:
-    """Every transfer asynchronous, and all the step's compute under one."""
-    return self.synchronous == 0 and self.starts > 0 and self.hidden == self.compute
+    """All the step's compute under a transfer, and every transfer asynchronous with
+    compute under it."""
+    return self.starts > 0 and self.hidden == self.compute and self.exposed == 0
 
 
 # Custom calls that only place or reinterpret buffers (XLA's TPU backend allocates a
@@ -206,21 +217,65 @@ def ring_overlap(compiled) -> list[LoopOverlap]:
     sync = sum(op == "collective-permute" for (_, op), _, _ in ops)
     if not starts and not sync:
       continue
-    open_, hidden, compute = set(), 0, 0
+    # name -> [bytes, compute ops under it, synchronous]; a done whose start lies in an
+    # earlier iteration (XLA's pipeliner) counts the compute before it in this one.
+    open_: dict[str, list] = {}
+    transfers, hidden, compute, before = [], 0, 0, 0
     for (name, op), _, line in ops:
       if op == "collective-permute-start":
-        open_.add(name)
+        open_[name] = [permute_bytes(line), 0, _IS_SYNC in line]
       elif op == "collective-permute-done":
-        open_.discard(_operand(line))
+        started = open_.pop(_operand(line), None)
+        transfers.append(started if started is not None else [permute_bytes(line), before, False])
+      elif op == "collective-permute":
+        transfers.append([permute_bytes(line), 0, True])
       elif op == "while" and (m := _WHILE.search(line)) and _sends(comps, m.group(1)):
         continue  # a nested ring loop: counted as a body of its own
       elif _heavy(op, line, comps):
         compute += 1
         hidden += bool(open_)
+        before += 1
+        for t in open_.values():
+          t[1] += 1
+    transfers += open_.values()  # started here, done in the next iteration
+    exposed = [t for t in transfers if t[2] or t[1] == 0]
+    sync += sum(_IS_SYNC in line for _, _, line in ops)
     found.append(
-      LoopOverlap(body, len(starts), sync, compute, hidden, loop_name(comps.get(body, ()), callers[body]))
+      LoopOverlap(
+        body,
+        len(starts),
+        sync,
+        compute,
+        hidden,
+        loop_name(comps.get(body, ()), callers[body]),
+        sum(t[0] for t in transfers) - sum(t[0] for t in exposed),
+        sum(t[0] for t in exposed),
+        len(exposed),
+      )
     )
   return found
+
+
+_IS_SYNC = '"is_sync":true'
+
+
+def permute_bytes(line: str) -> int:
+  """Bytes a collective-permute (start or done) instruction sends: its operands' shapes,
+  which a start's result lists first ((operands), (results), ...) and a done's result
+  and a plain permute's result equal."""
+  shapes = line.split("= ", 1)[1].split(" collective-permute", 1)[0]
+  if "-start(" in line and shapes.startswith("(("):
+    depth, end = 0, 0
+    for i, ch in enumerate(shapes[1:], 1):  # the first element of the outer tuple
+      depth += ch == "("
+      depth -= ch == ")"
+      if depth == 0:
+        end = i
+        break
+    shapes = shapes[1 : end + 1]
+  elif "-start(" in line and shapes.startswith("("):  # (operand, result[, contexts])
+    shapes = _SHAPE.search(shapes).group(0)
+  return shape_bytes(shapes)
 
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -229,20 +284,24 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 def loop_name(lines, caller: str = "") -> str:
   """What a ring loop is, read from source names (`op_name` metadata): "forward ring
   step" or "backward ring step" from its collective-permutes (jax_ring's named scopes;
-  a body traced under `transpose(...)` is a backward one), and from `caller`, the
+  a body traced under `transpose(...)` is a backward one); "... ring pass edges" for a
+  loop over head groups whose permutes are a pass's first and last transfers (before
+  its first step, and the dK/dV sent home after its last); and from `caller`, the
   op_name of the while that runs it, the model layer (`layer_3`: models.DecoderLM's
   scopes) and LongNet pattern (`pattern_w2048_r2`). XLA may share one body between
   layers, so the layer comes from the call site. "" when the program has no names."""
   names = [m.group(1) for line in lines if " collective-permute" in line and (m := _OP_NAME.search(line))]
   if not names:
     return ""
-  source = names[0] + " " + caller
-  if "backward_ring_step" in source or "forward_ring_step" not in source and "transpose(" in source:
-    what = "backward ring step"
-  elif "forward_ring_step" in source or "jvp(" in source:
-    what = "forward ring step"
+  source = names[0]
+  backward = "backward_ring" in source or ("forward_ring" not in source and "transpose(" in source + caller)
+  direction = "backward" if backward else "forward"
+  if "_ring_step" in source:
+    what = f"{direction} ring step"
+  elif "_ring_pass" in source:  # a loop over head groups: each pass's first and last transfers
+    what = f"{direction} ring pass edges"
   else:
-    what = "ring loop"
+    what = f"{direction} ring loop"
   parts = [what]
   where = caller or names[0]
   if layer := re.search(r"layer_(\d+)", where):

@@ -195,6 +195,12 @@ def main(argv=None):
   result["seq_len"] = args.seq_len
   result |= aot.report(compiled)
   if not args.model:
+    shape = dict(
+      heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, is_causal=not args.no_causal
+    )
+    result["balance"] = aot.step_balance(result, target, seq_len=args.seq_len, batch=args.batch, **shape)
+    result["break_even_tokens"] = aot.break_even_tokens(target, **shape)
+    result["link_source"] = aot.link_source(args.target)
     result["flops_per_device"] = (
       aot.attention_flops(
         seq_len=args.seq_len,
@@ -220,11 +226,27 @@ def main(argv=None):
   for op, (count, n) in sorted(result["outside_loops"].items()):
     print(f"  outside the loops: {count} x {op}, {n / 2**20:.1f} MiB per device")
   for step in result["ring_steps"]:
-    state = "all compute under a transfer" if step["overlapped"] else "NOT overlapped"
+    state = "overlapped" if step["overlapped"] else "NOT overlapped"
     print(
       f"  {step['name'] or 'ring loop'} ({step['body']}): {step['starts']} async / {step['synchronous']} "
-      f"sync permutes, {step['hidden']} of {step['compute']} compute ops hidden: {state}"
+      f"sync permutes; {step['hidden']} of {step['compute']} compute ops under a transfer; per step "
+      f"{step['hidden_bytes'] / 2**20:.1f} MiB sent under compute, {step['exposed_bytes'] / 2**20:.1f} MiB "
+      f"exposed: {state}"
     )
+  for row in result.get("balance", []):
+    if row["compute_us"] is not None:
+      print(
+        f"  {row['name']}: transfer {row['transfer_us']:.0f} us vs compute {row['compute_us']:.0f} us at "
+        f"peak per step: {row['bound']}-bound"
+      )
+  if "break_even_tokens" in result:
+    even = result["break_even_tokens"]
+    local = args.seq_len // target.devices
+    print(
+      f"  transfers outlast compute below {even['forward']:.0f} (forward) and {even['backward']:.0f} "
+      f"(backward) tokens per device at peak; this run has {local}"
+    )
+    print(f"  ({result['link_source']})")
   for name, programs in sorted(result["launch_grids"].items()):
     print(f"  {name}: {programs} programs per launch")
   for name, grid in sorted(result["tpu_grids"].items()):
