@@ -308,6 +308,7 @@ def report(compiled) -> dict:
     "collective_bytes": hlo.collective_bytes(text),
     "outside_loops": _outside_loops(text),
     "ring_steps": [o._asdict() | {"overlapped": o.overlapped} for o in hlo.ring_overlap(text)],
+    "collectives": [c._asdict() for c in hlo.collectives(text)],
     "launch_grids": launch_grids(text),
     "tpu_grids": tpu_grids(text) if "tpu_custom_call" in text else {},
     "custom_calls": custom_calls(text),

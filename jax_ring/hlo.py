@@ -259,6 +259,72 @@ def ring_overlap(compiled) -> list[LoopOverlap]:
 _IS_SYNC = '"is_sync":true'
 
 
+class Collective(NamedTuple):
+  """One collective instruction of a compiled program, from `collectives`."""
+
+  op: str  # "all-gather", "all-reduce", "collective-permute", ...
+  bytes: int  # its result's bytes per device, each time it runs (a permute: what it sends)
+  where: str  # the loop it runs in (`loop_name`, else the body's name), or "" outside loops
+  source: str  # the op_name of the JAX operation it comes from
+  exposed: bool  # synchronous, or an async pair with no compute between start and done
+
+
+def collectives(compiled) -> list[Collective]:
+  """Every collective of a compiled program with where it runs and whether compute
+  hides it: what `scripts/aot.py --model` lists for a training step."""
+  hlo = compiled if isinstance(compiled, str) else compiled.as_text()
+  comps, _ = _computations(hlo)
+  callers = {}
+  for lines in comps.values():
+    for line in lines:
+      if m := _WHILE.search(line):
+        callers[m.group(1)] = n.group(1) if (n := _OP_NAME.search(line)) else ""
+  found = []
+  kinds = "|".join(COLLECTIVES)
+  for name, lines in comps.items():
+    where = (loop_name(lines, callers[name]) or name) if name in callers else ""
+    open_: dict[str, list] = {}
+    for line in lines:
+      ins = _instruction(line)
+      if ins is None:
+        continue
+      iname, opcode = ins
+      base = re.fullmatch(rf"({kinds})(-start|-done)?", opcode)
+      source = m.group(1) if (m := _OP_NAME.search(line)) else ""
+      if base and base.group(2) == "-start":
+        size = permute_bytes(line) if base.group(1) == "collective-permute" else _result_bytes(line)
+        open_[iname] = [base.group(1), size, source, _IS_SYNC in line, 0]
+      elif base and base.group(2) == "-done":
+        op, size, src, sync, under = open_.pop(
+          _operand(line), [base.group(1), _result_bytes(line), source, False, 1]
+        )
+        found.append(Collective(op, size, where, src, sync or under == 0))
+      elif base:
+        found.append(Collective(base.group(1), _result_bytes(line), where, source, True))
+      elif _heavy(opcode, line, comps):
+        for t in open_.values():
+          t[4] += 1
+    found += [
+      Collective(op, size, where, src, sync or under == 0) for op, size, src, sync, under in open_.values()
+    ]
+  return found
+
+
+def _result_bytes(line: str) -> int:
+  """Bytes of an instruction's result; of an async start's tuple, its last element
+  (the result buffer: an all-gather-start holds (operand, result))."""
+  ins = _instruction(line)
+  shapes = line.split("= ", 1)[1].split(f" {ins[1]}(", 1)[0] if ins else ""
+  found = _SHAPE.findall(shapes)
+  if not found:
+    return 0
+  dtype, dims = found[-1]
+  size = 1
+  for d in filter(None, dims.split(",")):
+    size *= int(d)
+  return size * _BYTES[dtype]
+
+
 def permute_bytes(line: str) -> int:
   """Bytes a collective-permute (start or done) instruction sends: its operands' shapes,
   which a start's result lists first ((operands), (results), ...) and a done's result

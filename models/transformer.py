@@ -419,7 +419,7 @@ class DecoderLM(nnx.Module):
     unpermute = None
     if logits_order == "natural":
       inverse = np.argsort(perm)
-      unpermute = lambda x: self._place(jnp.take(x, inverse, axis=1))
+      unpermute = lambda x: self._permute(x, inverse)
     return forward(self, tokens, attend, mix=mix, before_head=unpermute)
 
   def to_ring_order(self, x):
@@ -429,7 +429,27 @@ class DecoderLM(nnx.Module):
     if x is None:
       return None
     perm = self.ring_permutation(x.shape[1])
-    return x if perm is None else self._place(jnp.take(jnp.asarray(x), perm, axis=1))
+    return x if perm is None else self._permute(jnp.asarray(x), perm)
+
+  def embed_tokens(self, tokens):
+    """The embeddings [B, T, D] of tokens [B, T]. Under an Explicit mesh the lookup keeps
+    the tokens' own sharding, which the gather must be told when they are split over
+    the sequence; elsewhere it is `self.embed`."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or not context.explicit_axes:
+      return self.embed(tokens)
+    table = self.embed.embedding[...].astype(self.embed.dtype or self.embed.embedding.dtype)
+    return table.at[tokens].get(out_sharding=P(*jax.typeof(tokens).sharding.spec, None))
+
+  def _permute(self, x, perm):
+    """x [B, T, ...] with its tokens taken in the order `perm`, placed like the
+    attention's inputs. Under an Explicit mesh x keeps its own sharding, which the
+    gather must be told when the sequence is split (feeding sequence-sharded tokens, as
+    training does, kept XLA from computing every layer's activations whole)."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.explicit_axes:
+      return x.at[:, perm].get(out_sharding=jax.typeof(x).sharding.spec)
+    return self._place(jnp.take(x, perm, axis=1))
 
   def _place(self, x):
     """x [B, T, ...] sharded like the attention's inputs (batch, sequence)."""
@@ -496,7 +516,7 @@ def forward(model, tokens, attend, mix=None, before_head=None):
   (`before_head`) -> head: the forward pass the models share; logits in float32."""
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"tokens shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
-  x = model.embed(tokens)
+  x = model.embed_tokens(tokens) if hasattr(model, "embed_tokens") else model.embed(tokens)
   config = getattr(model, "config", None)  # LongNet shares this forward, without remat or scan
   remat, scan = getattr(config, "remat", False), getattr(config, "scan_layers", False)
   x = run_blocks(model.blocks, x, attend, remat=remat, scan=scan, mix=mix)

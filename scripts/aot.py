@@ -135,14 +135,18 @@ def compile_model(mesh, args, seq_len: int):
     abstract = nnx.eval_shape(lambda: models.DecoderLM(config, mesh=mesh, rngs=nnx.Rngs(0)))
     graph, params = nnx.split(abstract)
 
-    def loss(params, tokens):
+    def loss(params, inputs, targets):
       model = nnx.merge(graph, params)
-      logits = model(tokens[:, :-1], logits_order="ring")  # the targets follow the layers' order
-      targets = model.to_ring_order(tokens[:, 1:])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+      logits = model(inputs, logits_order="ring")  # the targets follow the layers' order
+      return optax.softmax_cross_entropy_with_integer_labels(logits, model.to_ring_order(targets)).mean()
 
-    tokens = jax.ShapeDtypeStruct((args.batch, seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P()))
-    return jax.jit(jax.grad(loss)).lower(params, tokens).compile()
+    # Inputs and targets each [B, T], sharded over the sequence as models.training feeds
+    # them. One replicated array of T + 1 tokens, sliced into both, left the embeddings
+    # whole, and XLA all-gathered the first layer's dq, dk and dv over the sequence for
+    # the rotary embedding's backward (1 GiB per device at 64K tokens on 8 x H100).
+    spec = NamedSharding(mesh, P(None, "seq"))
+    tokens = jax.ShapeDtypeStruct((args.batch, seq_len), jnp.int32, sharding=spec)
+    return jax.jit(jax.grad(loss)).lower(params, tokens, tokens).compile()
 
 
 def compile_for(mesh, args, seq_len: int):
@@ -247,6 +251,18 @@ def main(argv=None):
       f"(backward) tokens per device at peak; this run has {local}"
     )
     print(f"  ({result['link_source']})")
+  if args.model:  # every collective of the step, by where it runs and what it comes from
+    groups: dict = {}
+    for c in result["collectives"]:
+      scope = [p for p in c["source"].split("/") if p and not p.startswith("jit(")]
+      key = (c["op"], c["where"] or "outside the loops", "/".join(scope[:2]), c["exposed"])
+      entry = groups.setdefault(key, [0, 0])
+      entry[0] += 1
+      entry[1] += c["bytes"]
+    print("  collectives (count x, MiB each run summed; where; from):")
+    for (op, where, source, exposed), (n, size) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+      state = "EXPOSED" if exposed else "under compute"
+      print(f"    {op}: {n} x, {size / 2**20:.1f} MiB; {where}; {source or '?'}; {state}")
   for name, programs in sorted(result["launch_grids"].items()):
     print(f"  {name}: {programs} programs per launch")
   for name, grid in sorted(result["tpu_grids"].items()):

@@ -257,6 +257,28 @@ def test_ring_overlap_reads_synchronous_and_exposed_transfers():
   assert (step.starts, step.synchronous, step.exposed_bytes) == (0, 1, 32) and not step.overlapped
 
 
+def test_collectives_lists_each_with_its_loop_source_and_exposure():
+  """hlo.collectives: every collective with the loop it runs in, its source and whether
+  compute hides it; outside the loops an all-gather pair with nothing between is
+  exposed, a plain all-reduce is synchronous."""
+  from jax_ring.hlo import collectives
+
+  entry = (
+    "  %ags = (f32[2]{0}, f32[8]{0}) all-gather-start(%a), dimensions={0}, "
+    'metadata={op_name="jit(loss)/transpose(jvp(layer_0))/reshape"}\n'
+    "  %agd = f32[8]{0} all-gather-done(%ags)\n"
+    '  %ar = f32[4]{0} all-reduce(%a), to_apply=%sum, metadata={op_name="jit(loss)/dot_general"}\n'
+  )
+  text = SCHEDULED.replace("  ROOT %w = (s32[], f32[8]) while", entry + "  ROOT %w = (s32[], f32[8]) while")
+  found = {(c.op, c.where, c.bytes, c.exposed) for c in collectives(text)}
+  assert found == {
+    ("all-gather", "", 32, True),
+    ("all-reduce", "", 16, True),
+    ("collective-permute", "body", 32, False),  # the kernel runs under it
+  }, found
+  assert any(c.source.endswith("layer_0))/reshape") for c in collectives(text))
+
+
 def test_ring_loops_are_named_by_what_they_are():
   """A loop is named from its permutes' source names (forward or backward step) and its
   while's call site (the layer): XLA shares one body between layers, whose metadata then

@@ -100,3 +100,30 @@ def test_decoder_lm_prefill_decode_and_generate(mesh):
   np.testing.assert_allclose(step[:, 0], want[:, 20], atol=1e-5)
   out = models.generate(model, tokens[:, :8], max_new_tokens=3)
   assert out.tokens.shape == (2, 3) and int(out.lengths[0]) == 3
+
+
+def test_decoder_lm_takes_sequence_sharded_tokens_under_set_mesh(mesh):
+  """Tokens typed as split over the sequence (as training feeds them) through a model
+  that keeps the ring's order: the gathers into and out of that order say their
+  sharding, and the loss and logits equal those from replicated tokens."""
+  config = models.LMConfig(vocab_size=32, dim=32, num_heads=4, num_kv_heads=2)
+  model = models.DecoderLM(config, mesh=mesh, rngs=nnx.Rngs(0))
+  length = 4 * (jax_ring.layouts.SHORT_CAUSAL_SHARD + 16)  # long enough shards for zigzag
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (2, length), 0, 32)
+  assert model.ring_permutation(length) is not None  # the ring's order differs from natural
+  graph, params = nnx.split(model)
+
+  @jax.jit
+  def run(params, tokens):
+    m = nnx.merge(graph, params)
+    logits = m(tokens, logits_order="ring")
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, m.to_ring_order(tokens)).mean()
+    return loss, m(tokens)
+
+  with jax.set_mesh(mesh):
+    split = jax.device_put(tokens, NamedSharding(mesh, P(None, "seq")))
+    whole = jax.device_put(tokens, NamedSharding(mesh, P()))
+    (loss_split, logits_split), (loss_whole, logits_whole) = run(params, split), run(params, whole)
+  assert jax.typeof(logits_split).sharding.spec[1] == "seq"
+  assert abs(float(loss_split) - float(loss_whole)) < 1e-5
+  assert rel_err(logits_split, logits_whole) < TOL
