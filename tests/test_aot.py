@@ -23,11 +23,16 @@ TIMEOUT = 400  # seconds per compile process; subprocess.run kills it (SIGKILL) 
 SHAPE = ["--seq-len=65536", "--heads=8", "--kv-heads=2", "--head-dim=128"]
 
 
+def _process(python: str, args: list[str]) -> subprocess.CompletedProcess:
+  """`python args` from the checkout, without the tests' XLA flags, killed past TIMEOUT."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_ENABLE_X64")}
+  return subprocess.run([python, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
 def _run(args: list[str]) -> str:
   if not Path(PYTHON).exists():
     pytest.fail(f"{PYTHON} is missing: run the tests with `bash scripts/run_tests.sh`, which makes .venv-aot")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_ENABLE_X64")}
-  done = subprocess.run([PYTHON, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+  done = _process(PYTHON, args)
   assert done.returncode == 0, done.stderr[-4000:]
   return done.stdout
 
@@ -97,10 +102,12 @@ def test_v5e_8x8_needs_ring_mesh():
 
 @pytest.mark.parametrize("target", ["v5e:16x16", "v5p:4x4x4", "v6e:2x4"])
 def test_ring_mesh_overlaps_every_ring_step_on_other_slices(target):
-  """ring_mesh on the other slices (8K tokens a chip): no synchronous ring permute,
-  and every ring step's compute, forward and backward, under its transfer."""
+  """ring_mesh on the other slices (4K tokens a chip on the 64- and 256-chip slices,
+  which compile slowest; 8K on v6e): no synchronous ring permute, and every ring
+  step's compute, forward and backward, under its transfer."""
+  per_chip = {"v5e:16x16": 4096, "v5p:4x4x4": 4096, "v6e:2x4": 8192}[target]
   devices = {"v5e:16x16": 256, "v5p:4x4x4": 64, "v6e:2x4": 8}[target]
-  _all_overlapped(aot(f"--target={target}", "--kernel=xla", f"--seq-len={8192 * devices}", *SHAPE[1:]))
+  _all_overlapped(aot(f"--target={target}", "--kernel=xla", f"--seq-len={per_chip * devices}", *SHAPE[1:]))
 
 
 @pytest.mark.parametrize("target", ["v5p:4x4x4", "v6e:2x4"])
@@ -173,15 +180,15 @@ def test_defaults_come_from_the_target_not_this_cpu():
 
 
 def test_max_length_bisects_compiled_memory():
-  """--max-length: the longest sequence (a multiple of 64K tokens, up to 1M) whose
+  """--max-length: the longest sequence (a multiple of 128K tokens, up to 1M) whose
   compiled forward+backward fits 1 GiB per device; the next multiple does not."""
-  options = ["--target=h100x8", "--kernel=xla", *SHAPE[1:], "--budget-gib=1", "--granularity=65536"]
+  options = ["--target=h100x8", "--kernel=xla", *SHAPE[1:], "--budget-gib=1", "--granularity=131072"]
   report = aot(*options, "--max-length", "--upper=1048576")
   longest = report["max_length"]
-  assert 65536 <= longest < 1048576 and longest % 65536 == 0, report
+  assert 131072 <= longest < 1048576 and longest % 131072 == 0, report
   used = lambda r: (r["temp_mib"] + r["argument_mib"] + r["output_mib"]) / 1024
   assert used(report) <= 1.0, report
-  assert used(aot(*options, f"--seq-len={longest + 65536}")) > 1.0
+  assert used(aot(*options, f"--seq-len={longest + 131072}")) > 1.0
 
 
 SCHEDULED = """
@@ -303,15 +310,7 @@ def test_ring_loops_are_named_by_what_they_are():
 def test_text_report_names_loops_and_kernel_and_says_each_line_once():
   """What a user reads: the kernel "auto" resolved to, loops by name, and the CUDA
   plugin's per-client notice once (it printed four times)."""
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_ENABLE_X64")}
-  done = subprocess.run(
-    [PYTHON, "scripts/aot.py", "--target=h100x8", *SHAPE],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=TIMEOUT,
-  )
+  done = _process(PYTHON, ["scripts/aot.py", "--target=h100x8", *SHAPE])
   assert done.returncode == 0, done.stderr[-3000:]
   assert "kernel=auto: pallas" in done.stdout, done.stdout
   assert "  forward ring step (" in done.stdout and "  backward ring step (" in done.stdout, done.stdout
@@ -326,14 +325,6 @@ def test_without_the_aot_extra_the_script_names_the_fix(target, needs):
   with one line naming the extra and what it brings, not JAX's traceback."""
   import sys
 
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_ENABLE_X64")}
-  done = subprocess.run(
-    [sys.executable, "scripts/aot.py", f"--target={target}", "--seq-len=4096"],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=TIMEOUT,
-  )
+  done = _process(sys.executable, ["scripts/aot.py", f"--target={target}", "--seq-len=4096"])
   assert done.returncode == 2, done.stderr[-3000:]
   assert "[aot] extra" in done.stderr and needs in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -106,7 +106,7 @@ def test_decoder_lm_takes_sequence_sharded_tokens_under_set_mesh(mesh):
   """Tokens typed as split over the sequence (as training feeds them) through a model
   that keeps the ring's order: the gathers into and out of that order say their
   sharding, and the loss and logits equal those from replicated tokens."""
-  config = models.LMConfig(vocab_size=32, dim=32, num_heads=4, num_kv_heads=2)
+  config = models.LMConfig(vocab_size=32, dim=32, num_layers=1, num_heads=4, num_kv_heads=2)
   model = models.DecoderLM(config, mesh=mesh, rngs=nnx.Rngs(0))
   length = 4 * (jax_ring.layouts.SHORT_CAUSAL_SHARD + 16)  # long enough shards for zigzag
   tokens = jax.random.randint(jax.random.PRNGKey(3), (2, length), 0, 32)

@@ -26,6 +26,15 @@ def _x(batch=2, length=40, dim=32, seed=0):
   return jax.random.normal(jax.random.PRNGKey(seed), (batch, length, dim), jnp.float32)
 
 
+def _mha(attention_fn=None):
+  """nnx.MultiHeadAttention (4 heads over 2 kv heads, D=32), with Flax's own attention
+  or `attention_fn`."""
+  extra = {} if attention_fn is None else {"attention_fn": attention_fn}
+  return nnx.MultiHeadAttention(
+    num_heads=4, in_features=32, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0), **extra
+  )
+
+
 def _assert_close_trees(ga, gb, tol=TOL):
   """Per-leaf relative error, with leaves whose true value is ~0 (e.g. the key bias,
   to which softmax is invariant) measured against the norm of all gradients."""
@@ -148,14 +157,7 @@ def test_local_kind_is_shard_local():
 @pytest.mark.parametrize("devices", [1, 8])
 def test_make_attention_fn_matches_flax_default(devices):
   mesh = _auto_mesh((devices,), ("seq",))
-  make = lambda fn: nnx.MultiHeadAttention(
-    num_heads=4,
-    in_features=32,
-    num_kv_heads=2,
-    decode=False,
-    rngs=nnx.Rngs(0),
-    **({} if fn is None else {"attention_fn": fn}),
-  )
+  make = _mha
   flax_default = make(None)
   ring = make(ring_nn.make_attention_fn(mesh=mesh, is_causal=True))
   causal_mask = nnx.make_causal_mask(jnp.ones((2, 40)))
@@ -183,14 +185,7 @@ def test_packed_rows_through_flax_mha_match_flax_with_the_dense_mask(devices):
   make_attention_mask(ids, ids, equal) & causal, outputs and gradients (weights and
   inputs), inside nnx.jit with the mask an argument."""
   mesh = _auto_mesh((devices,), ("seq",))
-  make = lambda fn: nnx.MultiHeadAttention(
-    num_heads=4,
-    in_features=32,
-    num_kv_heads=2,
-    decode=False,
-    rngs=nnx.Rngs(0),
-    **({} if fn is None else {"attention_fn": fn}),
-  )
+  make = _mha
   flax_default, ring = make(None), make(ring_nn.make_attention_fn(mesh=mesh, is_causal=True))
   ids = jnp.asarray(PACKED)
   dense = nnx.combine_masks(nnx.make_attention_mask(ids, ids, jnp.equal), nnx.make_causal_mask(ids))
