@@ -133,6 +133,12 @@ def compare_with_reference(fn, ref_fn, args, tol, seed=3):
   out, grads = _forward_and_vjp(fn)(tuple(args), cot)
   args64 = tuple(a.astype(jnp.float64) for a in args)
   ref, ref_grads = _forward_and_vjp(ref_fn)(args64, jax.tree.map(lambda c: c.astype(jnp.float64), cot))
+  # zip would drop what one side lacks (an lse, a gradient): the structures first.
+  assert jax.tree.structure(out) == jax.tree.structure(ref), (
+    jax.tree.structure(out),
+    jax.tree.structure(ref),
+  )
+  assert len(grads) == len(ref_grads) == len(args), (len(grads), len(ref_grads), len(args))
   for i, (o, r) in enumerate(zip(jax.tree.leaves(out), jax.tree.leaves(ref))):
     chex.assert_equal_shape([o, r])
     assert_close(o, r, tol, f"output {i}")

@@ -121,6 +121,7 @@ def test_sinks_gradient_and_residual():
   want = jax.grad(lambda s, *a: loss(reference_attention, s, *a), argnums=(0, 1, 2, 3))(
     f64(SINKS), f64(q), f64(k), f64(v)
   )
+  assert len(got) == len(want) == 4
   for name, g, w in zip(("sinks", "q", "k", "v"), got, want):
     assert rel_err(g, w) < TOL, name
   # Independent of the code under test: lse = logaddexp(lse without sinks, sink).
@@ -180,6 +181,7 @@ def test_pallas_refuses_and_auto_falls_back(monkeypatch, caplog):
   with pytest.raises(ValueError, match="do not apply logit_soft_cap, score_mod"):
     ring_attention(q, k, v, mesh=mesh, kernel="pallas", logit_soft_cap=5.0, score_mod=_wave)
   monkeypatch.setattr(jax_ring._attention, "mesh_platform", lambda: "gpu")
+  jax.clear_caches()  # read while tracing
   seq = jax.sharding.PartitionSpec(None, "seq")
 
   def inner(q, k, v):
@@ -259,6 +261,10 @@ def test_model_training_step_ring_equals_dense(config):
   (got, grads), (want, want_grads) = step(ring), step(dense)
   assert abs(float(got) - float(want)) < 1e-5 * abs(float(want))
   flat = lambda g: jax.tree.leaves(nnx.state(g, nnx.Param))
+  assert jax.tree.structure(nnx.state(grads, nnx.Param)) == jax.tree.structure(
+    nnx.state(want_grads, nnx.Param)
+  )
+  assert len(flat(grads)) > 0
   for g, w in zip(flat(grads), flat(want_grads)):
     assert rel_err(g, w) < 1e-4
   if config.get("attention_sinks"):

@@ -76,14 +76,18 @@ def test_attention_across_two_processes():
 
 
 def test_launcher_kills_everything_on_failure_and_on_timeout():
+  """The others sleep 60 s: that the launcher, not their own end, stopped them shows in
+  its report (each "killed by the launcher"); the hard timeout of 30 s kills a hang.
+  Seconds are the benchmark's (bench_multihost.py), not a pass condition here."""
   py = sys.executable
-  started = time.monotonic()
   one_fails = "import os, sys, time\nif os.environ['JAX_PROCESS_ID'] == '1': sys.exit(3)\ntime.sleep(60)"
   code, out = run("--processes=3", "--", py, "-c", one_fails, timeout=30)
   assert code == 3 and "process 1 exited with 3" in out, out
+  for survivor in (0, 2):
+    assert f"process {survivor}: killed by the launcher" in out, out
   code, out = run("--timeout=1", "--", py, "-c", "import time; time.sleep(60)", timeout=30)
   assert code == 124 and "timeout after 1 s" in out, out
-  assert time.monotonic() - started < 20
+  assert "process 0: killed by the launcher" in out and "process 1: killed by the launcher" in out, out
 
 
 DYING = """
@@ -175,11 +179,10 @@ def test_training_across_processes_layouts_and_a_killed_process(tmp_path):
       out = no_noise(proc.communicate()[0])[-3000:]
       pytest.fail(f"no checkpoint {2 * EVERY} (launcher exit {proc.poll()}):\n{out}")
     time.sleep(0.05)
-  killed = time.monotonic()
   os.kill(pid, signal.SIGKILL)
-  code, out = finish(proc, timeout=30)
+  code, out = finish(proc, timeout=30)  # the hard limit; how soon it ends is bench_multihost.py's
   assert code != 0 and "process 1 exited with -9" in out, no_noise(out)[-3000:]
-  assert time.monotonic() - killed < 10
+  assert "process 0: killed by the launcher" in out, no_noise(out)[-3000:]  # not left to finish
 
   # Resume from the last complete checkpoint: the losses of the uninterrupted run, exactly.
   latest = max(_checkpoints(faulty))

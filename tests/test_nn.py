@@ -38,8 +38,9 @@ def _mha(attention_fn=None):
 def _assert_close_trees(ga, gb, tol=TOL):
   """Per-leaf relative error, with leaves whose true value is ~0 (e.g. the key bias,
   to which softmax is invariant) measured against the norm of all gradients."""
+  assert jax.tree.structure(ga) == jax.tree.structure(gb)
   leaves_a, leaves_b = jax.tree.leaves(ga), jax.tree.leaves(gb)
-  assert len(leaves_a) == len(leaves_b) > 0
+  assert len(leaves_a) > 0
   total = float(np.sqrt(sum(float(jnp.sum(jnp.square(b.astype(jnp.float64)))) for b in leaves_b)))
   for a, b in zip(leaves_a, leaves_b):
     diff = float(jnp.linalg.norm((a - b).astype(jnp.float64).ravel()))

@@ -279,9 +279,25 @@ def test_ring_with_pallas_kernel_matches_reference(name):
 
 @pytest.mark.parametrize("name", ["causal_zigzag_gqa", "segments_padding_mqa", "window_contiguous"])
 def test_ring_with_tpu_kernel_matches_reference(name, monkeypatch):
-  """The same with the TPU (Mosaic) kernels interpreted where the program runs on CPU."""
+  """The same with the TPU (Mosaic) kernels interpreted where the program runs on CPU.
+  The style is read while JAX traces, and the GPU-style test above traced these very
+  shapes: without clearing JAX's caches the cached trace (Triton kernels) would run.
+  Each interpreted call of the Mosaic kernels is counted, forward and backward."""
+  traced = {"forward": 0, "backward": 0}
+
+  def counting(name, kernel):
+    def run(*args, **options):
+      traced[name] += options.get("interpret", False)
+      return kernel(*args, **options)
+
+    return run
+
+  for kernel in traced:
+    monkeypatch.setattr(jax_ring._mosaic, kernel, counting(kernel, getattr(jax_ring._mosaic, kernel)))
   monkeypatch.setattr(jax_ring._ring, "INTERPRET_STYLE", "tpu")
+  jax.clear_caches()
   _ring_with_kernel_matches_reference(name)
+  assert traced["forward"] > 0 and traced["backward"] > 0, traced
 
 
 def _ring_with_kernel_matches_reference(name):
@@ -314,6 +330,7 @@ def test_ring_with_pallas_kernel_half_precision(preset):
     fn = functools.partial(ring_attention, mesh=mesh, is_causal=True, policy=preset, kernel=kernel)
     out, vjp = jax.vjp(jax.jit(fn), *args)
     got = (out, vjp(cot))
+    assert jax.tree.structure(got) == jax.tree.structure(ref)
     errors[kernel] = [rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))]
   for e_pallas, e_xla in zip(errors["pallas"], errors["xla"]):
     assert e_pallas < 1e-2 and e_pallas <= 1.5 * e_xla + 1e-4, errors
@@ -468,6 +485,7 @@ def test_auto_on_an_accelerator_falls_back_where_block_sizes_do_not_suit(monkeyp
   BlockSizes that Triton cannot take send it to the XLA tiles, logged, not to an error;
   "pallas" with the same BlockSizes is a ValueError. Both results are exact."""
   monkeypatch.setattr(jax_ring._attention, "mesh_platform", lambda: "gpu")
+  jax.clear_caches()  # read while tracing
   mesh = make_mesh((2,), ("seq",))
   seq = P(None, "seq")
   args = qkv(1, 64, 4, 2, 16)

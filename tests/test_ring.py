@@ -408,6 +408,10 @@ def test_late_dkv_backward_matches_reference(monkeypatch, devices, options):
   gradients against float64. Shapes no other test uses, so no compiled program of the
   other scheme is reused."""
   monkeypatch.setattr(jax_ring._ring, "LATE_DKV_PLATFORMS", ("cpu",))
+  late = jax_ring._ring._pass_backward_late
+  ran = []
+  monkeypatch.setattr(jax_ring._ring, "_pass_backward_late", lambda *a: ran.append(1) or late(*a))
+  jax.clear_caches()  # the switch is read while tracing: no cached trace of the other scheme
   q, k, v = qkv(2, 44, 4, 2, 16, seed=7)
   mesh = make_mesh((devices,), ("seq",))
   blocks = jax_ring.BlockSizes(block_q=8, block_kv=8) if "kernel" not in options else None
@@ -416,3 +420,4 @@ def test_late_dkv_backward_matches_reference(monkeypatch, devices, options):
     q, k, v, **{k: v for k, v in options.items() if k not in ("layout", "kernel")}
   )
   compare_with_reference(fn, ref, (q, k, v), 1e-5)
+  assert ran, "the late dK/dV scheme was not traced"

@@ -213,6 +213,7 @@ def test_module_and_model_match_the_ring(monkeypatch):
   }
   loss = lambda model: jnp.mean(model(tokens) ** 2)
   grads = {axis: nnx.jit(nnx.grad(loss))(model) for axis, model in models.items()}
+  assert jax.tree.structure(grads["u"]) == jax.tree.structure(grads[None])
   for a, b in zip(jax.tree.leaves(grads["u"]), jax.tree.leaves(grads[None])):
     assert rel_err(a, b) < 1e-4
   with warnings.catch_warnings():
