@@ -365,3 +365,65 @@ def test_differentiating_a_score_mod_closure_is_refused():
   loss = lambda w: ring_attention(q, k, v, mesh=mesh, score_mod=lambda s, i, j, h: s + w * (i - j)).sum()
   with pytest.raises(Exception, match="with respect to a closed-over value"):
     jax.grad(loss)(0.5)
+
+
+# --- References written out by hand, sharing no code with jax_ring._mods. ---
+
+
+def _by_hand(q, k, v, *, cap=None, slopes=None, mod=None, sinks=None):
+  """Causal attention in float64 NumPy with each modifier as its paper writes it:
+  c * tanh(s / c) (Gemma 2), s - slope * |i - j| (ALiBi), a score_mod on the explicit
+  [T, S] score matrix, and a sink's exp(sink) in every row's denominator (gpt-oss)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  b, t, n, h = q.shape
+  group = n // k.shape[2]
+  out = np.zeros((b, t, n, h))
+  i, j = np.arange(t)[:, None], np.arange(t)[None]
+  for bi in range(b):
+    for head in range(n):
+      s = q[bi, :, head] @ k[bi, :, head // group].T / np.sqrt(h)
+      if cap is not None:
+        s = cap * np.tanh(s / cap)
+      if slopes is not None:
+        s = s - float(slopes[head]) * np.abs(i - j)
+      if mod is not None:
+        s = np.asarray(mod(jnp.asarray(s), jnp.asarray(i), jnp.asarray(j), head), np.float64)
+      s = np.where(j <= i, s, -np.inf)
+      top = s.max(-1, keepdims=True)
+      weights = np.exp(s - top)
+      denominator = weights.sum(-1, keepdims=True)
+      if sinks is not None:
+        denominator = denominator + np.exp(float(sinks[head]) - top)
+      out[bi, :, head] = (weights / denominator) @ v[bi, :, head // group]
+  return out
+
+
+HAND = {
+  "soft_cap": (dict(logit_soft_cap=1.5), dict(cap=1.5)),
+  "alibi": (dict(alibi_slopes=SLOPES), dict(slopes=SLOPES)),
+  "score_mod": (dict(score_mod=_wave), dict(mod=_wave)),
+  "sinks": (dict(sinks=SINKS), dict(sinks=SINKS)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HAND))
+def test_each_modifier_against_a_reference_written_by_hand(name):
+  """The ring on 4 devices against `_by_hand`, not against `reference_attention`, which
+  applies the modifiers through the same `_mods` code as the ring."""
+  ring_options, hand_options = HAND[name]
+  q, k, v = qkv(2, 40, N, 2, 16)
+  mesh = make_mesh((4,), ("seq",))
+  out = ring_attention(q, k, v, mesh=mesh, is_causal=True, block_sizes=SMALL, **ring_options)
+  want = _by_hand(q, k, v, **hand_options)
+  assert rel_err(out, want) < TOL
+  assert rel_err(_by_hand(q, k, v), want) > 1e-3  # the modifier matters at this scale
+
+
+def test_alibi_slopes_are_the_papers():
+  """Press et al. 2022: for 8 heads 1/2, 1/4, ..., 1/256; for a head count that is not a
+  power of two, as the authors' code makes them, 12 heads: the 8 heads' slopes, then
+  every other slope of 16 heads' sequence (2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5)."""
+  eight = [1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 256]
+  np.testing.assert_allclose(jax_ring.alibi_slopes(8), eight, rtol=1e-6)
+  twelve = eight + [2**-0.5, 2**-1.5, 2**-2.5, 2**-3.5]
+  np.testing.assert_allclose(jax_ring.alibi_slopes(12), twelve, rtol=1e-6)
