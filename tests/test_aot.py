@@ -180,12 +180,12 @@ def test_defaults_come_from_the_target_not_this_cpu():
 
 
 def test_max_length_bisects_compiled_memory():
-  """--max-length: the longest sequence (a multiple of 128K tokens, up to 1M) whose
+  """--max-length: the longest sequence (a multiple of 128K tokens, up to 512K) whose
   compiled forward+backward fits 1 GiB per device; the next multiple does not."""
   options = ["--target=h100x8", "--kernel=xla", *SHAPE[1:], "--budget-gib=1", "--granularity=131072"]
-  report = aot(*options, "--max-length", "--upper=1048576")
+  report = aot(*options, "--max-length", "--upper=524288")
   longest = report["max_length"]
-  assert 131072 <= longest < 1048576 and longest % 131072 == 0, report
+  assert 131072 <= longest < 524288 and longest % 131072 == 0, report
   used = lambda r: (r["temp_mib"] + r["argument_mib"] + r["output_mib"]) / 1024
   assert used(report) <= 1.0, report
   assert used(aot(*options, f"--seq-len={longest + 131072}")) > 1.0

@@ -45,8 +45,9 @@ def _decode_run(
   """Prefill, then `steps` rounds of appending tq tokens per row and decoding them;
   every output and lse checked against the reference over the whole sequence.
   patterns: ((segment lengths), (rates)) of dilated decoding, checked against
-  `reference_dilated_attention` (outputs; the prefill only fills the cache). mods:
-  score modifiers for prefill, decode and the reference alike."""
+  `reference_dilated_attention` (outputs; the prefill, which fills the cache, is causal
+  attention over the prompt and is checked as that). mods: score modifiers for prefill,
+  decode and the reference alike; the window applies to the prefill too."""
   mods = mods or {}
   lengths = np.asarray(lengths, np.int32)
   b, total = len(lengths), prompt + tq * steps
@@ -55,7 +56,15 @@ def _decode_run(
   cache = init_cache(b, total, kv_heads, q.shape[-1], mesh=mesh)
   head = lambda x: x[:, :prompt]
   out, cache = prefill_attention(
-    head(q), head(k), head(v), cache, mesh=mesh, lengths=lengths, layout=layout, **mods
+    head(q),
+    head(k),
+    head(v),
+    cache,
+    mesh=mesh,
+    lengths=lengths,
+    layout=layout,
+    local_window_size=window,
+    **mods,
   )
   # Row b holds positions [0, lengths[b] + tq * steps); the rest of its row is padding.
   valid = np.arange(total)[None] < (lengths + tq * steps)[:, None]
@@ -66,6 +75,10 @@ def _decode_run(
     as64(q), as64(k), as64(v)
   )
   ref, ref_lse = np.asarray(ref), np.asarray(ref_lse)
+  # The prefill is causal attention (with the window) over each row's prompt.
+  prompt_valid = np.arange(prompt)[None] < lengths[:, None]
+  expected = np.where(prompt_valid[:, :, None, None], ref[:, :prompt], 0.0)
+  np.testing.assert_allclose(np.asarray(out), expected, atol=TOL, rtol=0)
   dilated = {}
   if patterns is not None:
     dilated = dict(segment_lengths=patterns[0], dilation_rates=patterns[1])
@@ -73,10 +86,6 @@ def _decode_run(
       q, k, v, is_causal=True, segment_ids=seg, **dilated
     )
     ref = np.asarray(jax.jit(ref_fn)(as64(q), as64(k), as64(v)))
-  if window is None and patterns is None:  # the prefill is causal attention over each row's prompt
-    prompt_valid = np.arange(prompt)[None] < lengths[:, None]
-    expected = np.where(prompt_valid[:, :, None, None], ref[:, :prompt], 0.0)
-    np.testing.assert_allclose(np.asarray(out), expected, atol=TOL, rtol=0)
   for step in range(steps):
     pos = lengths[:, None] + step * tq + np.arange(tq)[None]
     cache = update_cache(cache, _at(k, pos), _at(v, pos), mesh=mesh)

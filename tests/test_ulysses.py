@@ -81,7 +81,7 @@ def test_hybrid_with_head_axis_and_bf16_policy():
   )
   got = fn(q, k, v)
   want = reference_attention(*(x.astype(jnp.float64) for x in (q, k, v)), is_causal=True)
-  assert got.dtype == jnp.float32 and rel_err(got, want) < 2e-2
+  assert got.dtype == jnp.float32 and rel_err(got, want) < 1e-2  # the bf16 bound the README claims
 
 
 def test_shard_entry_point_in_a_users_shard_map():
