@@ -119,7 +119,8 @@ def test_mosaic_kernels_overlap_and_split_over_tensorcores(target):
   every kernel's grid, read back from the compiled program, has parallel axes with
   many programs for a megacore chip (v5p: two TensorCores) to split."""
   devices = {"v5p:4x4x4": 64, "v6e:2x4": 8}[target]
-  report = aot(f"--target={target}", "--kernel=pallas", f"--seq-len={8192 * devices}", *SHAPE[1:])
+  per_chip = {"v5p:4x4x4": 4096, "v6e:2x4": 8192}[target]  # the 64-chip slice compiles slowest
+  report = aot(f"--target={target}", "--kernel=pallas", f"--seq-len={per_chip * devices}", *SHAPE[1:])
   _all_overlapped(report)
   grids = report["tpu_grids"]
   assert set(grids) == {"jax_ring_tpu_forward", "jax_ring_tpu_backward_dq", "jax_ring_tpu_backward_dkv"}, (
@@ -127,9 +128,9 @@ def test_mosaic_kernels_overlap_and_split_over_tensorcores(target):
   )
   for name, grid in grids.items():
     split = [n for n, parallel in zip(grid["bounds"], grid["parallel"]) if parallel]
-    # 8192 tokens / 128-row blocks = 64 blocks on a parallel axis at least; the
-    # innermost axis (the accumulation) sequential.
-    assert max(split) >= 64 and grid["parallel"][-1] is False, (name, grid)
+    # 4096 or 8192 tokens / 128-row blocks: 32 or 64 blocks on a parallel axis at
+    # least; the innermost axis (the accumulation) sequential.
+    assert max(split) >= per_chip // 128 and grid["parallel"][-1] is False, (name, grid)
 
 
 DEFAULTS = """

@@ -409,8 +409,9 @@ def test_long_context_grid(tmp_path, ring8, dense, tokenizer):
   dense (logits and tokens), the report's table and heatmap are written."""
   import long_context as script  # scripts/long_context.py
 
-  # One fact and three new tokens keep the decoding short; the shard-local reader is
-  # left to test_local_reader_is_attention_local_on_the_last_shard (its own compile).
+  # One fact and three new tokens keep the decoding short. The ring alone reads: the
+  # other readers are the dense model's programs, which the ring-against-dense and
+  # shard-local tests below run (each compile of an 18-layer reader costs ~10 s here).
   report = long_context.run_grid(
     ring8,
     dense,
@@ -418,21 +419,19 @@ def test_long_context_grid(tmp_path, ring8, dense, tokenizer):
     devices=8,
     lengths=[512],
     depths=[0.6],
-    readers=("ring", "last4k"),
-    dense_max=512,
+    readers=("ring",),
+    dense_max=0,
     new_tokens=3,
   )
-  (exact,) = report["exact"]
-  assert exact["same_tokens"] and exact["max_abs_logit_diff"] < 1e-4 * exact["max_abs_logit"]
-  assert {a["reader"] for a in report["answers"]} == {"ring", "last4k", "dense"}
+  assert report["exact"] == []  # no dense reader at this length: nothing to compare
+  assert {a["reader"] for a in report["answers"]} == {"ring"}
   doc = long_context.make_document(tokenizer, "passkey", 512 - long_context.ROOM, [0.6])
   ring = [a for a in report["answers"] if a["reader"] == "ring"]
   assert [a["expected"] for a in ring] == [q.answer for q in doc.questions]
   assert all(r["temp_mib"] > 0 and r["prefill_s"] > 0 for r in report["runs"])
   report["dense_temp_mib"] = long_context.dense_memory(report, dense)
-  assert report["dense_temp_mib"] == {
-    512: [r for r in report["runs"] if r["reader"] == "dense"][0]["temp_mib"]
-  }
+  ring_mib = [r for r in report["runs"] if r["reader"] == "ring"][0]["temp_mib"]
+  assert set(report["dense_temp_mib"]) == {512} and report["dense_temp_mib"][512] > ring_mib
   assert "| passkey | 512 | ring | " in script.table(report)
   long_context.plot(report, tmp_path / "report.png")
   assert (tmp_path / "report.png").stat().st_size > 0
