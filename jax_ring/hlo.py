@@ -204,11 +204,7 @@ def ring_overlap(compiled) -> list[LoopOverlap]:
   its done. `compiled`: a `jax.stages.Compiled` or its `as_text()`."""
   hlo = compiled if isinstance(compiled, str) else compiled.as_text()
   comps, _ = _computations(hlo)
-  callers = {}  # body -> the op_name of the while that runs it (per call site, unlike a body XLA shares)
-  for lines in comps.values():
-    for line in lines:
-      if m := _WHILE.search(line):
-        callers[m.group(1)] = n.group(1) if (n := _OP_NAME.search(line)) else ""
+  callers = _while_callers(comps)
   bodies = set(callers)
   found = []
   for body in sorted(bodies):
@@ -259,6 +255,17 @@ def ring_overlap(compiled) -> list[LoopOverlap]:
 _IS_SYNC = '"is_sync":true'
 
 
+def _while_callers(comps) -> dict[str, str]:
+  """Loop body -> the op_name of the while that runs it: per call site, where XLA may
+  share one body between several loops (a model's layers)."""
+  callers = {}
+  for lines in comps.values():
+    for line in lines:
+      if m := _WHILE.search(line):
+        callers[m.group(1)] = n.group(1) if (n := _OP_NAME.search(line)) else ""
+  return callers
+
+
 class Collective(NamedTuple):
   """One collective instruction of a compiled program, from `collectives`."""
 
@@ -274,11 +281,7 @@ def collectives(compiled) -> list[Collective]:
   hides it: what `scripts/aot.py --model` lists for a training step."""
   hlo = compiled if isinstance(compiled, str) else compiled.as_text()
   comps, _ = _computations(hlo)
-  callers = {}
-  for lines in comps.values():
-    for line in lines:
-      if m := _WHILE.search(line):
-        callers[m.group(1)] = n.group(1) if (n := _OP_NAME.search(line)) else ""
+  callers = _while_callers(comps)
   found = []
   kinds = "|".join(COLLECTIVES)
   for name, lines in comps.items():
