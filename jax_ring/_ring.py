@@ -93,6 +93,13 @@ class RingConfig:
   # `_tiles.quadrant_tiles`.
   quadrants: bool = False
 
+  @property
+  def home_shift(self) -> int:
+    """How far along the ring the backward's last pass leaves a shard's dK/dV: a pass
+    rotating +1 ends `steps_back` devices after the owner, one rotating -1 (after a
+    first move of -1) `steps_fwd` before it."""
+    return self.steps_fwd if self.steps_fwd else -self.steps_back
+
 
 def ring_permutation(ring_size: int, shift: int, axis_size: int | None = None):
   """Pairs (source, destination) that move every shard `shift` devices along its ring.
@@ -119,9 +126,10 @@ def schedule(layout, window, is_causal, shard_len, ring_size, custom_positions):
   return back, fwd
 
 
-def _send(tree, cfg: RingConfig, shift: int):
+def _send(tree, cfg: RingConfig, shift: int, bundle: bool = False):
   """Every array of `tree` to the device `shift` places along the ring. On CPU and GPU
-  the arrays travel bundled into one (`_bundled`): one transfer a step. On GPU, XLA
+  (and on TPU with `bundle`) the arrays travel bundled into one (`_bundled`): one
+  transfer a step. On GPU, XLA
   keeps about one collective in flight and runs a second permute of a step
   synchronously on the compute stream ("is_sync":true); sent apart, the late scheme's
   dK/dV were that second permute, exposed in every backward step on 8 x H100
@@ -130,7 +138,7 @@ def _send(tree, cfg: RingConfig, shift: int):
   (v6e), so on TPU each array is its own permute."""
   perm = ring_permutation(cfg.ring_size, shift, cfg.axis_size)
   send = lambda x: lax.ppermute(x, cfg.axis_name, perm)
-  if mesh_platform() == "tpu":
+  if mesh_platform() == "tpu" and not bundle:
     return jax.tree.map(send, tree)
   return _bundled(tree, send)
 
@@ -198,17 +206,14 @@ LATE_DKV_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 
 @jax.named_scope("backward_ring_pass")
-def _pass_backward(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int, home: int):
+def _pass_backward(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int, along=None):
   """Like _pass_forward; dK/dV travel with their K/V (`_pass_backward_with`) or, where
   transfers run beside compute (`LATE_DKV_PLATFORMS`), one device behind
-  (`_pass_backward_late`); then they move `home` devices back."""
-  late = mesh_platform() in LATE_DKV_PLATFORMS
-  dkv, dq = (_pass_backward_late if late else _pass_backward_with)(
-    cfg, compute, kv, zeros_kv, dq, transfers, shift
-  )
-  if home % cfg.ring_size:
-    dkv = _send(dkv, cfg, home)
-  return dkv, dq
+  (`_pass_backward_late`). They end where their K/V do: the caller sends them home.
+  (dkv, dq, along): `along`, arrays that ride the pass's first transfer (late scheme)."""
+  if mesh_platform() in LATE_DKV_PLATFORMS:
+    return _pass_backward_late(cfg, compute, kv, zeros_kv, dq, transfers, shift, along)
+  return *_pass_backward_with(cfg, compute, kv, zeros_kv, dq, transfers, shift), along
 
 
 def _pass_backward_with(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int):
@@ -229,16 +234,21 @@ def _pass_backward_with(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: i
   return dkv, dq
 
 
-def _pass_backward_late(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int):
+def _pass_backward_late(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int, along=None):
   """Each shard's dK/dV follow it one device behind.
 
   A step sends the K/V it holds together with the finished dK/dV of the shard it held
   one step before, both before its own compute, so the whole step's compute hides the
   transfer (sending dK/dV with their own K/V would wait for that compute). The dK/dV
   arriving meanwhile are those of the shard now in hand, from the devices before; the
-  step's own share is added to them once it is computed."""
+  step's own share is added to them once it is computed. `along` (the previous head
+  group's dK/dV on their way home) travels `shift` with the first K/V, in one transfer."""
   send = lambda tree: _send(tree, cfg, shift)
-  incoming = send(kv) if transfers else None
+  incoming = None
+  if transfers:
+    # Bundled on TPU too: there, sent apart, dK/dV that nothing waits for were started
+    # last, after the pass's compute, with nothing left to run under them (v5p).
+    incoming, along = _send((kv, along), cfg, shift, bundle=along is not None)
   dq, dkv = compute(kv, zeros_kv(), dq)
   if transfers:
 
@@ -250,10 +260,10 @@ def _pass_backward_late(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: i
       return (after, jax.tree.map(jnp.add, arrived, own), dq), None
 
     (kv, dkv, dq), _ = lax.scan(step, (incoming, dkv, dq), None, length=transfers - 1)
-    arrived = send(dkv)
+    arrived = _send(dkv, cfg, shift, bundle=True)  # one transfer on TPU too (as `along`)
     dq, own = compute(kv, zeros_kv(), dq)
     dkv = jax.tree.map(jnp.add, arrived, own)
-  return dkv, dq
+  return dkv, dq, along
 
 
 def zeros_varying_like(shape, dtype, *like):
@@ -312,17 +322,49 @@ def _forward_passes(cfg: RingConfig, compute, kv, acc):
   return acc
 
 
-def _backward_passes(cfg: RingConfig, compute, kv, zeros_kv, dq):
-  """((dk, dv) of the local K/V, dq) after `compute(kv, dkv, dq)` with every K/V
-  shard the schedule visits; dK/dV follow their K/V and come home."""
+class KVGrads(NamedTuple):
+  """dK/dV of the local K/V as the backward passes leave them: `away`, the last pass's
+  pair, lies `cfg.home_shift` devices along the ring from its owner and is sent home
+  (`arrive`); `here`, the earlier pass's pair, came home already (None with one pass).
+  The send home may wait: `ring` issues it under the next head group's compute."""
+
+  here: tuple | None
+  away: tuple
+
+  def map(self, f) -> KVGrads:
+    """The same grads with f applied to every array (layout changes commute with the send)."""
+    return jax.tree.map(f, self)
+
+
+def arrive(cfg: RingConfig, grads: KVGrads) -> tuple:
+  """(dk, dv) at their owner: `grads.away` sent home, plus `grads.here`."""
+  away = _send_home(cfg, grads.away, cfg.home_shift)
+  return away if grads.here is None else jax.tree.map(jnp.add, grads.here, away)
+
+
+@jax.named_scope("backward_ring_pass")
+def _send_home(cfg: RingConfig, dkv, shift: int):
+  return _send(dkv, cfg, shift) if shift % cfg.ring_size else dkv
+
+
+def _backward_passes(cfg: RingConfig, compute, kv, zeros_kv, dq, along=None):
+  """(KVGrads of the local K/V, dq, along) after `compute(kv, dkv, dq)` with every K/V
+  shard the schedule visits; dK/dV follow their K/V. `along`: arrays moved
+  `cfg.home_shift` devices meanwhile (in the first transfer where it goes that way)."""
   back = cfg.steps_back
-  (dk, dv), dq = _pass_backward(cfg, compute, kv, zeros_kv, dq, back, +1, -back)
-  if cfg.steps_fwd:
-    # These K/V started one device ahead and end `steps_fwd` ahead of their owner.
-    fwd = cfg.steps_fwd
-    (dk2, dv2), dq = _pass_backward(cfg, compute, _send(kv, cfg, -1), zeros_kv, dq, fwd - 1, -1, fwd)
-    dk, dv = dk + dk2, dv + dv2
-  return (dk, dv), dq
+  if along is not None and not (back and (cfg.home_shift - 1) % cfg.ring_size == 0):
+    along, rides = _send_home(cfg, along, cfg.home_shift), None
+  else:
+    rides = along
+  dkv, dq, rode = _pass_backward(cfg, compute, kv, zeros_kv, dq, back, +1, rides)
+  along = along if rides is None else rode
+  if not cfg.steps_fwd:
+    return KVGrads(None, dkv), dq, along
+  # The first pass's dK/dV go home under the second pass's compute; that pass's K/V
+  # started one device ahead and end `steps_fwd` ahead of their owner (`home_shift`).
+  here = _send_home(cfg, dkv, -back)
+  dkv, dq, _ = _pass_backward(cfg, compute, _send(kv, cfg, -1), zeros_kv, dq, cfg.steps_fwd - 1, -1)
+  return KVGrads(here, dkv), dq, along
 
 
 def ring_forward_state(cfg: RingConfig, x: Inputs):
@@ -350,8 +392,16 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   delta is sum(dO * O) over the head dim, minus the cotangent of lse if lse is an
   output too (d lse_i / d s_ij = p_ij enters the score gradient like -delta does).
   """
+  dq, grads, _ = ring_backward_grads(cfg, x, do, lse, delta)
+  return dq, *arrive(cfg, grads)
+
+
+def ring_backward_grads(cfg: RingConfig, x: Inputs, do, lse, delta, along=None):
+  """(dq, KVGrads, along): ring_backward_state's dq, with dK/dV as the passes leave
+  them, not yet sent home; `along` (arrays, or None) moved `cfg.home_shift` devices
+  under the passes' compute (`_backward_passes`)."""
   if cfg.kernel == "pallas":
-    return _pallas_backward_state(cfg, x, do, lse, delta)
+    return _pallas_backward_state(cfg, x, do, lse, delta, along)
   pol = cfg.policy
   # [nq, B, K, G, bq, H] -> [nq, B, K, H, G, bq]: the layout the dK and dV products take.
   heads_first = lambda x: jnp.moveaxis(x, -1, -3)
@@ -380,13 +430,13 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
     return dq, (dk, dv)
 
   compute = _quadrant_backward(cfg, qb, x.args) if cfg.quadrants else compute
-  (dk, dv), dq = _backward_passes(cfg, compute, _traveling(x.kv), zeros_kv, dq)
-  untranspose = lambda x: jnp.swapaxes(x, -1, -2)
+  grads, dq, along = _backward_passes(cfg, compute, _traveling(x.kv), zeros_kv, dq, along)
+  grads = grads.map(lambda x: jnp.swapaxes(x, -1, -2))  # back from transposed
   scale = jnp.asarray(cfg.scale, pol.accum_dtype)
   if extra:  # the slope column lacks no scale
     h = x.q.shape[-1]
-    return jnp.concatenate([dq[..., :h] * scale, dq[..., h:]], axis=-1), untranspose(dk), untranspose(dv)
-  return dq * scale, untranspose(dk), untranspose(dv)
+    return jnp.concatenate([dq[..., :h] * scale, dq[..., h:]], axis=-1), grads, along
+  return dq * scale, grads, along
 
 
 # Quadrants (RingConfig.quadrants): the shard's queries are one block [1, ..., t, ...]
@@ -603,7 +653,7 @@ def _pallas_forward_state(cfg: RingConfig, x: Inputs):
   return _q_blocked(out, x.q), _q_blocked(lse, x.q)
 
 
-def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
+def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta, along=None):
   """ring_backward_state with the Pallas kernel."""
   q, q_pos, q_seg, kv = _pallas_args(x)
   opts = _kernel_options(cfg)
@@ -620,9 +670,9 @@ def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
     gq, gk, gv = _run_kernel("backward", *args, **opts)
     return dq + gq, (dkv[0] + gk, dkv[1] + gv)
 
-  (dk, dv), dq = _backward_passes(cfg, compute, kv, zeros_kv, dq)
+  grads, dq, along = _backward_passes(cfg, compute, kv, zeros_kv, dq, along)
   scale = jnp.asarray(cfg.scale, jnp.float32)
-  return _q_blocked(dq, x.q) * scale, _kv_blocked(dk, cfg.block_kv), _kv_blocked(dv, cfg.block_kv)
+  return _q_blocked(dq, x.q) * scale, grads.map(lambda x: _kv_blocked(x, cfg.block_kv)), along
 
 
 def _head_groups(cfg: RingConfig, q, k):
@@ -706,27 +756,52 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
   # d lse_i / d s_ij = p_ij, so lse's cotangent enters every score gradient as -delta does.
   delta_all = jnp.sum(g_out.astype(acc) * res.out.astype(acc), axis=-1) - g_lse.astype(acc)  # [B, T, N]
 
-  def group(grads, j):
+  # Where transfers run beside compute, each head group's dK/dV go home under the next
+  # group's compute (with its first K/V, in one transfer, where the two go the same
+  # way: the full ring): sent after the group's own last step, nothing would be left
+  # to run under them. The first group sends zeros (written where the last group's
+  # pair lands later); the last group's go home after the loop.
+  defer = groups > 1 and mesh_platform() in LATE_DKV_PLATFORMS
+  put = lambda a, n, at: lax.dynamic_update_slice_in_dim(a, n.astype(a.dtype), at, axis=1 if a.ndim == 2 else 2)
+
+  def group(carry, j):
+    grads, pending = carry
     q, k, v = _heads(res.q, j, wq), _heads(res.k, j, wk), _heads(res.v, j, wk)
     x = prepare(cfg, q, k, v, res.q_pos, res.k_pos, res.q_seg, res.k_seg, group_args(res.args, j * wq, wq))
     nq, b, kh, grp, bq, h = x.q.shape
     do = block_q(_heads(g_out, j, wq).astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
     rows = lambda r: block_rows(_heads(r, j, wq).reshape(b, -1, kh, grp), bq)
-    gq, gk, gv = ring_backward_state(cfg, x, do, rows(res.lse), rows(delta_all))
-    new = [unblock_q(gq[..., :h] if cfg.mods.alibi else gq).reshape(q.shape), unblock_kv(gk), unblock_kv(gv)]
-    widths = [wq, wk, wk]
+    along = pending.away if defer else None
+    gq, kv_grads, arrived = ring_backward_grads(cfg, x, do, rows(res.lse), rows(delta_all), along)
+    kv_grads = kv_grads.map(unblock_kv)
+    if defer:
+      if pending.here is not None:
+        arrived = jax.tree.map(jnp.add, pending.here, arrived)
+      (gk, gv), done, pending = arrived, (j - 1) % groups, kv_grads
+    else:
+      (gk, gv), done = arrive(cfg, kv_grads), j
+    dq, dk, dv = grads[:3]
+    new = [
+      put(dq, unblock_q(gq[..., :h] if cfg.mods.alibi else gq).reshape(q.shape), j * wq),
+      put(dk, gk, done * wk),
+      put(dv, gv, done * wk),
+    ]
     if cfg.mods.alibi:  # the rows' shares of d loss / d slope, summed over the rows
-      new.append(jnp.sum(unblock_rows(gq[..., h]).reshape(b, -1, wq), axis=1))
-      widths.append(wq)
-    return tuple(
-      lax.dynamic_update_slice_in_dim(a, n.astype(a.dtype), j * w, axis=1 if a.ndim == 2 else 2)
-      for a, n, w in zip(grads, new, widths)
-    ), None
+      new.append(put(grads[3], jnp.sum(unblock_rows(gq[..., h]).reshape(b, -1, wq), axis=1), j * wq))
+    return (tuple(new), pending), None
 
   zeros = [zeros_varying_like(x.shape, x.dtype, x, res.k) for x in (res.q, res.k, res.v)]
   if cfg.mods.alibi:
     zeros.append(zeros_varying_like(res.args.slopes.shape, acc, res.q, res.k))
-  grads, _ = lax.scan(group, tuple(zeros), jnp.arange(groups))
+  pending = None
+  if defer:
+    zero_kv = lambda: (zeros_varying_like(res.k.shape[:2] + (wk, res.k.shape[3]), acc, res.q, res.k),) * 2
+    pending = KVGrads(zero_kv() if cfg.steps_fwd else None, zero_kv())
+  (grads, pending), _ = lax.scan(group, (tuple(zeros), pending), jnp.arange(groups))
+  if defer:
+    gk, gv = arrive(cfg, pending)
+    last = (groups - 1) * wk
+    grads = (grads[0], put(grads[1], gk, last), put(grads[2], gv, last), *grads[3:])
   dq, dk, dv = grads[:3]
   d_args = None
   if cfg.mods.alibi:

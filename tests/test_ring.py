@@ -399,25 +399,32 @@ def test_tile_class_from_bounds_agrees_with_the_mask(spec):
     (2, {"is_causal": True, "segment_ids": padded_segments(2, 44)}),
     (3, {"is_causal": True}),
     (4, {"local_window_size": (12, 7), "layout": "contiguous"}),  # passes both ways
+    (4, {"local_window_size": (12, 0), "layout": "contiguous"}),  # dK/dV home 2 devices on
     (8, {"is_causal": True, "kernel": "pallas"}),
   ],
 )
 def test_late_dkv_backward_matches_reference(monkeypatch, devices, options):
   """The backward that sends each shard's dK/dV one step behind its K/V (what GPUs and
   TPUs run, so that every transfer overlaps compute), run here on CPU: outputs and
-  gradients against float64. Shapes no other test uses, so no compiled program of the
-  other scheme is reused."""
+  gradients against float64. Two head groups, so each group's dK/dV go home during the
+  next group's passes (with its first K/V where both go the same way; on their own
+  with the window (12, 0), whose dK/dV end two devices from home). Shapes no other
+  test uses, so no compiled program of the other scheme is reused."""
   monkeypatch.setattr(jax_ring._ring, "LATE_DKV_PLATFORMS", ("cpu",))
   late = jax_ring._ring._pass_backward_late
   ran = []
-  monkeypatch.setattr(jax_ring._ring, "_pass_backward_late", lambda *a: ran.append(1) or late(*a))
+  monkeypatch.setattr(jax_ring._ring, "_pass_backward_late", lambda *a: ran.append(a[-1] is not None) or late(*a))
   jax.clear_caches()  # the switch is read while tracing: no cached trace of the other scheme
   q, k, v = qkv(2, 44, 4, 2, 16, seed=7)
   mesh = make_mesh((devices,), ("seq",))
-  blocks = jax_ring.BlockSizes(block_q=8, block_kv=8) if "kernel" not in options else None
+  blocks = jax_ring.BlockSizes(block_q=8, block_kv=8, kv_heads=1)
+  if "kernel" in options:
+    blocks = jax_ring.BlockSizes(kv_heads=1)
   fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, block_sizes=blocks, **options)
   ref = lambda q, k, v: reference_attention(
     q, k, v, **{k: v for k, v in options.items() if k not in ("layout", "kernel")}
   )
   compare_with_reference(fn, ref, (q, k, v), 1e-5)
+  if devices > 1:  # the passes' first transfer carried the previous group's dK/dV
+    assert any(ran) == (options.get("local_window_size") != (12, 0)), ran
   assert ran, "the late dK/dV scheme was not traced"
