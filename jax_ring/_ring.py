@@ -126,10 +126,9 @@ def schedule(layout, window, is_causal, shard_len, ring_size, custom_positions):
   return back, fwd
 
 
-def _send(tree, cfg: RingConfig, shift: int, bundle: bool = False):
+def _send(tree, cfg: RingConfig, shift: int):
   """Every array of `tree` to the device `shift` places along the ring. On CPU and GPU
-  (and on TPU with `bundle`) the arrays travel bundled into one (`_bundled`): one
-  transfer a step. On GPU, XLA
+  the arrays travel bundled into one (`_bundled`): one transfer a step. On GPU, XLA
   keeps about one collective in flight and runs a second permute of a step
   synchronously on the compute stream ("is_sync":true); sent apart, the late scheme's
   dK/dV were that second permute, exposed in every backward step on 8 x H100
@@ -138,7 +137,7 @@ def _send(tree, cfg: RingConfig, shift: int, bundle: bool = False):
   (v6e), so on TPU each array is its own permute."""
   perm = ring_permutation(cfg.ring_size, shift, cfg.axis_size)
   send = lambda x: lax.ppermute(x, cfg.axis_name, perm)
-  if mesh_platform() == "tpu" and not bundle:
+  if mesh_platform() == "tpu":
     return jax.tree.map(send, tree)
   return _bundled(tree, send)
 
@@ -204,6 +203,17 @@ def _pass_forward(cfg: RingConfig, compute, kv, acc, transfers: int, shift: int)
 # travel with their K/V. The tests add "cpu" here to run the late scheme.
 LATE_DKV_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
+# Platforms (of LATE_DKV_PLATFORMS) where a head group's finished dK/dV go home during
+# the next group's passes (`_ring_bwd`), riding its first K/V transfer. Sent after the
+# group's last step they have no compute left to run under: 32 MiB exposed per group
+# on 8 x H100 at 64K tokens of Llama-3-8B's attention with the XLA tiles, none now.
+# Not on TPU, where each array is its own permute: XLA's TPU scheduler started the
+# dK/dV on their own after the pass's compute, or, tied to the K/V, moved the K/V out
+# from under it; bundled with the K/V as bits, the f32 dK/dV took 4.7x the program's
+# temporaries (v5e 2x4 at 64K tokens, 8 query heads; compiled, `docs/guides/kernels.md`). The tests
+# add "cpu" (with LATE_DKV_PLATFORMS) to run it.
+DEFERRED_HOME_PLATFORMS = ("gpu", "cuda", "rocm")
+
 
 @jax.named_scope("backward_ring_pass")
 def _pass_backward(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int, along=None):
@@ -246,9 +256,7 @@ def _pass_backward_late(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: i
   send = lambda tree: _send(tree, cfg, shift)
   incoming = None
   if transfers:
-    # Bundled on TPU too: there, sent apart, dK/dV that nothing waits for were started
-    # last, after the pass's compute, with nothing left to run under them (v5p).
-    incoming, along = _send((kv, along), cfg, shift, bundle=along is not None)
+    incoming, along = send((kv, along))
   dq, dkv = compute(kv, zeros_kv(), dq)
   if transfers:
 
@@ -260,7 +268,7 @@ def _pass_backward_late(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: i
       return (after, jax.tree.map(jnp.add, arrived, own), dq), None
 
     (kv, dkv, dq), _ = lax.scan(step, (incoming, dkv, dq), None, length=transfers - 1)
-    arrived = _send(dkv, cfg, shift, bundle=True)  # one transfer on TPU too (as `along`)
+    arrived = send(dkv)
     dq, own = compute(kv, zeros_kv(), dq)
     dkv = jax.tree.map(jnp.add, arrived, own)
   return dkv, dq, along
@@ -756,12 +764,12 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
   # d lse_i / d s_ij = p_ij, so lse's cotangent enters every score gradient as -delta does.
   delta_all = jnp.sum(g_out.astype(acc) * res.out.astype(acc), axis=-1) - g_lse.astype(acc)  # [B, T, N]
 
-  # Where transfers run beside compute, each head group's dK/dV go home under the next
-  # group's compute (with its first K/V, in one transfer, where the two go the same
-  # way: the full ring): sent after the group's own last step, nothing would be left
-  # to run under them. The first group sends zeros (written where the last group's
-  # pair lands later); the last group's go home after the loop.
-  defer = groups > 1 and mesh_platform() in LATE_DKV_PLATFORMS
+  # On DEFERRED_HOME_PLATFORMS each head group's dK/dV go home under the next group's
+  # compute (with its first K/V, in one transfer, where the two go the same way: the
+  # full ring): sent after the group's own last step, nothing would be left to run
+  # under them. The first group sends zeros (written where the last group's pair lands
+  # later); the last group's go home after the loop.
+  defer = groups > 1 and mesh_platform() in DEFERRED_HOME_PLATFORMS
   put = lambda a, n, at: lax.dynamic_update_slice_in_dim(a, n.astype(a.dtype), at, axis=1 if a.ndim == 2 else 2)
 
   def group(carry, j):
@@ -774,6 +782,8 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
     along = pending.away if defer else None
     gq, kv_grads, arrived = ring_backward_grads(cfg, x, do, rows(res.lse), rows(delta_all), along)
     kv_grads = kv_grads.map(unblock_kv)
+    if kv_grads.here is None:  # cast on arrival (`put`), so cast first: half the bytes in bf16
+      kv_grads = kv_grads.map(lambda x: x.astype(res.k.dtype))
     if defer:
       if pending.here is not None:
         arrived = jax.tree.map(jnp.add, pending.here, arrived)
@@ -795,8 +805,8 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
     zeros.append(zeros_varying_like(res.args.slopes.shape, acc, res.q, res.k))
   pending = None
   if defer:
-    zero_kv = lambda: (zeros_varying_like(res.k.shape[:2] + (wk, res.k.shape[3]), acc, res.q, res.k),) * 2
-    pending = KVGrads(zero_kv() if cfg.steps_fwd else None, zero_kv())
+    zero_kv = lambda dtype: (zeros_varying_like(res.k.shape[:2] + (wk, res.k.shape[3]), dtype, res.q, res.k),) * 2
+    pending = KVGrads(zero_kv(acc), zero_kv(acc)) if cfg.steps_fwd else KVGrads(None, zero_kv(res.k.dtype))
   (grads, pending), _ = lax.scan(group, (tuple(zeros), pending), jnp.arange(groups))
   if defer:
     gk, gv = arrive(cfg, pending)

@@ -42,10 +42,13 @@ def aot(*args: str) -> dict:
 
 
 def _all_overlapped(report):
-  """Every ring loop, forward and backward: its transfers asynchronous (no "is_sync"),
-  all its compute under them, and compute under each (nothing exposed). Besides the
-  ring steps, a loop over head groups holds each backward pass's edges: its first K/V
-  transfer, which carries the previous group's dK/dV home, and the last step's."""
+  """Every ring step, forward and backward: its transfers asynchronous (no "is_sync"),
+  all its compute under them, and compute under each (nothing exposed). A loop over
+  head groups holds each backward pass's edges: its first K/V transfer and the last
+  step's. On GPU the previous group's dK/dV ride that first transfer home, so nothing
+  is exposed there either. On TPU they go home after the last step with no compute
+  left to run under them (`_ring.DEFERRED_HOME_PLATFORMS`): at most that (dK and dV,
+  two permutes) is exposed, and only there."""
   steps = report["ring_steps"]
   names = {s["name"] for s in steps}
   assert (
@@ -54,9 +57,13 @@ def _all_overlapped(report):
     <= {"forward ring step", "backward ring step", "backward ring pass edges"}
   ), steps
   assert report["kernel_resolved"] == (report["kernel"] if report["kernel"] != "auto" else "pallas")
+  tpu = report["target"].startswith("v")
   for step in steps:
     assert step["synchronous"] == 0, step
-    assert step["overlapped"] and step["exposed_bytes"] == 0, step
+    if step["name"].endswith("ring step") or not tpu:
+      assert step["overlapped"] and step["exposed_bytes"] == 0, step
+    else:
+      assert step["hidden"] == step["compute"] and step["exposed"] <= 2, step
 
 
 @pytest.mark.parametrize("kernel", ["xla", "pallas"])

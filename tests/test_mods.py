@@ -266,7 +266,7 @@ def test_model_training_step_ring_equals_dense(config):
   )
   assert len(flat(grads)) > 0
   for g, w in zip(flat(grads), flat(want_grads)):
-    assert rel_err(g, w) < 1e-4
+    assert rel_err(g, w) < 1e-5  # measured at most 1.3e-6 over the configs (float32 against float32)
   if config.get("attention_sinks"):
     sinks = [
       g for path, g in jax.tree_util.tree_leaves_with_path(grads) if "sinks" in jax.tree_util.keystr(path)

@@ -411,6 +411,7 @@ def test_late_dkv_backward_matches_reference(monkeypatch, devices, options):
   with the window (12, 0), whose dK/dV end two devices from home). Shapes no other
   test uses, so no compiled program of the other scheme is reused."""
   monkeypatch.setattr(jax_ring._ring, "LATE_DKV_PLATFORMS", ("cpu",))
+  monkeypatch.setattr(jax_ring._ring, "DEFERRED_HOME_PLATFORMS", ("cpu",))
   late = jax_ring._ring._pass_backward_late
   ran = []
   monkeypatch.setattr(jax_ring._ring, "_pass_backward_late", lambda *a: ran.append(a[-1] is not None) or late(*a))

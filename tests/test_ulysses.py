@@ -215,7 +215,7 @@ def test_module_and_model_match_the_ring(monkeypatch):
   grads = {axis: nnx.jit(nnx.grad(loss))(model) for axis, model in models.items()}
   assert jax.tree.structure(grads["u"]) == jax.tree.structure(grads[None])
   for a, b in zip(jax.tree.leaves(grads["u"]), jax.tree.leaves(grads[None])):
-    assert rel_err(a, b) < 1e-4
+    assert rel_err(a, b) < 1e-5  # measured at most 1.3e-7 (float32 against float32)
   with warnings.catch_warnings():
     warnings.filterwarnings("error", message=".*mesh axis 'u'")
     outs = {"u": generate(models["u"], tokens[:, :8], max_new_tokens=2).tokens}
