@@ -210,8 +210,8 @@ LATE_DKV_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 # Not on TPU, where each array is its own permute: XLA's TPU scheduler started the
 # dK/dV on their own after the pass's compute, or, tied to the K/V, moved the K/V out
 # from under it; bundled with the K/V as bits, the f32 dK/dV took 4.7x the program's
-# temporaries (v5e 2x4 at 64K tokens, 8 query heads; compiled, `docs/guides/kernels.md`). The tests
-# add "cpu" (with LATE_DKV_PLATFORMS) to run it.
+# temporaries (v5e 2x4 at 64K tokens, 8 query heads; `docs/guides/kernels.md`). The
+# tests add "cpu" (with LATE_DKV_PLATFORMS) to run it.
 DEFERRED_HOME_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
@@ -770,7 +770,9 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
   # under them. The first group sends zeros (written where the last group's pair lands
   # later); the last group's go home after the loop.
   defer = groups > 1 and mesh_platform() in DEFERRED_HOME_PLATFORMS
-  put = lambda a, n, at: lax.dynamic_update_slice_in_dim(a, n.astype(a.dtype), at, axis=1 if a.ndim == 2 else 2)
+  put = lambda a, n, at: lax.dynamic_update_slice_in_dim(
+    a, n.astype(a.dtype), at, axis=1 if a.ndim == 2 else 2
+  )
 
   def group(carry, j):
     grads, pending = carry
@@ -783,7 +785,7 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
     gq, kv_grads, arrived = ring_backward_grads(cfg, x, do, rows(res.lse), rows(delta_all), along)
     kv_grads = kv_grads.map(unblock_kv)
     if kv_grads.here is None:  # cast on arrival (`put`), so cast first: half the bytes in bf16
-      kv_grads = kv_grads.map(lambda x: x.astype(res.k.dtype))
+      kv_grads = KVGrads(None, tuple(g.astype(x.dtype) for g, x in zip(kv_grads.away, (res.k, res.v))))
     if defer:
       if pending.here is not None:
         arrived = jax.tree.map(jnp.add, pending.here, arrived)
@@ -805,8 +807,12 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
     zeros.append(zeros_varying_like(res.args.slopes.shape, acc, res.q, res.k))
   pending = None
   if defer:
-    zero_kv = lambda dtype: (zeros_varying_like(res.k.shape[:2] + (wk, res.k.shape[3]), dtype, res.q, res.k),) * 2
-    pending = KVGrads(zero_kv(acc), zero_kv(acc)) if cfg.steps_fwd else KVGrads(None, zero_kv(res.k.dtype))
+    shape = res.k.shape[:2] + (wk, res.k.shape[3])
+    zero = lambda dtype: zeros_varying_like(shape, dtype, res.q, res.k)
+    if cfg.steps_fwd:
+      pending = KVGrads((zero(acc), zero(acc)), (zero(acc), zero(acc)))
+    else:
+      pending = KVGrads(None, (zero(res.k.dtype), zero(res.v.dtype)))
   (grads, pending), _ = lax.scan(group, (tuple(zeros), pending), jnp.arange(groups))
   if defer:
     gk, gv = arrive(cfg, pending)

@@ -414,7 +414,9 @@ def test_late_dkv_backward_matches_reference(monkeypatch, devices, options):
   monkeypatch.setattr(jax_ring._ring, "DEFERRED_HOME_PLATFORMS", ("cpu",))
   late = jax_ring._ring._pass_backward_late
   ran = []
-  monkeypatch.setattr(jax_ring._ring, "_pass_backward_late", lambda *a: ran.append(a[-1] is not None) or late(*a))
+  monkeypatch.setattr(
+    jax_ring._ring, "_pass_backward_late", lambda *a: ran.append(a[-1] is not None) or late(*a)
+  )
   jax.clear_caches()  # the switch is read while tracing: no cached trace of the other scheme
   q, k, v = qkv(2, 44, 4, 2, 16, seed=7)
   mesh = make_mesh((devices,), ("seq",))
