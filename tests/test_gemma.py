@@ -207,7 +207,7 @@ def test_gradients_flow_and_ring_equals_dense(ring2, dense, tokenizer):
   params = nnx.state(ring, blocks)
   saved = jax.tree.map(jnp.copy, params)
   nnx.update(ring, jax.tree.map(lambda p, g: p - 1e-3 * g / norm, params, g_ring))
-  assert float(_pure(loss)(ring)) < float(loss_ring)
+  assert float(grad(ring)[0]) < float(loss_ring)  # the compiled program again, no new one
   nnx.update(ring, saved)  # the fixture's weights back for the tests after
   del g_ring, g_dense, params, saved
   gc.collect()
@@ -262,13 +262,19 @@ def test_call_gives_logits_in_natural_order(ring8, dense, tokenizer):
 
 
 def test_generation_ring_equals_dense_token_for_token(ring8, dense, tokenizer):
-  """Greedy decoding on dense against sampling with top_k=1 on the ring (only the
-  argmax is kept, so at any temperature it is greedy): the same tokens, the pass key."""
+  """Sampling with top_k=1 on the ring's sequence-sharded cache (only the argmax is
+  kept, so at any temperature it is greedy) against dense attention's greedy choice:
+  every generated token is the argmax of dense's logits over the prompt and the
+  tokens before it (one dense forward over them all, which by induction is dense's
+  greedy decoding token for token), and the answer is the pass key."""
   prompt = "The pass key is 48213. Remember it. " + "The grass is green. " * 12 + "The pass key is"
   ids = np.asarray([[tokenizer.bos_id] + tokenizer.encode(prompt)], np.int32)
-  greedy_dense = models.generate(dense, ids, max_new_tokens=6)
-  top1_ring = models.generate(ring8, ids, max_new_tokens=6, temperature=0.7, top_k=1, rng=jax.random.key(1))
-  np.testing.assert_array_equal(top1_ring.tokens, greedy_dense.tokens)
+  new = 6
+  top1_ring = models.generate(ring8, ids, max_new_tokens=new, temperature=0.7, top_k=1, rng=jax.random.key(1))
+  assert top1_ring.tokens.shape == (1, new)
+  whole = np.concatenate([ids, np.asarray(top1_ring.tokens)], axis=1)
+  logits = np.asarray(_call(dense, jnp.asarray(whole[:, :-1])))[0, ids.shape[1] - 1 :]
+  np.testing.assert_array_equal(top1_ring.tokens[0], logits.argmax(-1))
   assert tokenizer.decode(top1_ring.tokens[0]).startswith(" 48213")
 
 
