@@ -223,6 +223,8 @@ def _pass_backward(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, s
   (dkv, dq, along): `along`, arrays that ride the pass's first transfer (late scheme)."""
   if mesh_platform() in LATE_DKV_PLATFORMS:
     return _pass_backward_late(cfg, compute, kv, zeros_kv, dq, transfers, shift, along)
+  if transfers and along is not None:
+    along = _send(along, cfg, shift)  # moved all the same, on its own
   return *_pass_backward_with(cfg, compute, kv, zeros_kv, dq, transfers, shift), along
 
 

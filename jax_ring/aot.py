@@ -90,6 +90,7 @@ class Target:
   memory_bytes: int | None = None  # per device
   link_bytes_per_s: float | None = None  # one direction, to a ring neighbour (`LINKS`)
   peak_flops: float | None = None  # dense bf16 matmul per device (`LINKS`)
+  link_source: str = ""  # where those two figures come from (`LINKS`)
 
   def describe(self):
     """The `jax.experimental.topologies` description of the target. Without the
@@ -158,8 +159,10 @@ LINKS = {
 
 
 def _target(name, platform, devices, topology, chip, **kw):
-  bw, peak, _ = LINKS[chip]
-  return Target(name, platform, devices, topology, link_bytes_per_s=bw, peak_flops=peak, **kw)
+  bw, peak, source = LINKS[chip]
+  return Target(
+    name, platform, devices, topology, link_bytes_per_s=bw, peak_flops=peak, link_source=source, **kw
+  )
 
 
 TARGETS = {
@@ -172,12 +175,6 @@ TARGETS = {
   "v5p:4x4x4": _target("v5p:4x4x4", "tpu", 64, "v5p:4x4x4", "v5p", memory_bytes=95 * GiB),
   "v6e:2x4": _target("v6e:2x4", "tpu", 8, "v6e:2x4", "v6e", memory_bytes=32 * GiB),
 }
-
-
-def link_source(name: str) -> str:
-  """Where a target's link bandwidth and peak rate come from."""
-  chip = {"h100x8": "h100", "a100x8": "a100"}.get(name, name.split(":")[0])
-  return LINKS[chip][2]
 
 
 def target(name: str) -> Target:

@@ -204,7 +204,7 @@ def main(argv=None):
     )
     result["balance"] = aot.step_balance(result, target, seq_len=args.seq_len, batch=args.batch, **shape)
     result["break_even_tokens"] = aot.break_even_tokens(target, **shape)
-    result["link_source"] = aot.link_source(args.target)
+    result["link_source"] = aot.target(args.target).link_source
     result["flops_per_device"] = (
       aot.attention_flops(
         seq_len=args.seq_len,

@@ -431,3 +431,17 @@ def test_late_dkv_backward_matches_reference(monkeypatch, devices, options):
   if devices > 1:  # the passes' first transfer carried the previous group's dK/dV
     assert any(ran) == (options.get("local_window_size") != (12, 0)), ran
   assert ran, "the late dK/dV scheme was not traced"
+
+
+def test_deferred_home_send_with_dkv_travelling_with_their_kv(monkeypatch):
+  """Each head group's dK/dV sent home during the next group's passes where the passes
+  carry dK/dV with their K/V (not the late scheme): they then move on their own,
+  outputs and gradients still against float64 (3 devices, two head groups)."""
+  monkeypatch.setattr(jax_ring._ring, "LATE_DKV_PLATFORMS", ())
+  monkeypatch.setattr(jax_ring._ring, "DEFERRED_HOME_PLATFORMS", ("cpu",))
+  jax.clear_caches()  # both switches are read while tracing
+  q, k, v = qkv(2, 42, 4, 2, 16, seed=11)
+  mesh = make_mesh((3,), ("seq",))
+  blocks = jax_ring.BlockSizes(block_q=8, block_kv=8, kv_heads=1)
+  fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, block_sizes=blocks, is_causal=True)
+  compare_with_reference(fn, lambda q, k, v: reference_attention(q, k, v, is_causal=True), (q, k, v), 1e-5)
