@@ -203,29 +203,63 @@ def _pass_forward(cfg: RingConfig, compute, kv, acc, transfers: int, shift: int)
 # travel with their K/V. The tests add "cpu" here to run the late scheme.
 LATE_DKV_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
-# Platforms (of LATE_DKV_PLATFORMS) where a head group's finished dK/dV go home during
-# the next group's passes (`_ring_bwd`), riding its first K/V transfer. Sent after the
-# group's last step they have no compute left to run under: 32 MiB exposed per group
-# on 8 x H100 at 64K tokens of Llama-3-8B's attention with the XLA tiles, none now.
-# Not on TPU, where each array is its own permute: XLA's TPU scheduler started the
-# dK/dV on their own after the pass's compute, or, tied to the K/V, moved the K/V out
-# from under it; bundled with the K/V as bits, the f32 dK/dV took 4.7x the program's
-# temporaries (v5e 2x4 at 64K tokens, 8 query heads; `docs/guides/kernels.md`). The
-# tests add "cpu" (with LATE_DKV_PLATFORMS) to run it.
-DEFERRED_HOME_PLATFORMS = ("gpu", "cuda", "rocm")
+
+class OwnHalves(NamedTuple):
+  """The local K/V cut in two halves of its keys, for the late scheme's backward: the
+  pass's first compute takes `first` (the later keys), under the first K/V transfer,
+  and the last compute after every pass takes `last` (the earlier keys, which see the
+  most queries under a causal mask), under the send of the last pass's dK/dV home.
+  Unsplit, that send came after the last compute with nothing left to run under it:
+  32 MiB exposed per head group on 8 x H100 at 64K tokens of Llama-3-8B's attention
+  with the XLA tiles, 4 MiB on TPU v5e 2x4 (`docs/guides/kernels.md`). `zeros()`: a
+  half's zero dK/dV; `whole(d, i)`: a half's dK/dV d in the place of half i (0 the
+  earlier keys) of zero whole-shard ones."""
+
+  first: Any
+  last: Any
+  zeros: Any
+  whole: Any
+  add: Any
+
+
+def _half(x, i: int, axis: int):
+  n = x.shape[axis] // 2
+  return lax.slice_in_dim(x, i * n, (i + 1) * n, axis=axis)
+
+
+def own_halves(cfg: RingConfig, kv, cut, zeros_kv, axis: int, keys: int, unit: int) -> OwnHalves | None:
+  """OwnHalves of the local K/V where the late scheme runs (LATE_DKV_PLATFORMS) and dK/dV
+  go home at all, else None. `cut(kv, i)`: half i of the K/V; dK/dV's keys lie along
+  `axis`; the shard's `keys` (in blocks or tokens) must split into halves of whole
+  multiples of `unit` (else None: the send home stays after the last compute)."""
+  if mesh_platform() not in LATE_DKV_PLATFORMS:
+    return None
+  if not cfg.home_shift % cfg.ring_size or keys % (2 * unit):
+    return None
+
+  def whole(d, i):
+    join = lambda x: jnp.concatenate([x, zeros_varying_like(x.shape, x.dtype, x)][:: 1 - 2 * i], axis=axis)
+    return jax.tree.map(join, d)
+
+  def add(full, d, i):
+    put = lambda f, x: lax.dynamic_update_slice_in_dim(f, _half(f, i, axis) + x, i * x.shape[axis], axis)
+    return jax.tree.map(put, full, d)
+
+  zeros = lambda: jax.tree.map(lambda z: _half(z, 0, axis), zeros_kv())
+  return OwnHalves(cut(kv, 1), cut(kv, 0), zeros, whole, add)
 
 
 @jax.named_scope("backward_ring_pass")
-def _pass_backward(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int, along=None):
+def _pass_backward(
+  cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int, own: OwnHalves | None = None
+):
   """Like _pass_forward; dK/dV travel with their K/V (`_pass_backward_with`) or, where
   transfers run beside compute (`LATE_DKV_PLATFORMS`), one device behind
   (`_pass_backward_late`). They end where their K/V do: the caller sends them home.
-  (dkv, dq, along): `along`, arrays that ride the pass's first transfer (late scheme)."""
+  (dkv, dq). `own` (late scheme only): the first compute takes `own.first`, not kv."""
   if mesh_platform() in LATE_DKV_PLATFORMS:
-    return _pass_backward_late(cfg, compute, kv, zeros_kv, dq, transfers, shift, along)
-  if transfers and along is not None:
-    along = _send(along, cfg, shift)  # moved all the same, on its own
-  return *_pass_backward_with(cfg, compute, kv, zeros_kv, dq, transfers, shift), along
+    return _pass_backward_late(cfg, compute, kv, zeros_kv, dq, transfers, shift, own)
+  return _pass_backward_with(cfg, compute, kv, zeros_kv, dq, transfers, shift)
 
 
 def _pass_backward_with(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int):
@@ -246,34 +280,38 @@ def _pass_backward_with(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: i
   return dkv, dq
 
 
-def _pass_backward_late(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int, along=None):
+def _pass_backward_late(
+  cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: int, shift: int, own: OwnHalves | None = None
+):
   """Each shard's dK/dV follow it one device behind.
 
   A step sends the K/V it holds together with the finished dK/dV of the shard it held
   one step before, both before its own compute, so the whole step's compute hides the
   transfer (sending dK/dV with their own K/V would wait for that compute). The dK/dV
   arriving meanwhile are those of the shard now in hand, from the devices before; the
-  step's own share is added to them once it is computed. `along` (the previous head
-  group's dK/dV on their way home) travels `shift` with the first K/V, in one transfer."""
+  step's own share is added to them once it is computed. With `own`, the first
+  compute covers only `own.first`, the later half of the keys."""
   send = lambda tree: _send(tree, cfg, shift)
-  incoming = None
-  if transfers:
-    incoming, along = send((kv, along))
-  dq, dkv = compute(kv, zeros_kv(), dq)
+  incoming = send(kv) if transfers else None
+  if own is None:
+    dq, dkv = compute(kv, zeros_kv(), dq)
+  else:
+    dq, d = compute(own.first, own.zeros(), dq)
+    dkv = own.whole(d, 1)
   if transfers:
 
     @jax.named_scope("backward_ring_step")
     def step(carry, _):
       kv, dkv, dq = carry
       (after, arrived) = send((kv, dkv))
-      dq, own = compute(kv, zeros_kv(), dq)
-      return (after, jax.tree.map(jnp.add, arrived, own), dq), None
+      dq, mine = compute(kv, zeros_kv(), dq)
+      return (after, jax.tree.map(jnp.add, arrived, mine), dq), None
 
     (kv, dkv, dq), _ = lax.scan(step, (incoming, dkv, dq), None, length=transfers - 1)
     arrived = send(dkv)
-    dq, own = compute(kv, zeros_kv(), dq)
-    dkv = jax.tree.map(jnp.add, arrived, own)
-  return dkv, dq, along
+    dq, mine = compute(kv, zeros_kv(), dq)
+    dkv = jax.tree.map(jnp.add, arrived, mine)
+  return dkv, dq
 
 
 def zeros_varying_like(shape, dtype, *like):
@@ -335,8 +373,8 @@ def _forward_passes(cfg: RingConfig, compute, kv, acc):
 class KVGrads(NamedTuple):
   """dK/dV of the local K/V as the backward passes leave them: `away`, the last pass's
   pair, lies `cfg.home_shift` devices along the ring from its owner and is sent home
-  (`arrive`); `here`, the earlier pass's pair, came home already (None with one pass).
-  The send home may wait: `ring` issues it under the next head group's compute."""
+  (`arrive`); `here`, the pairs that came home already (None if none). `away` is None
+  where the passes sent it home themselves (`OwnHalves`)."""
 
   here: tuple | None
   away: tuple
@@ -348,6 +386,8 @@ class KVGrads(NamedTuple):
 
 def arrive(cfg: RingConfig, grads: KVGrads) -> tuple:
   """(dk, dv) at their owner: `grads.away` sent home, plus `grads.here`."""
+  if grads.away is None:
+    return grads.here
   away = _send_home(cfg, grads.away, cfg.home_shift)
   return away if grads.here is None else jax.tree.map(jnp.add, grads.here, away)
 
@@ -357,24 +397,36 @@ def _send_home(cfg: RingConfig, dkv, shift: int):
   return _send(dkv, cfg, shift) if shift % cfg.ring_size else dkv
 
 
-def _backward_passes(cfg: RingConfig, compute, kv, zeros_kv, dq, along=None):
-  """(KVGrads of the local K/V, dq, along) after `compute(kv, dkv, dq)` with every K/V
-  shard the schedule visits; dK/dV follow their K/V. `along`: arrays moved
-  `cfg.home_shift` devices meanwhile (in the first transfer where it goes that way)."""
+def _backward_passes(cfg: RingConfig, compute, kv, zeros_kv, dq, own: OwnHalves | None = None):
+  """(KVGrads of the local K/V, dq) after `compute(kv, dkv, dq)` with every K/V shard
+  the schedule visits; dK/dV follow their K/V. With `own`, the local K/V's compute is
+  split: the later half of its keys first, the earlier half after the last pass, with
+  the last pass's dK/dV on their way home meanwhile (all of them home: `away` None)."""
   back = cfg.steps_back
-  if along is not None and not (back and (cfg.home_shift - 1) % cfg.ring_size == 0):
-    along, rides = _send_home(cfg, along, cfg.home_shift), None
+  dkv, dq = _pass_backward(cfg, compute, kv, zeros_kv, dq, back, +1, own)
+  here = None
+  if cfg.steps_fwd:
+    # The first pass's dK/dV go home under the second pass's compute; that pass's K/V
+    # started one device ahead and end `steps_fwd` ahead of their owner (`home_shift`).
+    here = _send_home(cfg, dkv, -back)
+    dkv, dq = _pass_backward(cfg, compute, _send(kv, cfg, -1), zeros_kv, dq, cfg.steps_fwd - 1, -1)
+  if own is None:
+    return KVGrads(here, dkv), dq
+  # The send home and the last compute start together, once the last pass is done (the
+  # barrier holds the K/V too: the Pallas kernels take no dq), and the dK/dV go in the
+  # pass's layout, with no conversion between that and their send. With the Pallas
+  # kernels dK and dV go as one array (`_bundled`): sent apart, XLA's v5e scheduler
+  # started the second after the last compute; with the XLA tiles they go apart, as
+  # bundled v5p and v6e exposed them (compiled at 64K tokens, `scripts/aot.py`).
+  dkv, dq, last = lax.optimization_barrier((dkv, dq, own.last))
+  if cfg.kernel == "pallas":
+    perm = ring_permutation(cfg.ring_size, cfg.home_shift, cfg.axis_size)
+    away = _bundled(dkv, lambda x: lax.ppermute(x, cfg.axis_name, perm))
   else:
-    rides = along
-  dkv, dq, rode = _pass_backward(cfg, compute, kv, zeros_kv, dq, back, +1, rides)
-  along = along if rides is None else rode
-  if not cfg.steps_fwd:
-    return KVGrads(None, dkv), dq, along
-  # The first pass's dK/dV go home under the second pass's compute; that pass's K/V
-  # started one device ahead and end `steps_fwd` ahead of their owner (`home_shift`).
-  here = _send_home(cfg, dkv, -back)
-  dkv, dq, _ = _pass_backward(cfg, compute, _send(kv, cfg, -1), zeros_kv, dq, cfg.steps_fwd - 1, -1)
-  return KVGrads(here, dkv), dq, along
+    away = _send_home(cfg, dkv, cfg.home_shift)
+  dq, d = compute(last, own.zeros(), dq)
+  total = own.add(away, d, 0)
+  return KVGrads(total if here is None else jax.tree.map(jnp.add, here, total), None), dq
 
 
 def ring_forward_state(cfg: RingConfig, x: Inputs):
@@ -402,16 +454,14 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   delta is sum(dO * O) over the head dim, minus the cotangent of lse if lse is an
   output too (d lse_i / d s_ij = p_ij enters the score gradient like -delta does).
   """
-  dq, grads, _ = ring_backward_grads(cfg, x, do, lse, delta)
+  dq, grads = ring_backward_grads(cfg, x, do, lse, delta)
   return dq, *arrive(cfg, grads)
 
 
-def ring_backward_grads(cfg: RingConfig, x: Inputs, do, lse, delta, along=None):
-  """(dq, KVGrads, along): ring_backward_state's dq, with dK/dV as the passes leave
-  them, not yet sent home; `along` (arrays, or None) moved `cfg.home_shift` devices
-  under the passes' compute (`_backward_passes`)."""
+def ring_backward_grads(cfg: RingConfig, x: Inputs, do, lse, delta):
+  """(dq, KVGrads): ring_backward_state's dq, with dK/dV as the passes leave them."""
   if cfg.kernel == "pallas":
-    return _pallas_backward_state(cfg, x, do, lse, delta, along)
+    return _pallas_backward_state(cfg, x, do, lse, delta)
   pol = cfg.policy
   # [nq, B, K, G, bq, H] -> [nq, B, K, H, G, bq]: the layout the dK and dV products take.
   heads_first = lambda x: jnp.moveaxis(x, -1, -3)
@@ -440,13 +490,17 @@ def ring_backward_grads(cfg: RingConfig, x: Inputs, do, lse, delta, along=None):
     return dq, (dk, dv)
 
   compute = _quadrant_backward(cfg, qb, x.args) if cfg.quadrants else compute
-  grads, dq, along = _backward_passes(cfg, compute, _traveling(x.kv), zeros_kv, dq, along)
+  # Halves of whole blocks; by quadrants, halves of an even number of blocks each.
+  nk = x.kv.k.shape[0]
+  cut = lambda kv, i: _traveling(jax.tree.map(lambda a: _half(a, i, 0), kv))
+  own = own_halves(cfg, x.kv, cut, zeros_kv, 0, nk, 2 if cfg.quadrants else 1)
+  grads, dq = _backward_passes(cfg, compute, _traveling(x.kv), zeros_kv, dq, own)
   grads = grads.map(lambda x: jnp.swapaxes(x, -1, -2))  # back from transposed
   scale = jnp.asarray(cfg.scale, pol.accum_dtype)
   if extra:  # the slope column lacks no scale
     h = x.q.shape[-1]
-    return jnp.concatenate([dq[..., :h] * scale, dq[..., h:]], axis=-1), grads, along
-  return dq * scale, grads, along
+    return jnp.concatenate([dq[..., :h] * scale, dq[..., h:]], axis=-1), grads
+  return dq * scale, grads
 
 
 # Quadrants (RingConfig.quadrants): the shard's queries are one block [1, ..., t, ...]
@@ -663,7 +717,7 @@ def _pallas_forward_state(cfg: RingConfig, x: Inputs):
   return _q_blocked(out, x.q), _q_blocked(lse, x.q)
 
 
-def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta, along=None):
+def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   """ring_backward_state with the Pallas kernel."""
   q, q_pos, q_seg, kv = _pallas_args(x)
   opts = _kernel_options(cfg)
@@ -680,9 +734,13 @@ def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta, along=Non
     gq, gk, gv = _run_kernel("backward", *args, **opts)
     return dq + gq, (dkv[0] + gk, dkv[1] + gv)
 
-  grads, dq, along = _backward_passes(cfg, compute, kv, zeros_kv, dq, along)
+  cut = lambda kv, i: KVBlocks(
+    _half(kv.k, i, 2), _half(kv.v, i, 2), _half(kv.pos, i, 0), None if kv.seg is None else _half(kv.seg, i, 1)
+  )
+  own = own_halves(cfg, kv, cut, zeros_kv, 2, kv.k.shape[2], cfg.block_kv)
+  grads, dq = _backward_passes(cfg, compute, kv, zeros_kv, dq, own)
   scale = jnp.asarray(cfg.scale, jnp.float32)
-  return _q_blocked(dq, x.q) * scale, grads.map(lambda x: _kv_blocked(x, cfg.block_kv)), along
+  return _q_blocked(dq, x.q) * scale, grads.map(lambda x: _kv_blocked(x, cfg.block_kv))
 
 
 def _head_groups(cfg: RingConfig, q, k):
@@ -765,61 +823,35 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
   groups, wq, wk = _head_groups(cfg, res.q, res.k)
   # d lse_i / d s_ij = p_ij, so lse's cotangent enters every score gradient as -delta does.
   delta_all = jnp.sum(g_out.astype(acc) * res.out.astype(acc), axis=-1) - g_lse.astype(acc)  # [B, T, N]
-
-  # On DEFERRED_HOME_PLATFORMS each head group's dK/dV go home under the next group's
-  # compute (with its first K/V, in one transfer, where the two go the same way: the
-  # full ring): sent after the group's own last step, nothing would be left to run
-  # under them. The first group sends zeros (written where the last group's pair lands
-  # later); the last group's go home after the loop.
-  defer = groups > 1 and mesh_platform() in DEFERRED_HOME_PLATFORMS
   put = lambda a, n, at: lax.dynamic_update_slice_in_dim(
     a, n.astype(a.dtype), at, axis=1 if a.ndim == 2 else 2
   )
 
-  def group(carry, j):
-    grads, pending = carry
+  def group(grads, j):
     q, k, v = _heads(res.q, j, wq), _heads(res.k, j, wk), _heads(res.v, j, wk)
     x = prepare(cfg, q, k, v, res.q_pos, res.k_pos, res.q_seg, res.k_seg, group_args(res.args, j * wq, wq))
     nq, b, kh, grp, bq, h = x.q.shape
     do = block_q(_heads(g_out, j, wq).astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
     rows = lambda r: block_rows(_heads(r, j, wq).reshape(b, -1, kh, grp), bq)
-    along = pending.away if defer else None
-    gq, kv_grads, arrived = ring_backward_grads(cfg, x, do, rows(res.lse), rows(delta_all), along)
+    gq, kv_grads = ring_backward_grads(cfg, x, do, rows(res.lse), rows(delta_all))
     kv_grads = kv_grads.map(unblock_kv)
     if kv_grads.here is None:  # cast on arrival (`put`), so cast first: half the bytes in bf16
       kv_grads = KVGrads(None, tuple(g.astype(x.dtype) for g, x in zip(kv_grads.away, (res.k, res.v))))
-    if defer:
-      if pending.here is not None:
-        arrived = jax.tree.map(jnp.add, pending.here, arrived)
-      (gk, gv), done, pending = arrived, (j - 1) % groups, kv_grads
-    else:
-      (gk, gv), done = arrive(cfg, kv_grads), j
+    gk, gv = arrive(cfg, kv_grads)
     dq, dk, dv = grads[:3]
     new = [
       put(dq, unblock_q(gq[..., :h] if cfg.mods.alibi else gq).reshape(q.shape), j * wq),
-      put(dk, gk, done * wk),
-      put(dv, gv, done * wk),
+      put(dk, gk, j * wk),
+      put(dv, gv, j * wk),
     ]
     if cfg.mods.alibi:  # the rows' shares of d loss / d slope, summed over the rows
       new.append(put(grads[3], jnp.sum(unblock_rows(gq[..., h]).reshape(b, -1, wq), axis=1), j * wq))
-    return (tuple(new), pending), None
+    return tuple(new), None
 
   zeros = [zeros_varying_like(x.shape, x.dtype, x, res.k) for x in (res.q, res.k, res.v)]
   if cfg.mods.alibi:
     zeros.append(zeros_varying_like(res.args.slopes.shape, acc, res.q, res.k))
-  pending = None
-  if defer:
-    shape = res.k.shape[:2] + (wk, res.k.shape[3])
-    zero = lambda dtype: zeros_varying_like(shape, dtype, res.q, res.k)
-    if cfg.steps_fwd:
-      pending = KVGrads((zero(acc), zero(acc)), (zero(acc), zero(acc)))
-    else:
-      pending = KVGrads(None, (zero(res.k.dtype), zero(res.v.dtype)))
-  (grads, pending), _ = lax.scan(group, (tuple(zeros), pending), jnp.arange(groups))
-  if defer:
-    gk, gv = arrive(cfg, pending)
-    last = (groups - 1) * wk
-    grads = (grads[0], put(grads[1], gk, last), put(grads[2], gv, last), *grads[3:])
+  grads, _ = lax.scan(group, tuple(zeros), jnp.arange(groups))
   dq, dk, dv = grads[:3]
   d_args = None
   if cfg.mods.alibi:

@@ -231,6 +231,8 @@ def main(argv=None):
     print(f"  outside the loops: {count} x {op}, {n / 2**20:.1f} MiB per device")
   for step in result["ring_steps"]:
     state = "overlapped" if step["overlapped"] else "NOT overlapped"
+    if not step["overlapped"] and step["starts"] and not step["exposed"]:
+      state = "every transfer hidden"  # some compute runs with no transfer in flight
     print(
       f"  {step['name'] or 'ring loop'} ({step['body']}): {step['starts']} async / {step['synchronous']} "
       f"sync permutes; {step['hidden']} of {step['compute']} compute ops under a transfer; per step "

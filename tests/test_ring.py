@@ -393,55 +393,41 @@ def test_tile_class_from_bounds_agrees_with_the_mask(spec):
 
 
 @pytest.mark.parametrize(
-  "devices, options",
+  "devices, options, split",
   [
-    (1, {"is_causal": True}),
-    (2, {"is_causal": True, "segment_ids": padded_segments(2, 44)}),
-    (3, {"is_causal": True}),
-    (4, {"local_window_size": (12, 7), "layout": "contiguous"}),  # passes both ways
-    (4, {"local_window_size": (12, 0), "layout": "contiguous"}),  # dK/dV home 2 devices on
-    (8, {"is_causal": True, "kernel": "pallas"}),
+    (1, {"is_causal": True}, False),  # nothing goes home
+    (2, {"is_causal": True, "segment_ids": padded_segments(2, 44)}, False),  # 3 key blocks a shard
+    (2, {"is_causal": True, "segment_ids": padded_segments(2, 64)}, True),
+    (3, {"is_causal": True}, True),
+    (4, {"local_window_size": (12, 7), "layout": "contiguous"}, True),  # passes both ways
+    (4, {"local_window_size": (12, 0), "layout": "contiguous"}, True),  # dK/dV home 2 devices on
+    (8, {"is_causal": True, "kernel": "pallas", "segment_ids": padded_segments(2, 256)}, True),
   ],
 )
-def test_late_dkv_backward_matches_reference(monkeypatch, devices, options):
+def test_late_dkv_backward_matches_reference(monkeypatch, devices, options, split):
   """The backward that sends each shard's dK/dV one step behind its K/V (what GPUs and
   TPUs run, so that every transfer overlaps compute), run here on CPU: outputs and
-  gradients against float64. Two head groups, so each group's dK/dV go home during the
-  next group's passes (with its first K/V where both go the same way; on their own
-  with the window (12, 0), whose dK/dV end two devices from home). Shapes no other
-  test uses, so no compiled program of the other scheme is reused."""
+  gradients against float64. Where the shard's keys split in halves of whole blocks,
+  the local K/V's compute runs as two halves, the last under the send of the last
+  pass's dK/dV home (`_ring.OwnHalves`); the test asserts where it did. Two head
+  groups; shapes no other test uses, so no compiled program of the other scheme is
+  reused."""
   monkeypatch.setattr(jax_ring._ring, "LATE_DKV_PLATFORMS", ("cpu",))
-  monkeypatch.setattr(jax_ring._ring, "DEFERRED_HOME_PLATFORMS", ("cpu",))
-  late = jax_ring._ring._pass_backward_late
-  ran = []
-  monkeypatch.setattr(
-    jax_ring._ring, "_pass_backward_late", lambda *a: ran.append(a[-1] is not None) or late(*a)
-  )
+  late, halves = jax_ring._ring._pass_backward_late, jax_ring._ring.own_halves
+  ran, splits = [], []
+  monkeypatch.setattr(jax_ring._ring, "_pass_backward_late", lambda *a: ran.append(1) or late(*a))
+  monkeypatch.setattr(jax_ring._ring, "own_halves", lambda *a: splits.append(halves(*a)) or splits[-1])
   jax.clear_caches()  # the switch is read while tracing: no cached trace of the other scheme
-  q, k, v = qkv(2, 44, 4, 2, 16, seed=7)
+  t = options["segment_ids"].shape[1] if "segment_ids" in options else 44
+  q, k, v = qkv(2, t, 4, 2, 16, seed=7)
   mesh = make_mesh((devices,), ("seq",))
   blocks = jax_ring.BlockSizes(block_q=8, block_kv=8, kv_heads=1)
-  if "kernel" in options:
-    blocks = jax_ring.BlockSizes(kv_heads=1)
+  if "kernel" in options:  # 32-token shards in key blocks of 16
+    blocks = jax_ring.BlockSizes(block_q=16, block_kv=16, kv_heads=1)
   fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, block_sizes=blocks, **options)
   ref = lambda q, k, v: reference_attention(
     q, k, v, **{k: v for k, v in options.items() if k not in ("layout", "kernel")}
   )
   compare_with_reference(fn, ref, (q, k, v), 1e-5)
-  if devices > 1:  # the passes' first transfer carried the previous group's dK/dV
-    assert any(ran) == (options.get("local_window_size") != (12, 0)), ran
   assert ran, "the late dK/dV scheme was not traced"
-
-
-def test_deferred_home_send_with_dkv_travelling_with_their_kv(monkeypatch):
-  """Each head group's dK/dV sent home during the next group's passes where the passes
-  carry dK/dV with their K/V (not the late scheme): they then move on their own,
-  outputs and gradients still against float64 (3 devices, two head groups)."""
-  monkeypatch.setattr(jax_ring._ring, "LATE_DKV_PLATFORMS", ())
-  monkeypatch.setattr(jax_ring._ring, "DEFERRED_HOME_PLATFORMS", ("cpu",))
-  jax.clear_caches()  # both switches are read while tracing
-  q, k, v = qkv(2, 42, 4, 2, 16, seed=11)
-  mesh = make_mesh((3,), ("seq",))
-  blocks = jax_ring.BlockSizes(block_q=8, block_kv=8, kv_heads=1)
-  fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, block_sizes=blocks, is_causal=True)
-  compare_with_reference(fn, lambda q, k, v: reference_attention(q, k, v, is_causal=True), (q, k, v), 1e-5)
+  assert splits and all((s is not None) == split for s in splits), splits
