@@ -48,6 +48,25 @@ def test_matches_reference(devices, case):
   compare_with_reference(fn, REFERENCES[case], args, TOL)
 
 
+def test_sub_rings_with_the_late_dkv_backward(monkeypatch):
+  """The backward GPUs and TPUs run (dK/dV one step behind their K/V; the local K/V's
+  compute in two halves of its keys, the last under the dK/dV's send home:
+  `_ring.OwnHalves`) over sub-rings of 2 devices and a dilated ring of 8, here on CPU:
+  outputs and gradients against float64."""
+  monkeypatch.setattr(jax_ring._ring, "LATE_DKV_PLATFORMS", ("cpu",))
+  halves, splits = jax_ring._ring.own_halves, []
+  monkeypatch.setattr(jax_ring._ring, "own_halves", lambda *a: splits.append(halves(*a)) or splits[-1])
+  jax.clear_caches()  # the switch is read while tracing
+  args = qkv(2, 128, 4, 2, 8, seed=9)
+  # Segments of 32 over shards of 16 (two key blocks: halves) and of 128 at rate 2 (8
+  # selected keys a shard: one block, unsplit).
+  options = dict(segment_lengths=(32, 128), dilation_rates=(1, 2), is_causal=True)
+  mesh = make_mesh((8,), ("seq",))
+  fn = lambda q, k, v: dilated_attention(q, k, v, mesh=mesh, block_sizes=SMALL_BLOCKS, **options)
+  compare_with_reference(fn, functools.partial(reference_dilated_attention, **options), args, TOL)
+  assert {s is not None for s in splits} == {True, False}, splits
+
+
 def test_same_output_on_every_device_count():
   args, options = _case("mixed_causal_gqa")
   outs = [
