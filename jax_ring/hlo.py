@@ -219,12 +219,12 @@ def ring_overlap(compiled) -> list[LoopOverlap]:
     transfers, hidden, compute, before = [], 0, 0, 0
     for (name, op), _, line in ops:
       if op == "collective-permute-start":
-        open_[name] = [permute_bytes(line), 0, _IS_SYNC in line]
+        open_[name] = [_result_bytes(line), 0, _IS_SYNC in line]
       elif op == "collective-permute-done":
         started = open_.pop(_operand(line), None)
-        transfers.append(started if started is not None else [permute_bytes(line), before, False])
+        transfers.append(started if started is not None else [_result_bytes(line), before, False])
       elif op == "collective-permute":
-        transfers.append([permute_bytes(line), 0, True])
+        transfers.append([_result_bytes(line), 0, True])
       elif op == "while" and (m := _WHILE.search(line)) and _sends(comps, m.group(1)):
         continue  # a nested ring loop: counted as a body of its own
       elif _heavy(op, line, comps):
@@ -295,8 +295,7 @@ def collectives(compiled) -> list[Collective]:
       base = re.fullmatch(rf"({kinds})(-start|-done)?", opcode)
       source = m.group(1) if (m := _OP_NAME.search(line)) else ""
       if base and base.group(2) == "-start":
-        size = permute_bytes(line) if base.group(1) == "collective-permute" else _result_bytes(line)
-        open_[iname] = [base.group(1), size, source, _IS_SYNC in line, 0]
+        open_[iname] = [base.group(1), _result_bytes(line), source, _IS_SYNC in line, 0]
       elif base and base.group(2) == "-done":
         op, size, src, sync, under = open_.pop(
           _operand(line), [base.group(1), _result_bytes(line), source, False, 1]
@@ -313,37 +312,36 @@ def collectives(compiled) -> list[Collective]:
   return found
 
 
-def _result_bytes(line: str) -> int:
-  """Bytes of an instruction's result; of an async start's tuple, its last element
-  (the result buffer: an all-gather-start holds (operand, result))."""
-  ins = _instruction(line)
-  shapes = line.split("= ", 1)[1].split(f" {ins[1]}(", 1)[0] if ins else ""
-  found = _SHAPE.findall(shapes)
-  if not found:
-    return 0
-  dtype, dims = found[-1]
-  size = 1
-  for d in filter(None, dims.split(",")):
-    size *= int(d)
-  return size * _BYTES[dtype]
-
-
-def permute_bytes(line: str) -> int:
-  """Bytes a collective-permute (start or done) instruction sends: its operands' shapes,
-  which a start's result lists first ((operands), (results), ...) and a done's result
-  and a plain permute's result equal."""
-  shapes = line.split("= ", 1)[1].split(" collective-permute", 1)[0]
-  if "-start(" in line and shapes.startswith("(("):
-    depth, end = 0, 0
-    for i, ch in enumerate(shapes[1:], 1):  # the first element of the outer tuple
-      depth += ch == "("
-      depth -= ch == ")"
+def _tuple_elements(shapes: str) -> list[str]:
+  """The top-level elements of a tuple shape "(a, (b, c), ...)" (dims and layouts, as
+  in f32[2,8]{1,0}, hold commas of their own)."""
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(shapes):
+    depth += ch in "([{"
+    depth -= ch in ")]}"
+    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+      parts.append(shapes[start:i].strip())
+      start = i + 1
       if depth == 0:
-        end = i
         break
-    shapes = shapes[1 : end + 1]
-  elif "-start(" in line and shapes.startswith("("):  # (operand, result[, contexts])
-    shapes = _SHAPE.search(shapes).group(0)
+  return parts
+
+
+# Async starts whose result tuple is (operands, results, ...): the results are its second element.
+_START_WITH_OPERANDS = ("all-gather-start", "collective-permute-start")
+
+
+def _result_bytes(line: str) -> int:
+  """Bytes of a collective instruction's results per device, all of them where one op
+  gathers or reduces several arrays; of an all-gather or collective-permute start,
+  whose result is ((operands), (results)) or (operand, result, contexts...), the
+  results (a permute's equal what it sends)."""
+  ins = _instruction(line)
+  if ins is None:
+    return 0
+  shapes = line.split("= ", 1)[1].split(f" {ins[1]}(", 1)[0]
+  if ins[1] in _START_WITH_OPERANDS and shapes.startswith("("):
+    shapes = _tuple_elements(shapes)[1]
   return shape_bytes(shapes)
 
 
@@ -409,11 +407,7 @@ def collective_bytes(compiled) -> dict[str, int]:
 
     for line in comps.get(name, ()):
       if m := _OP.search(line):
-        shapes = m.group(1)
-        if m.group(3) and m.group(2) == "collective-permute":
-          # An asynchronous start's result is (operand, result, contexts): the result.
-          shapes = " ".join(f"{t}[{d}]" for t, d in _SHAPE.findall(shapes)[1:2])
-        found[m.group(2)] = found.get(m.group(2), 0) + shape_bytes(shapes)
+        found[m.group(2)] = found.get(m.group(2), 0) + _result_bytes(line)
       elif m := _WHILE.search(line):
         body = cost(m.group(1))
         trips = trip_count(line, comps) if body else 0
@@ -446,10 +440,7 @@ def loop_free_collectives(compiled) -> list[tuple[str, int]]:
   def visit(name: str) -> None:
     for line in comps.get(name, ()):
       if m := _OP.search(line):
-        shapes = m.group(1)
-        if m.group(3) and m.group(2) == "collective-permute":
-          shapes = " ".join(f"{t}[{d}]" for t, d in _SHAPE.findall(shapes)[1:2])
-        found.append((m.group(2), shape_bytes(shapes)))
+        found.append((m.group(2), _result_bytes(line)))
       elif _WHILE.search(line):
         continue
       elif m := _BRANCHES.search(line):

@@ -275,7 +275,7 @@ def test_collectives_lists_each_with_its_loop_source_and_exposure():
   """hlo.collectives: every collective with the loop it runs in, its source and whether
   compute hides it; outside the loops an all-gather pair with nothing between is
   exposed, a plain all-reduce is synchronous."""
-  from jax_ring.hlo import collectives
+  from jax_ring.hlo import collective_bytes, collectives
 
   entry = (
     "  %ags = (f32[2]{0}, f32[8]{0}) all-gather-start(%a), dimensions={0}, "
@@ -291,6 +291,15 @@ def test_collectives_lists_each_with_its_loop_source_and_exposure():
     ("collective-permute", "body", 32, False),  # the kernel runs under it
   }, found
   assert any(c.source.endswith("layer_0))/reshape") for c in collectives(text))
+  # One all-gather of two arrays, as XLA combines them: ((operands), (results)). Its
+  # bytes are both results (2 x 8 x 4), in the list and in the totals alike.
+  two = text.replace(
+    "%ags = (f32[2]{0}, f32[8]{0}) all-gather-start(%a)",
+    "%ags = ((f32[2]{0}, s32[2]{0}), (f32[8]{0}, s32[8]{0})) all-gather-start(%a, %a)",
+  ).replace("%agd = f32[8]{0} all-gather-done", "%agd = (f32[8]{0}, s32[8]{0}) all-gather-done")
+  assert [c.bytes for c in collectives(two) if c.op == "all-gather"] == [64]
+  counted = two.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"3"}}')
+  assert collective_bytes(counted) == {"all-gather": 64, "all-reduce": 16, "collective-permute": 3 * 32}
 
 
 def test_ring_loops_are_named_by_what_they_are():
