@@ -286,6 +286,9 @@ def collectives(compiled) -> list[Collective]:
   kinds = "|".join(COLLECTIVES)
   for name, lines in comps.items():
     where = (loop_name(lines, callers[name]) or name) if name in callers else ""
+    # A body XLA shares between layers names the first layer in its ops' metadata; the
+    # while that runs it names the layer it runs for.
+    layer = re.search(r"layer_\d+", callers.get(name, ""))
     open_: dict[str, list] = {}
     for line in lines:
       ins = _instruction(line)
@@ -294,6 +297,8 @@ def collectives(compiled) -> list[Collective]:
       iname, opcode = ins
       base = re.fullmatch(rf"({kinds})(-start|-done)?", opcode)
       source = m.group(1) if (m := _OP_NAME.search(line)) else ""
+      if layer:
+        source = re.sub(r"layer_\d+", layer.group(0), source)
       if base and base.group(2) == "-start":
         open_[iname] = [base.group(1), _result_bytes(line), source, _IS_SYNC in line, 0]
       elif base and base.group(2) == "-done":

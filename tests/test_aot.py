@@ -305,8 +305,8 @@ def test_collectives_lists_each_with_its_loop_source_and_exposure():
 def test_ring_loops_are_named_by_what_they_are():
   """A loop is named from its permutes' source names (forward or backward step) and its
   while's call site (the layer): XLA shares one body between layers, whose metadata then
-  names only the first layer."""
-  from jax_ring.hlo import ring_overlap
+  names only the first layer; `collectives` names the call site's layer too."""
+  from jax_ring.hlo import collectives, ring_overlap
 
   permute = "collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}"
   step = 'metadata={op_name="jit(loss)/transpose(jvp(layer_0))/x/backward_ring_step/ppermute"}'
@@ -314,6 +314,9 @@ def test_ring_loops_are_named_by_what_they_are():
     "body=%body", 'body=%body, metadata={op_name="jit(loss)/transpose(jvp(layer_7))/x/while"}'
   )
   assert [s.name for s in ring_overlap(text)] == ["backward ring step, layer 7"]
+  assert [c.source for c in collectives(text)] == [
+    "jit(loss)/transpose(jvp(layer_7))/x/backward_ring_step/ppermute"
+  ]
   forward = text.replace("backward_ring_step", "forward_ring_step").replace(
     "transpose(jvp(layer_7))", "jvp(layer_2)"
   )
