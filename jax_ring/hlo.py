@@ -201,55 +201,73 @@ def ring_overlap(compiled) -> list[LoopOverlap]:
   program, forward and backward), how much of its compute runs while a transfer is in
   flight: the instructions of a scheduled module are listed in their execution order,
   so an op lies under a transfer when it comes after the transfer's start and before
-  its done. `compiled`: a `jax.stages.Compiled` or its `as_text()`."""
+  its done (`_walk`). `compiled`: a `jax.stages.Compiled` or its `as_text()`."""
   hlo = compiled if isinstance(compiled, str) else compiled.as_text()
   comps, _ = _computations(hlo)
   callers = _while_callers(comps)
-  bodies = set(callers)
   found = []
-  for body in sorted(bodies):
-    ops = [(i, op, line) for line in comps.get(body, ()) if (i := _instruction(line)) for op in [i[1]]]
-    starts = [n for (n, op), _, _ in ops if op == "collective-permute-start"]
-    sync = sum(op == "collective-permute" for (_, op), _, _ in ops)
-    if not starts and not sync:
+  for body in sorted(callers):
+    lines = comps.get(body, ())
+    ops = [ins[1] for line in lines if (ins := _instruction(line))]
+    starts, plain = ops.count("collective-permute-start"), ops.count("collective-permute")
+    if not starts and not plain:
       continue
-    # name -> [bytes, compute ops under it, synchronous]; a done whose start lies in an
-    # earlier iteration (XLA's pipeliner) counts the compute before it in this one.
-    open_: dict[str, list] = {}
-    transfers, hidden, compute, before = [], 0, 0, 0
-    for (name, op), _, line in ops:
-      if op == "collective-permute-start":
-        open_[name] = [_result_bytes(line), 0, _IS_SYNC in line]
-      elif op == "collective-permute-done":
-        started = open_.pop(_operand(line), None)
-        transfers.append(started if started is not None else [_result_bytes(line), before, False])
-      elif op == "collective-permute":
-        transfers.append([_result_bytes(line), 0, True])
-      elif op == "while" and (m := _WHILE.search(line)) and _sends(comps, m.group(1)):
-        continue  # a nested ring loop: counted as a body of its own
-      elif _heavy(op, line, comps):
-        compute += 1
-        hidden += bool(open_)
-        before += 1
-        for t in open_.values():
-          t[1] += 1
-    transfers += open_.values()  # started here, done in the next iteration
-    exposed = [t for t in transfers if t[2] or t[1] == 0]
-    sync += sum(_IS_SYNC in line for _, _, line in ops)
+    transfers, compute, hidden = _walk(comps, lines, "collective-permute")
+    exposed = [t for t in transfers if t[3] or t[4] == 0]
     found.append(
       LoopOverlap(
         body,
-        len(starts),
-        sync,
+        starts,
+        plain + sum(_IS_SYNC in line for line in lines),
         compute,
         hidden,
-        loop_name(comps.get(body, ()), callers[body]),
-        sum(t[0] for t in transfers) - sum(t[0] for t in exposed),
-        sum(t[0] for t in exposed),
+        loop_name(lines, callers[body]),
+        sum(t[1] for t in transfers) - sum(t[1] for t in exposed),
+        sum(t[1] for t in exposed),
         len(exposed),
       )
     )
   return found
+
+
+def _walk(comps, lines, kinds: str, rename=None) -> tuple[list[list], int, int]:
+  """(transfers, compute, hidden) of one scheduled computation: each collective whose
+  op name matches `kinds` (a regex) as [op, bytes (`_result_bytes`), source, blocks,
+  compute ops under it], in the order they end; `compute`, the heavy ops (`_heavy`);
+  `hidden`, those under some transfer. A collective blocks when it is a plain one or
+  an "is_sync" start. A nested loop that sends (a ring loop, reported as a body of its
+  own) is not this computation's compute, but a transfer in flight across it runs
+  under that loop's compute. A done whose start lies in an earlier iteration (XLA's
+  pipeliner) counts the compute before it in this one; a start whose done lies in the
+  next, the compute after it. `rename(source)`: the source as reported."""
+  open_: dict[str, list] = {}
+  transfers: list[list] = []
+  compute = hidden = 0
+  for line in lines:
+    ins = _instruction(line)
+    if ins is None:
+      continue
+    name, opcode = ins
+    base = re.fullmatch(rf"({kinds})(-start|-done)?", opcode)
+    if base:
+      source = m.group(1) if (m := _OP_NAME.search(line)) else ""
+      source = rename(source) if rename else source
+      op, phase = base.groups()
+      if phase == "-start":
+        open_[name] = [op, _result_bytes(line), source, _IS_SYNC in line, 0]
+      elif phase == "-done":
+        transfers.append(open_.pop(_operand(line), None) or [op, _result_bytes(line), source, False, compute])
+      else:
+        transfers.append([op, _result_bytes(line), source, True, 0])
+    elif opcode == "while" and (m := _WHILE.search(line)) and _sends(comps, m.group(1)):
+      for t in open_.values():
+        t[4] += 1
+    elif _heavy(opcode, line, comps):
+      compute += 1
+      hidden += bool(open_)
+      for t in open_.values():
+        t[4] += 1
+  return transfers + list(open_.values()), compute, hidden
 
 
 _IS_SYNC = '"is_sync":true'
@@ -289,31 +307,9 @@ def collectives(compiled) -> list[Collective]:
     # A body XLA shares between layers names the first layer in its ops' metadata; the
     # while that runs it names the layer it runs for.
     layer = re.search(r"layer_\d+", callers.get(name, ""))
-    open_: dict[str, list] = {}
-    for line in lines:
-      ins = _instruction(line)
-      if ins is None:
-        continue
-      iname, opcode = ins
-      base = re.fullmatch(rf"({kinds})(-start|-done)?", opcode)
-      source = m.group(1) if (m := _OP_NAME.search(line)) else ""
-      if layer:
-        source = re.sub(r"layer_\d+", layer.group(0), source)
-      if base and base.group(2) == "-start":
-        open_[iname] = [base.group(1), _result_bytes(line), source, _IS_SYNC in line, 0]
-      elif base and base.group(2) == "-done":
-        op, size, src, sync, under = open_.pop(
-          _operand(line), [base.group(1), _result_bytes(line), source, False, 1]
-        )
-        found.append(Collective(op, size, where, src, sync or under == 0))
-      elif base:
-        found.append(Collective(base.group(1), _result_bytes(line), where, source, True))
-      elif _heavy(opcode, line, comps):
-        for t in open_.values():
-          t[4] += 1
-    found += [
-      Collective(op, size, where, src, sync or under == 0) for op, size, src, sync, under in open_.values()
-    ]
+    rename = (lambda s, layer=layer: re.sub(r"layer_\d+", layer.group(0), s)) if layer else None
+    transfers, _, _ = _walk(comps, lines, kinds, rename)
+    found += [Collective(op, n, where, src, sync or under == 0) for op, n, src, sync, under in transfers]
   return found
 
 

@@ -273,6 +273,33 @@ def test_ring_overlap_reads_synchronous_and_exposed_transfers():
   assert (step.starts, step.synchronous, step.exposed_bytes) == (0, 1, 32) and not step.overlapped
 
 
+def test_a_transfer_across_a_nested_ring_loop_runs_under_its_compute():
+  """A loop over ring passes (a head group's edges) whose transfer is in flight across
+  a nested ring loop: hidden by that loop's compute, which is not counted as the outer
+  loop's own (the nested loop is reported as a body of its own)."""
+  from jax_ring.hlo import collectives, ring_overlap
+
+  outer = (
+    "%outer (o: (s32[], f32[8])) -> (s32[], f32[8]) {\n"
+    "  %o = (s32[], f32[8]) parameter(0)\n"
+    "  %y = f32[8]{0} get-tuple-element(%o), index=1\n"
+    "  %ops = (f32[8]{0}, f32[8]{0}) collective-permute-start(%y), source_target_pairs={{0,1},{1,0}}\n"
+    "  %inner = (s32[], f32[8]) while(%o), condition=%cond, body=%body\n"
+    "  %opd = f32[8]{0} collective-permute-done(%ops)\n"
+    "  ROOT %r = (s32[], f32[8]) tuple(%opd)\n"
+    "}\n"
+  )
+  text = outer + SCHEDULED.replace("body=%body", "body=%outer")
+  steps = {s.body: s for s in ring_overlap(text)}
+  assert set(steps) == {"body", "outer"}, steps
+  assert (steps["outer"].compute, steps["outer"].exposed, steps["outer"].hidden_bytes) == (0, 0, 32)
+  assert steps["body"] == ring_overlap(SCHEDULED)[0]  # the nested ring step as on its own
+  assert not [c for c in collectives(text) if c.exposed], collectives(text)
+  # Without the nested loop between its start and done, the same transfer is exposed.
+  bare = text.replace("  %inner = (s32[], f32[8]) while(%o), condition=%cond, body=%body\n", "")
+  assert {s.body: s for s in ring_overlap(bare)}["outer"].exposed == 1
+
+
 def test_collectives_lists_each_with_its_loop_source_and_exposure():
   """hlo.collectives: every collective with the loop it runs in, its source and whether
   compute hides it; outside the loops an all-gather pair with nothing between is
