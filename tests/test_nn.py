@@ -176,7 +176,9 @@ def test_make_attention_fn_matches_flax_default(devices):
     return nnx.value_and_grad(f, argnums=(0, 1))(m, x), m(x, mask=mask)
 
   ((va, (gma, gxa)), out_a), ((vb, (gmb, gxb)), out_b) = grads(ring, None), grads(flax_default, causal_mask)
-  assert abs(float(va - vb)) <= 1e-4 * abs(float(vb)) + 1e-5
+  # The loss, a float32 sum of 2,560 sines near 66: measured 1.2e-7 (1 device) and
+  # 4.6e-7 (8) of it apart.
+  assert abs(float(va - vb)) <= TOL * abs(float(vb))
   assert rel_err(out_a, out_b) < TOL
   assert rel_err(gxa, gxb) < TOL
   _assert_close_trees(gma, gmb)
