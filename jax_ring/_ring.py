@@ -209,7 +209,7 @@ class OwnHalves(NamedTuple):
   pass's first compute takes `first` (the later keys), under the first K/V transfer,
   and the last compute after every pass takes `last` (the earlier keys, which see the
   most queries under a causal mask), under the send of the last pass's dK/dV home.
-  Unsplit, that send came after the last compute with nothing left to run under it:
+  Unsplit, that send comes after the last compute with nothing left to run under it:
   32 MiB exposed per head group on 8 x H100 at 64K tokens of Llama-3-8B's attention
   with the XLA tiles, 4 MiB on TPU v5e 2x4 (`docs/guides/kernels.md`). `zeros()`: a
   half's zero dK/dV; `add(full, d, i)`: whole-shard dK/dV `full` with a half's dK/dV d
@@ -365,38 +365,17 @@ def _forward_passes(cfg: RingConfig, compute, kv, acc):
   return acc
 
 
-class KVGrads(NamedTuple):
-  """dK/dV of the local K/V as the backward passes leave them: `away`, the last pass's
-  pair, lies `cfg.home_shift` devices along the ring from its owner and is sent home
-  (`arrive`); `here`, the pairs that came home already (None if none). `away` is None
-  where the passes sent it home themselves (`OwnHalves`)."""
-
-  here: tuple | None
-  away: tuple
-
-  def map(self, f) -> KVGrads:
-    """The same grads with f applied to every array (layout changes commute with the send)."""
-    return jax.tree.map(f, self)
-
-
-def arrive(cfg: RingConfig, grads: KVGrads) -> tuple:
-  """(dk, dv) at their owner: `grads.away` sent home, plus `grads.here`."""
-  if grads.away is None:
-    return grads.here
-  away = _send_home(cfg, grads.away, cfg.home_shift)
-  return away if grads.here is None else jax.tree.map(jnp.add, grads.here, away)
-
-
 @jax.named_scope("backward_ring_pass")
 def _send_home(cfg: RingConfig, dkv, shift: int):
   return _send(dkv, cfg, shift) if shift % cfg.ring_size else dkv
 
 
 def _backward_passes(cfg: RingConfig, compute, kv, zeros_kv, dq, own: OwnHalves | None = None):
-  """(KVGrads of the local K/V, dq) after `compute(kv, dkv, dq)` with every K/V shard
-  the schedule visits; dK/dV follow their K/V. With `own`, the local K/V's compute is
+  """((dk, dv) of the local K/V, dq) after `compute(kv, dkv, dq)` with every K/V shard
+  the schedule visits; dK/dV follow their K/V and come home: the last pass leaves them
+  `cfg.home_shift` devices from their owner. With `own`, the local K/V's compute is
   split: the later half of its keys first, the earlier half after the last pass, with
-  the last pass's dK/dV on their way home meanwhile (all of them home: `away` None)."""
+  the last pass's dK/dV on their way home meanwhile."""
   back = cfg.steps_back
   dkv, dq = _pass_backward(cfg, compute, kv, zeros_kv, dq, back, +1, own)
   here = None
@@ -406,22 +385,23 @@ def _backward_passes(cfg: RingConfig, compute, kv, zeros_kv, dq, own: OwnHalves 
     here = _send_home(cfg, dkv, -back)
     dkv, dq = _pass_backward(cfg, compute, _send(kv, cfg, -1), zeros_kv, dq, cfg.steps_fwd - 1, -1)
   if own is None:
-    return KVGrads(here, dkv), dq
-  # The send home and the last compute start together, once the last pass is done (the
-  # barrier holds the K/V too: the Pallas kernels take no dq), and the dK/dV go in the
-  # pass's layout, with no conversion between that and their send. With the Pallas
-  # kernels dK and dV go as one array (`_bundled`): sent apart, XLA's v5e scheduler
-  # started the second after the last compute; with the XLA tiles they go apart, as
-  # bundled v5p and v6e exposed them (compiled at 64K tokens, `scripts/aot.py`).
-  dkv, dq, last = lax.optimization_barrier((dkv, dq, own.last))
-  if cfg.kernel == "pallas":
-    perm = ring_permutation(cfg.ring_size, cfg.home_shift, cfg.axis_size)
-    away = _bundled(dkv, lambda x: lax.ppermute(x, cfg.axis_name, perm))
+    dkv = _send_home(cfg, dkv, cfg.home_shift)
   else:
-    away = _send_home(cfg, dkv, cfg.home_shift)
-  dq, d = compute(last, own.zeros(), dq)
-  total = own.add(away, d, 0)
-  return KVGrads(total if here is None else jax.tree.map(jnp.add, here, total), None), dq
+    # The send home and the last compute start together, once the last pass is done
+    # (the barrier holds the K/V too: the Pallas kernels take no dq), and the dK/dV go
+    # in the pass's layout, with no conversion between that and their send. With the
+    # Pallas kernels dK and dV go as one array (`_bundled`): sent apart, XLA's v5e
+    # scheduler started the second after the last compute; with the XLA tiles they go
+    # apart, as bundled v5p and v6e exposed them (compiled at 64K, `scripts/aot.py`).
+    dkv, dq, last = lax.optimization_barrier((dkv, dq, own.last))
+    if cfg.kernel == "pallas":
+      perm = ring_permutation(cfg.ring_size, cfg.home_shift, cfg.axis_size)
+      dkv = _bundled(dkv, lambda x: lax.ppermute(x, cfg.axis_name, perm))
+    else:
+      dkv = _send_home(cfg, dkv, cfg.home_shift)
+    dq, d = compute(last, own.zeros(), dq)
+    dkv = own.add(dkv, d, 0)
+  return (dkv if here is None else jax.tree.map(jnp.add, here, dkv)), dq
 
 
 def ring_forward_state(cfg: RingConfig, x: Inputs):
@@ -449,12 +429,6 @@ def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   delta is sum(dO * O) over the head dim, minus the cotangent of lse if lse is an
   output too (d lse_i / d s_ij = p_ij enters the score gradient like -delta does).
   """
-  dq, grads = ring_backward_grads(cfg, x, do, lse, delta)
-  return dq, *arrive(cfg, grads)
-
-
-def ring_backward_grads(cfg: RingConfig, x: Inputs, do, lse, delta):
-  """(dq, KVGrads): ring_backward_state's dq, with dK/dV as the passes leave them."""
   if cfg.kernel == "pallas":
     return _pallas_backward_state(cfg, x, do, lse, delta)
   pol = cfg.policy
@@ -489,13 +463,13 @@ def ring_backward_grads(cfg: RingConfig, x: Inputs, do, lse, delta):
   nk = x.kv.k.shape[0]
   cut = lambda kv, i: _traveling(jax.tree.map(lambda a: _half(a, i, 0), kv))
   own = own_halves(cfg, x.kv, cut, zeros_kv, 0, nk, 2 if cfg.quadrants else 1)
-  grads, dq = _backward_passes(cfg, compute, _traveling(x.kv), zeros_kv, dq, own)
-  grads = grads.map(lambda x: jnp.swapaxes(x, -1, -2))  # back from transposed
+  (dk, dv), dq = _backward_passes(cfg, compute, _traveling(x.kv), zeros_kv, dq, own)
+  untranspose = lambda x: jnp.swapaxes(x, -1, -2)
   scale = jnp.asarray(cfg.scale, pol.accum_dtype)
   if extra:  # the slope column lacks no scale
     h = x.q.shape[-1]
-    return jnp.concatenate([dq[..., :h] * scale, dq[..., h:]], axis=-1), grads
-  return dq * scale, grads
+    return jnp.concatenate([dq[..., :h] * scale, dq[..., h:]], axis=-1), untranspose(dk), untranspose(dv)
+  return dq * scale, untranspose(dk), untranspose(dv)
 
 
 # Quadrants (RingConfig.quadrants): the shard's queries are one block [1, ..., t, ...]
@@ -733,9 +707,9 @@ def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
     _half(kv.k, i, 2), _half(kv.v, i, 2), _half(kv.pos, i, 0), None if kv.seg is None else _half(kv.seg, i, 1)
   )
   own = own_halves(cfg, kv, cut, zeros_kv, 2, kv.k.shape[2], cfg.block_kv)
-  grads, dq = _backward_passes(cfg, compute, kv, zeros_kv, dq, own)
+  (dk, dv), dq = _backward_passes(cfg, compute, kv, zeros_kv, dq, own)
   scale = jnp.asarray(cfg.scale, jnp.float32)
-  return _q_blocked(dq, x.q) * scale, grads.map(lambda x: _kv_blocked(x, cfg.block_kv))
+  return _q_blocked(dq, x.q) * scale, _kv_blocked(dk, cfg.block_kv), _kv_blocked(dv, cfg.block_kv)
 
 
 def _head_groups(cfg: RingConfig, q, k):
@@ -818,9 +792,6 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
   groups, wq, wk = _head_groups(cfg, res.q, res.k)
   # d lse_i / d s_ij = p_ij, so lse's cotangent enters every score gradient as -delta does.
   delta_all = jnp.sum(g_out.astype(acc) * res.out.astype(acc), axis=-1) - g_lse.astype(acc)  # [B, T, N]
-  put = lambda a, n, at: lax.dynamic_update_slice_in_dim(
-    a, n.astype(a.dtype), at, axis=1 if a.ndim == 2 else 2
-  )
 
   def group(grads, j):
     q, k, v = _heads(res.q, j, wq), _heads(res.k, j, wk), _heads(res.v, j, wk)
@@ -828,20 +799,16 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
     nq, b, kh, grp, bq, h = x.q.shape
     do = block_q(_heads(g_out, j, wq).astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
     rows = lambda r: block_rows(_heads(r, j, wq).reshape(b, -1, kh, grp), bq)
-    gq, kv_grads = ring_backward_grads(cfg, x, do, rows(res.lse), rows(delta_all))
-    kv_grads = kv_grads.map(unblock_kv)
-    if kv_grads.here is None:  # cast on arrival (`put`), so cast first: half the bytes in bf16
-      kv_grads = KVGrads(None, tuple(g.astype(x.dtype) for g, x in zip(kv_grads.away, (res.k, res.v))))
-    gk, gv = arrive(cfg, kv_grads)
-    dq, dk, dv = grads[:3]
-    new = [
-      put(dq, unblock_q(gq[..., :h] if cfg.mods.alibi else gq).reshape(q.shape), j * wq),
-      put(dk, gk, j * wk),
-      put(dv, gv, j * wk),
-    ]
+    gq, gk, gv = ring_backward_state(cfg, x, do, rows(res.lse), rows(delta_all))
+    new = [unblock_q(gq[..., :h] if cfg.mods.alibi else gq).reshape(q.shape), unblock_kv(gk), unblock_kv(gv)]
+    widths = [wq, wk, wk]
     if cfg.mods.alibi:  # the rows' shares of d loss / d slope, summed over the rows
-      new.append(put(grads[3], jnp.sum(unblock_rows(gq[..., h]).reshape(b, -1, wq), axis=1), j * wq))
-    return tuple(new), None
+      new.append(jnp.sum(unblock_rows(gq[..., h]).reshape(b, -1, wq), axis=1))
+      widths.append(wq)
+    return tuple(
+      lax.dynamic_update_slice_in_dim(a, n.astype(a.dtype), j * w, axis=1 if a.ndim == 2 else 2)
+      for a, n, w in zip(grads, new, widths)
+    ), None
 
   zeros = [zeros_varying_like(x.shape, x.dtype, x, res.k) for x in (res.q, res.k, res.v)]
   if cfg.mods.alibi:

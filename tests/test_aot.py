@@ -46,8 +46,9 @@ def _all_overlapped(report):
   all its compute under them, and compute under each (nothing exposed). A loop over
   head groups holds each backward pass's edges: its first K/V transfer and the send of
   the last pass's dK/dV home, each under one half of the local K/V's compute
-  (`_ring.OwnHalves`). There nothing is exposed either, though some compute may run
-  with no transfer in flight (the dq kernel after the dK/dV one, v5p and v6e Mosaic)."""
+  (`_ring.OwnHalves`). There nothing is exposed either, and all its compute runs under
+  a transfer but, with Mosaic, one kernel: the last half's dq kernel, after the dK/dV
+  one that covers the send (v5p and v6e)."""
   steps = report["ring_steps"]
   names = {s["name"] for s in steps}
   assert (
@@ -56,12 +57,13 @@ def _all_overlapped(report):
     <= {"forward ring step", "backward ring step", "backward ring pass edges"}
   ), steps
   assert report["kernel_resolved"] == (report["kernel"] if report["kernel"] != "auto" else "pallas")
+  mosaic = report["target"].startswith("v") and report["kernel_resolved"] == "pallas"
   for step in steps:
     assert step["synchronous"] == 0 and step["exposed"] == 0 and step["exposed_bytes"] == 0, step
-    if step["name"].endswith("ring step"):
+    if step["name"].endswith("ring step") or not mosaic:
       assert step["overlapped"], step
     else:
-      assert step["hidden_bytes"] > 0 and step["hidden"] >= 1, step
+      assert step["hidden_bytes"] > 0 and step["compute"] - step["hidden"] <= 1, step
 
 
 @pytest.mark.parametrize("kernel", ["xla", "pallas"])
