@@ -43,26 +43,99 @@ RING_KINDS = ("ring", "dense", "local")
 DILATED_KINDS = ("dilated", "dense")
 
 
-def rope_frequencies(head_dim: int, base: float = 10000.0, max_wavelength: float | None = None):
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """How a model stretches its rotary frequencies past the length it was first trained
+  at: each frequency base^(-2i / H) is divided by a factor of its own.
+
+  kind "linear": every frequency by `factor` (position interpolation, Chen et al. 2023,
+  arXiv 2306.15595; Gemma 3 4B+ on its global layers, factor 8). kind "llama3": Llama
+  3.1's rule (Meta's reference code, `apply_scaling`): wavelengths shorter than
+  original_max_position_embeddings / high_freq_factor keep their frequency, those
+  longer than original_max_position_embeddings / low_freq_factor are divided by
+  `factor`, and the ones between are interpolated smoothly. kind "factors": the
+  divisors themselves, one per frequency (what llama.cpp stores in a GGUF file as the
+  `rope_freqs.weight` tensor)."""
+
+  kind: str
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+  factors: tuple[float, ...] = ()
+
+  def __post_init__(self):
+    if self.kind not in ("linear", "llama3", "factors"):
+      raise ValueError(f"RopeScaling.kind={self.kind!r} is not one of ('linear', 'llama3', 'factors')")
+    if self.kind == "factors":
+      if not self.factors or not all(f > 0 for f in self.factors):
+        raise ValueError(f"RopeScaling.factors={self.factors!r} must be positive numbers, one per frequency")
+    elif not self.factor > 0:
+      raise ValueError(f"RopeScaling.factor={self.factor!r} must be positive")
+    if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+      raise ValueError(
+        f"RopeScaling high_freq_factor={self.high_freq_factor} must exceed low_freq_factor="
+        f"{self.low_freq_factor} > 0"
+      )
+
+  def divisors(self, inv_freq):
+    """The factor each of `inv_freq`'s frequencies is divided by."""
+    match self.kind:
+      case "linear":
+        return jnp.full_like(inv_freq, self.factor)
+      case "factors":
+        if len(self.factors) != inv_freq.shape[0]:
+          raise ValueError(
+            f"RopeScaling has {len(self.factors)} factors for {inv_freq.shape[0]} rotary frequencies"
+          )
+        return jnp.asarray(self.factors, jnp.float32)
+      case "llama3":
+        old = self.original_max_position_embeddings
+        wavelength = 2 * jnp.pi / inv_freq
+        smooth = (old / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        between = 1.0 / ((1 - smooth) / self.factor + smooth)
+        return jnp.where(
+          wavelength < old / self.high_freq_factor,
+          1.0,
+          jnp.where(wavelength > old / self.low_freq_factor, self.factor, between),
+        )
+    raise ValueError(f"Unsupported RopeScaling.kind={self.kind!r}")
+
+
+def rope_frequencies(
+  head_dim: int,
+  base: float = 10000.0,
+  max_wavelength: float | None = None,
+  scaling: RopeScaling | None = None,
+):
   """The head_dim / 2 rotary frequencies base^(-2i / head_dim). With `max_wavelength`,
   every frequency whose wavelength 2 pi / f exceeds it is set to 0: those dimension
   pairs carry no position at all (p-RoPE, Barbero et al. 2024, arXiv 2410.06205), so a
   model trained on sequences longer than `max_wavelength` has seen every angle its
-  rotations can make, at any distance."""
+  rotations can make, at any distance. `scaling`: a `RopeScaling` (Llama 3.1's rule,
+  linear interpolation), applied first."""
   inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim // 2, dtype=jnp.float32) / (head_dim // 2)))
+  if scaling is not None:
+    inv_freq = inv_freq / scaling.divisors(inv_freq)
   if max_wavelength is not None:
     inv_freq = jnp.where(2 * jnp.pi / inv_freq > max_wavelength, 0.0, inv_freq)
   return inv_freq
 
 
-def apply_rope(x, positions, base: float = 10000.0, max_wavelength: float | None = None):
+def apply_rope(
+  x,
+  positions,
+  base: float = 10000.0,
+  max_wavelength: float | None = None,
+  scaling: RopeScaling | None = None,
+):
   """Rotary position embedding (Su et al. 2021, RoFormer) of x [B, T, N, H] at
-  global positions [T] or [B, T]; pairs dimension i with i + H/2. `max_wavelength`:
-  see `rope_frequencies`."""
+  global positions [T] or [B, T]; pairs dimension i with i + H/2. `max_wavelength`,
+  `scaling`: see `rope_frequencies`."""
   h = x.shape[-1]
   if h % 2:
     raise ValueError(f"head_dim={h} must be even for rotary embeddings")
-  inv_freq = rope_frequencies(h, base, max_wavelength)
+  inv_freq = rope_frequencies(h, base, max_wavelength, scaling)
   angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [(B,) T, H/2]
   if angles.ndim == 2:
     angles = angles[None]
@@ -121,6 +194,7 @@ class _Projected(nnx.Module):
     out_sharding,
     rngs: nnx.Rngs,
     qk_norm_epsilon: float | None = None,
+    rope_scaling: RopeScaling | None = None,
   ):
     self.num_heads = _positive_int("num_heads", num_heads)
     self.in_features = _positive_int("in_features", in_features)
@@ -142,8 +216,11 @@ class _Projected(nnx.Module):
       or not rope_max_wavelength > 0
     ):
       raise ValueError(f"rope_max_wavelength={rope_max_wavelength!r} must be a positive number or None")
+    if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
+      raise TypeError(f"rope_scaling={rope_scaling!r} must be a jax_ring.nn.RopeScaling or None")
     self.rope_base = rope_base
     self.rope_max_wavelength = rope_max_wavelength
+    self.rope_scaling = nnx.static(rope_scaling)
     out_features = in_features if out_features is None else _positive_int("out_features", out_features)
     init = nnx.initializers.lecun_normal() if kernel_init is None else kernel_init
     common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -174,7 +251,7 @@ class _Projected(nnx.Module):
       q, k = self.query_norm(q), self.key_norm(k)
     if self.rope_base is not None:
       pos = jnp.arange(t) if positions is None else positions
-      rope = lambda x: apply_rope(x, pos, self.rope_base, self.rope_max_wavelength)
+      rope = lambda x: apply_rope(x, pos, self.rope_base, self.rope_max_wavelength, self.rope_scaling)
       q, k = rope(q), rope(k)
     return q, k, v
 
@@ -276,6 +353,7 @@ class RingAttention(_Cached, _Projected):
     rope_base: rotary embeddings with this base on q and k at global positions
       (None: none). rope_max_wavelength: frequencies of longer wavelength are dropped
       (`rope_frequencies`), for models run past the length they were trained at.
+      rope_scaling: a `RopeScaling` of the frequencies (Llama 3.1's, linear), or None.
     qk_norm_epsilon: an RMSNorm over the head dimension (with this epsilon) on each
       query and key head after the projections, before the rotary embeddings (Gemma 3,
       OLMo 2, Qwen 3); None: none.
@@ -318,6 +396,7 @@ class RingAttention(_Cached, _Projected):
     attention_dropout_rate: float = 0.0,
     rope_base: float | None = None,
     rope_max_wavelength: float | None = None,
+    rope_scaling: RopeScaling | None = None,
     qk_norm_epsilon: float | None = None,
     use_bias: bool = False,
     dtype=None,
@@ -344,6 +423,7 @@ class RingAttention(_Cached, _Projected):
       out_sharding=out_sharding,
       rngs=rngs,
       qk_norm_epsilon=qk_norm_epsilon,
+      rope_scaling=rope_scaling,
     )
     self.kind = kind
     self.options = nnx.static(
@@ -836,9 +916,11 @@ def _attend_cached_prefix(query, key, value, visible, mesh, seq_axis, batch_axis
 __all__ = [
   "DilatedAttention",
   "RingAttention",
+  "RopeScaling",
   "SegmentMask",
   "apply_rope",
   "make_attention_fn",
+  "rope_frequencies",
   "segment_mask",
   "shard_segments",
 ]

@@ -8,10 +8,14 @@ main job) and the rest of the package's modules.
 
 import importlib
 
+from .checkpoints import build, config, load, load_gguf, save
 from .gemma import Gemma, GemmaConfig
 from .generate import Generated, generate
-from .gguf import GGUFFile, Tokenizer, load_gguf
+from .gguf import GGUFFile, Tokenizer
+from .llama import Llama, LlamaConfig
 from .longnet import LongNet, LongNetConfig
+from .qwen3 import Qwen3, Qwen3Config
+from .tokenizer import HFTokenizer
 from .transformer import ATTENTION_KINDS, DecoderLM, LMConfig
 
 __all__ = [
@@ -21,12 +25,21 @@ __all__ = [
   "Gemma",
   "GemmaConfig",
   "Generated",
+  "HFTokenizer",
   "LMConfig",
+  "Llama",
+  "LlamaConfig",
   "LongNet",
   "LongNetConfig",
+  "Qwen3",
+  "Qwen3Config",
   "Tokenizer",
+  "build",
+  "config",
   "generate",
+  "load",
   "load_gguf",
+  "save",
 ]
 
 # Submodules reached as attributes (`models.runtime.initialize_distributed()`), imported

@@ -21,25 +21,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jax_ring import nn as ring_nn
 
+from . import decoder
+from .decoder import ATTENTION_KINDS, CausalLM
 from .transformer import GatedMLP
 
-ATTENTION_KINDS = ("ring", "dense", "local")
+__all__ = ["ATTENTION_KINDS", "CONFIGS", "Gemma", "GemmaConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmaConfig:
-  """Gemma 3's hyper-parameters; the defaults are Gemma 3 270M's."""
+  """Gemma 3's hyper-parameters; the defaults are Gemma 3 270M's.
 
+  rope_scaling: a `jax_ring.nn.RopeScaling` of the global layers' frequencies (Gemma 3
+  4B, 12B and 27B: linear, factor 8); the windowed layers are never scaled.
+  query_pre_attn_scalar: logits are scaled by its -1/2 power (None: head_dim's; 27B:
+  168 for head_dim 128)."""
+
+  model_type: ClassVar[str] = "gemma3_text"
   vocab_size: int = 262144
   dim: int = 640
   num_layers: int = 18
@@ -51,8 +56,11 @@ class GemmaConfig:
   global_every: int = 6  # layers global_every - 1, 2 * global_every - 1, ... attend to everything
   rope_base: float = 1_000_000.0  # global layers
   local_rope_base: float = 10_000.0  # windowed layers
+  rope_scaling: ring_nn.RopeScaling | None = None  # global layers
+  query_pre_attn_scalar: float | None = None
   norm_eps: float = 1e-6
   context_length: int = 32768
+  tie_embeddings: bool = True
   attention: str = "ring"
   dtype: str | None = None  # compute dtype (None: float32)
   param_dtype: str = "float32"
@@ -61,73 +69,37 @@ class GemmaConfig:
     return (layer + 1) % self.global_every == 0
 
   def validate(self, mesh, seq_axis) -> None:
-    for name in (
-      "vocab_size",
-      "dim",
-      "num_layers",
-      "num_heads",
-      "num_kv_heads",
-      "head_dim",
-      "mlp_hidden",
-      "window",
-      "global_every",
-      "context_length",
-    ):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"GemmaConfig.{name}={value!r} must be a positive int")
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-        f"GemmaConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
-      )
-    if self.attention not in ATTENTION_KINDS:
-      raise ValueError(f"attention={self.attention!r} is not one of {ATTENTION_KINDS}")
-    if self.attention != "dense" and not isinstance(mesh, jax.sharding.Mesh):
-      raise ValueError(f"attention={self.attention!r} needs mesh= a jax.sharding.Mesh; got {mesh!r}")
-    if isinstance(mesh, jax.sharding.Mesh) and seq_axis not in mesh.axis_names:
-      raise ValueError(f"seq_axis={seq_axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+    decoder.check_config(self, mesh, seq_axis, extra_ints=("window", "global_every"))
+    if self.tie_embeddings is not True:
+      raise ValueError(f"GemmaConfig.tie_embeddings={self.tie_embeddings!r}: Gemma 3's head is its embedding")
+    scalar = self.query_pre_attn_scalar
+    if scalar is not None and not (isinstance(scalar, (int, float)) and scalar > 0):
+      raise ValueError(f"GemmaConfig.query_pre_attn_scalar={scalar!r} must be a positive number or None")
 
 
 gelu_tanh = functools.partial(jax.nn.gelu, approximate=True)
-
-
-class GemmaAttention(ring_nn.RingAttention):
-  """`jax_ring.nn.RingAttention` whose "dense" kind is `jax.nn.dot_product_attention`
-  (XLA: every score computed, then masked), the model's one-device reference, written
-  apart from the ring's code."""
-
-  def attend(self, q, k, v, segment_ids, token_order: str = "natural"):
-    if self.kind != "dense":
-      return super().attend(q, k, v, segment_ids, token_order)
-    o = dict(self.options)
-    return jax.nn.dot_product_attention(
-      q, k, v, is_causal=True, local_window_size=o["local_window_size"], implementation="xla"
-    )
+GemmaAttention = decoder.Attention
 
 
 class GemmaBlock(nnx.Module):
   def __init__(self, config: GemmaConfig, layer: int, *, mesh, seq_axis, rngs: nnx.Rngs):
-    dt, pdt = _dtype(config.dtype), jnp.dtype(config.param_dtype)
-    norm = lambda: nnx.RMSNorm(config.dim, epsilon=config.norm_eps, dtype=dt, param_dtype=pdt, rngs=rngs)
+    dt, pdt = decoder.dtypes(config)
+    norm = lambda: decoder.rms_norm(config, rngs=rngs)
     is_global = config.is_global(layer)
+    scalar = config.query_pre_attn_scalar
     self.attn_norm = norm()
-    self.attn = GemmaAttention(
-      config.num_heads,
-      config.dim,
-      kind=config.attention,
-      num_kv_heads=config.num_kv_heads,
-      head_dim=config.head_dim,
-      mesh=mesh if config.attention != "dense" else None,
+    self.attn = decoder.make_attention(
+      config,
+      mesh=mesh,
       seq_axis=seq_axis,
-      is_causal=True,
+      rngs=rngs,
       local_window_size=None if is_global else (config.window - 1, 0),
       # A window's ring stops where the window ends only in the contiguous layout.
       layout="auto" if is_global else "contiguous",
       rope_base=config.rope_base if is_global else config.local_rope_base,
+      rope_scaling=config.rope_scaling if is_global else None,
       qk_norm_epsilon=config.norm_eps,
-      dtype=dt,
-      param_dtype=pdt,
-      rngs=rngs,
+      query_scale=1.0 if scalar is None else (config.head_dim / scalar) ** 0.5,
     )
     self.post_attn_norm = norm()
     self.mlp_norm = norm()
@@ -141,133 +113,218 @@ class GemmaBlock(nnx.Module):
     return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
 
 
-class Gemma(nnx.Module):
-  """Gemma 3: tokens int [B, T] -> logits float32 [B, T, V], T up to the context length.
+class Gemma(CausalLM):
+  """Gemma 3: tokens int [B, T] -> logits float32 [B, T, V] (`decoder.CausalLM`);
+  embeddings scaled by sqrt(D), the head tied to them."""
 
-  `hidden(tokens)` gives the final normed states [B, T, D] and `logits(h)` their
-  logits, so a caller can score a few positions of a long sequence without the
-  [T, V] array (V = 262,144: 34 GB of float32 at T = 32K).
+  def make_block(self, config, layer, *, mesh, seq_axis, rngs):
+    return GemmaBlock(config, layer, mesh=mesh, seq_axis=seq_axis, rngs=rngs)
 
-  Generation (`models.generate`): `init_cache(batch, max_length)`, `prefill(tokens,
-  lengths=)` (logits [B, V] at each row's last prompt token), `decode(tokens)`.
-  """
-
-  def __init__(self, config: GemmaConfig, *, mesh=None, seq_axis="seq", rngs: nnx.Rngs):
-    config.validate(mesh, seq_axis)
-    self.config = config
-    self.placement = nnx.static((mesh if config.attention != "dense" else None, seq_axis))
-    dt, pdt = _dtype(config.dtype), jnp.dtype(config.param_dtype)
-    self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
-    self.blocks = nnx.List(
-      [GemmaBlock(config, i, mesh=mesh, seq_axis=seq_axis, rngs=rngs) for i in range(config.num_layers)]
-    )
-    self.norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, dtype=dt, param_dtype=pdt, rngs=rngs)
-
-  def _check_tokens(self, tokens, name="tokens"):
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"{name} shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
-    if tokens.shape[1] > self.config.context_length:
-      raise ValueError(
-        f"{name} of length {tokens.shape[1]} exceed the context length {self.config.context_length}"
-      )
-
-  def _shard(self, x):
-    """x [B, T, D] split over the mesh's seq axis, as the attention wants it."""
-    mesh, seq_axis = self.placement
-    if mesh is None or x.shape[1] % mesh.shape[seq_axis]:
-      return x  # an uneven length: the attention pads it (and outside jit a constraint cannot)
-    auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(auto, P(None, seq_axis, None)))
-
-  def hidden(self, tokens, attend=None, *, shard: bool = True):
-    """The final normed hidden states [B, T, D] (the head's input)."""
-    self._check_tokens(tokens)
-    if attend is None:
-      attend = lambda attn, h: attn(h)
-    x = self.embed(tokens)
-    x = x * jnp.asarray(math.sqrt(self.config.dim), x.dtype)
-    x = self._shard(x) if shard else x
-    for block in self.blocks:
-      x = block(x, attend)
-    return self.norm(x)
-
-  def logits(self, h):
-    """Logits float32 [..., V] of hidden states [..., D] (the head is the embedding)."""
-    return self.embed.attend(h).astype(jnp.float32)
-
-  def __call__(self, tokens):
-    return self.logits(self.hidden(tokens))
-
-  def init_cache(self, batch_size: int, max_length: int, *, dtype=None) -> None:
-    """Empty KV caches in every layer for `max_length` tokens per row."""
-    if self.config.attention == "local":
-      raise ValueError("attention='local' has no decode mode (a baseline); load with 'ring' or 'dense'")
-    if max_length > self.config.context_length:
-      raise ValueError(
-        f"max_length={max_length} (prompt and new tokens) exceeds the context length "
-        f"{self.config.context_length}"
-      )
-    for block in self.blocks:
-      block.attn.init_cache(batch_size, max_length, dtype=dtype)
-
-  def prefill(self, tokens, *, lengths=None):
-    """Logits [B, V] at each row's last prompt token (row b: its first lengths[b]
-    tokens), filling the caches from scratch."""
-    self._check_tokens(tokens)
-    h = self.hidden(tokens, lambda attn, h: attn.prefill(h, lengths=lengths))
-    ends = jnp.full((tokens.shape[0],), tokens.shape[1]) if lengths is None else jnp.asarray(lengths)
-    at_last = jnp.arange(tokens.shape[1])[None, :, None] == (ends - 1)[:, None, None]
-    return self.logits(jnp.sum(jnp.where(at_last, h, 0), axis=1))
-
-  def decode(self, tokens):
-    """Logits [B, Tq, V] of each row's next Tq tokens, appended to the caches."""
-    return self.logits(self.hidden(tokens, lambda attn, h: attn.decode(h), shard=False))
+  embed_scale = staticmethod(decoder.embed_scale_sqrt_dim)
 
 
-# GGUF tensor names (llama.cpp's gemma3 map) -> the module's parameter paths; "{i}" is
-# the layer. Linear kernels are transposed: GGUF stores (out, in), nnx.Linear [in, out].
-GGUF_TENSORS = {
-  "token_embd.weight": ("embed.embedding", False),
-  "output_norm.weight": ("norm.scale", False),
-  "blk.{i}.attn_norm.weight": ("blocks.{i}.attn_norm.scale", False),
-  "blk.{i}.attn_q.weight": ("blocks.{i}.attn.query.kernel", True),
-  "blk.{i}.attn_k.weight": ("blocks.{i}.attn.key.kernel", True),
-  "blk.{i}.attn_v.weight": ("blocks.{i}.attn.value.kernel", True),
-  "blk.{i}.attn_q_norm.weight": ("blocks.{i}.attn.query_norm.scale", False),
-  "blk.{i}.attn_k_norm.weight": ("blocks.{i}.attn.key_norm.scale", False),
-  "blk.{i}.attn_output.weight": ("blocks.{i}.attn.out.kernel", True),
-  "blk.{i}.post_attention_norm.weight": ("blocks.{i}.post_attn_norm.scale", False),
-  "blk.{i}.ffn_norm.weight": ("blocks.{i}.mlp_norm.scale", False),
-  "blk.{i}.ffn_gate.weight": ("blocks.{i}.mlp.gate.kernel", True),
-  "blk.{i}.ffn_up.weight": ("blocks.{i}.mlp.up.kernel", True),
-  "blk.{i}.ffn_down.weight": ("blocks.{i}.mlp.down.kernel", True),
-  "blk.{i}.post_ffw_norm.weight": ("blocks.{i}.post_mlp_norm.scale", False),
+# Released configs (config.json of each google/gemma-3-* repository on Hugging Face;
+# the 4B, 12B and 27B values are their "text_config"s).
+CONFIGS = {
+  "gemma-3-270m": GemmaConfig(),
+  "gemma-3-1b": GemmaConfig(dim=1152, num_layers=26, mlp_hidden=6912),
+  "gemma-3-4b": GemmaConfig(
+    vocab_size=262208,
+    dim=2560,
+    num_layers=34,
+    num_heads=8,
+    num_kv_heads=4,
+    mlp_hidden=10240,
+    window=1024,
+    rope_scaling=ring_nn.RopeScaling("linear", factor=8.0),
+    context_length=131072,
+  ),
+  "gemma-3-12b": GemmaConfig(
+    vocab_size=262208,
+    dim=3840,
+    num_layers=48,
+    num_heads=16,
+    num_kv_heads=8,
+    mlp_hidden=15360,
+    window=1024,
+    rope_scaling=ring_nn.RopeScaling("linear", factor=8.0),
+    context_length=131072,
+  ),
+  "gemma-3-27b": GemmaConfig(
+    vocab_size=262208,
+    dim=5376,
+    num_layers=62,
+    num_heads=32,
+    num_kv_heads=16,
+    head_dim=128,
+    mlp_hidden=21504,
+    window=1024,
+    rope_scaling=ring_nn.RopeScaling("linear", factor=8.0),
+    query_pre_attn_scalar=168.0,
+    context_length=131072,
+  ),
 }
 
+# Tensor tables: a file's tensor name -> (the module's parameter path, how to read it).
+# "{i}" is the layer. "T": transposed (files store (out, in), nnx.Linear [in, out]);
+# "+1": Hugging Face stores Gemma's RMSNorm scale as w for x * (1 + w), the module
+# (and llama.cpp's GGUF) as 1 + w.
+HF_TENSORS = {
+  "model.embed_tokens.weight": ("embed.embedding", ""),
+  "model.norm.weight": ("norm.scale", "+1"),
+  "model.layers.{i}.input_layernorm.weight": ("blocks.{i}.attn_norm.scale", "+1"),
+  "model.layers.{i}.self_attn.q_proj.weight": ("blocks.{i}.attn.query.kernel", "T"),
+  "model.layers.{i}.self_attn.k_proj.weight": ("blocks.{i}.attn.key.kernel", "T"),
+  "model.layers.{i}.self_attn.v_proj.weight": ("blocks.{i}.attn.value.kernel", "T"),
+  "model.layers.{i}.self_attn.q_norm.weight": ("blocks.{i}.attn.query_norm.scale", "+1"),
+  "model.layers.{i}.self_attn.k_norm.weight": ("blocks.{i}.attn.key_norm.scale", "+1"),
+  "model.layers.{i}.self_attn.o_proj.weight": ("blocks.{i}.attn.out.kernel", "T"),
+  "model.layers.{i}.post_attention_layernorm.weight": ("blocks.{i}.post_attn_norm.scale", "+1"),
+  "model.layers.{i}.pre_feedforward_layernorm.weight": ("blocks.{i}.mlp_norm.scale", "+1"),
+  "model.layers.{i}.mlp.gate_proj.weight": ("blocks.{i}.mlp.gate.kernel", "T"),
+  "model.layers.{i}.mlp.up_proj.weight": ("blocks.{i}.mlp.up.kernel", "T"),
+  "model.layers.{i}.mlp.down_proj.weight": ("blocks.{i}.mlp.down.kernel", "T"),
+  "model.layers.{i}.post_feedforward_layernorm.weight": ("blocks.{i}.post_mlp_norm.scale", "+1"),
+}
+# llama.cpp's gemma3 names.
+GGUF_TENSORS = {
+  "token_embd.weight": ("embed.embedding", ""),
+  "output_norm.weight": ("norm.scale", ""),
+  "blk.{i}.attn_norm.weight": ("blocks.{i}.attn_norm.scale", ""),
+  "blk.{i}.attn_q.weight": ("blocks.{i}.attn.query.kernel", "T"),
+  "blk.{i}.attn_k.weight": ("blocks.{i}.attn.key.kernel", "T"),
+  "blk.{i}.attn_v.weight": ("blocks.{i}.attn.value.kernel", "T"),
+  "blk.{i}.attn_q_norm.weight": ("blocks.{i}.attn.query_norm.scale", ""),
+  "blk.{i}.attn_k_norm.weight": ("blocks.{i}.attn.key_norm.scale", ""),
+  "blk.{i}.attn_output.weight": ("blocks.{i}.attn.out.kernel", "T"),
+  "blk.{i}.post_attention_norm.weight": ("blocks.{i}.post_attn_norm.scale", ""),
+  "blk.{i}.ffn_norm.weight": ("blocks.{i}.mlp_norm.scale", ""),
+  "blk.{i}.ffn_gate.weight": ("blocks.{i}.mlp.gate.kernel", "T"),
+  "blk.{i}.ffn_up.weight": ("blocks.{i}.mlp.up.kernel", "T"),
+  "blk.{i}.ffn_down.weight": ("blocks.{i}.mlp.down.kernel", "T"),
+  "blk.{i}.post_ffw_norm.weight": ("blocks.{i}.post_mlp_norm.scale", ""),
+}
 
-def config_from_gguf(gguf_file, **overrides) -> GemmaConfig:
-  """The GemmaConfig a gemma3 GGUF file's metadata describes."""
-  f = lambda key: gguf_file.field(f"gemma3.{key}")
-  key_len, value_len = f("attention.key_length"), f("attention.value_length")
-  if key_len != value_len:
-    raise ValueError(f"gemma3.attention.key_length={key_len} != value_length={value_len}: not supported")
-  if gguf_file.field("gemma3.final_logit_softcapping") is not None:
-    raise ValueError("gemma3.final_logit_softcapping is set: Gemma 3 has none, and this loader applies none")
+MODEL = Gemma
+MODEL_TYPES = ("gemma3_text", "gemma3")  # "gemma3": the multimodal folder; its text_config is read
+ARCHITECTURE = "Gemma3ForCausalLM"
+GGUF_ARCH = "gemma3"
+
+
+def config_from_hf(cfg, **overrides) -> GemmaConfig:
+  """The GemmaConfig of a Gemma 3 config.json (`hf.ConfigReader`); every key that
+  changes the computation is applied or refused."""
+  cfg.expect("hidden_activation", "gelu_pytorch_tanh", also=("hidden_act",))
+  cfg.expect("attention_bias", False)
+  cfg.expect("attention_dropout", 0.0)
+  cfg.expect("final_logit_softcapping", None)
+  cfg.expect("attn_logit_softcapping", None)
+  cfg.expect("use_bidirectional_attention", False)
+  layers = cfg.int("num_hidden_layers")
+  global_every = cfg.get("sliding_window_pattern", 6)
+  types = cfg.get("layer_types")
+  if types is not None:
+    global_every = hf_global_every(types, layers)
+  full, full_scaling = cfg.rope("full_attention")
+  local, local_scaling = cfg.rope("sliding_attention", default_theta=cfg.get("rope_local_base_freq", 10000.0))
+  if local_scaling is not None:
+    raise ValueError(
+      f"{cfg.where}: rope scaling on the sliding-window layers is not supported (Gemma 3 has none)"
+    )
+  head_dim = cfg.int("head_dim")
+  scalar = cfg.get("query_pre_attn_scalar", head_dim)
   return GemmaConfig(
-    vocab_size=len(gguf_file.field("tokenizer.ggml.tokens")),
-    dim=int(f("embedding_length")),
-    num_layers=int(f("block_count")),
-    num_heads=int(f("attention.head_count")),
-    num_kv_heads=int(f("attention.head_count_kv")),
-    head_dim=int(key_len),
-    mlp_hidden=int(f("feed_forward_length")),
-    window=int(f("attention.sliding_window")),
-    rope_base=float(f("rope.freq_base")),
-    norm_eps=float(f("attention.layer_norm_rms_epsilon")),
-    context_length=int(f("context_length")),
+    vocab_size=cfg.int("vocab_size"),
+    dim=cfg.int("hidden_size"),
+    num_layers=layers,
+    num_heads=cfg.int("num_attention_heads"),
+    num_kv_heads=cfg.int("num_key_value_heads"),
+    head_dim=head_dim,
+    mlp_hidden=cfg.int("intermediate_size"),
+    window=cfg.int("sliding_window"),
+    global_every=int(global_every),
+    rope_base=full,
+    local_rope_base=local,
+    rope_scaling=full_scaling,
+    query_pre_attn_scalar=None if float(scalar) == head_dim else float(scalar),
+    norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+    context_length=cfg.int("max_position_embeddings"),
     **overrides,
   )
 
 
-def _dtype(name):
-  return None if name is None else jnp.dtype(name)
+def hf_global_every(types, layers: int) -> int:
+  """The period of a `layer_types` list whose every k-th layer is "full_attention"."""
+  full = [i for i, t in enumerate(types) if t == "full_attention"]
+  if len(types) != layers or not full or any(t not in ("full_attention", "sliding_attention") for t in types):
+    raise ValueError(
+      f"layer_types={types!r} must name {layers} layers as full_attention or sliding_attention"
+    )
+  k = full[0] + 1
+  if full != list(range(k - 1, layers, k)):
+    raise ValueError(f"layer_types={types!r}: only every k-th layer global (a period) is supported")
+  return k
+
+
+def hf_config(config: GemmaConfig) -> dict:
+  """config.json for `config`, as transformers writes a Gemma3ForCausalLM's."""
+  types = ["full_attention" if config.is_global(i) else "sliding_attention" for i in range(config.num_layers)]
+  scaling = config.rope_scaling
+  return dict(
+    vocab_size=config.vocab_size,
+    hidden_size=config.dim,
+    intermediate_size=config.mlp_hidden,
+    num_hidden_layers=config.num_layers,
+    num_attention_heads=config.num_heads,
+    num_key_value_heads=config.num_kv_heads,
+    head_dim=config.head_dim,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=config.context_length,
+    rms_norm_eps=config.norm_eps,
+    rope_theta=config.rope_base,
+    rope_local_base_freq=config.local_rope_base,
+    rope_scaling=None if scaling is None else {"rope_type": "linear", "factor": scaling.factor},
+    sliding_window=config.window,
+    sliding_window_pattern=config.global_every,
+    layer_types=types,
+    query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
+    attention_bias=False,
+    attention_dropout=0.0,
+    final_logit_softcapping=None,
+    attn_logit_softcapping=None,
+    tie_word_embeddings=True,
+  )
+
+
+def config_from_gguf(gguf_file, **overrides) -> GemmaConfig:
+  """The GemmaConfig a gemma3 GGUF file's metadata describes."""
+  f = gguf_file.arch_reader("gemma3")
+  f.expect("final_logit_softcapping", None)
+  f.expect("attn_logit_softcapping", None)
+  key_len, value_len = f.int("attention.key_length"), f.int("attention.value_length")
+  if key_len != value_len:
+    raise ValueError(f"gemma3.attention.key_length={key_len} != value_length={value_len}: not supported")
+  layers, dim, heads = f.int("block_count"), f.int("embedding_length"), f.int("attention.head_count")
+  # llama.cpp scales the 27B model's queries by (dim / heads)^-1/2 and the others' by
+  # head_dim^-1/2 (llama-model.cpp, LLM_ARCH_GEMMA3); the 27B has 62 layers.
+  scalar = dim / heads if layers == 62 else None
+  pattern = f.get("attention.sliding_window_pattern", 6)
+  if isinstance(pattern, list):  # per layer: True where the layer is windowed
+    pattern = hf_global_every(["sliding_attention" if w else "full_attention" for w in pattern], layers)
+  return GemmaConfig(
+    vocab_size=gguf_file.vocab_size,
+    dim=dim,
+    num_layers=layers,
+    num_heads=heads,
+    num_kv_heads=f.int("attention.head_count_kv"),
+    head_dim=key_len,
+    mlp_hidden=f.int("feed_forward_length"),
+    window=f.int("attention.sliding_window"),
+    global_every=int(pattern),
+    rope_base=float(f.get("rope.freq_base", 1_000_000.0)),
+    rope_scaling=f.rope_scaling(),
+    query_pre_attn_scalar=scalar,
+    norm_eps=float(f.get("attention.layer_norm_rms_epsilon", 1e-6)),
+    context_length=f.int("context_length"),
+    **overrides,
+  )

@@ -178,6 +178,8 @@ def generate(
       f"prompts shape={tuple(prompts.shape)} dtype={prompts.dtype} must be int [batch, length]"
     )
   b, p = prompts.shape
+  if callable(getattr(model, "check_tokens", None)):  # ids in the vocabulary, before tracing
+    model.check_tokens(prompts, "prompts")
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
   if prompt_lengths is None:

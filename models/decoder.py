@@ -1,0 +1,282 @@
+"""What every pretrained decoder here shares: the checks of its config and its tokens,
+the attention module (ring, dense or shard-local), the pre-norm block of Llama and
+Qwen, and `CausalLM`, the model around the blocks (embedding, final norm, head,
+prompt fill and decoding on the sequence-sharded KV cache).
+
+An architecture (`gemma`, `llama`, `qwen3`) is a module of its own: a frozen config,
+its block, and the tables that map a file's tensor names onto the model.
+
+Legend: B batch, T sequence length, D model width, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_ring import nn as ring_nn
+
+from .transformer import GatedMLP
+
+ATTENTION_KINDS = ("ring", "dense", "local")
+# The config fields every architecture's config has (the loader and `models.save` read them).
+POSITIVE_INTS = (
+  "vocab_size",
+  "dim",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "mlp_hidden",
+  "context_length",
+)
+
+
+def float_dtype(value, name: str):
+  """`value` as a floating jnp dtype (None stays None); a ValueError names `name` else."""
+  if value is None:
+    return None
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError as e:
+    raise ValueError(f"{name}={value!r} is not a dtype; expected a float dtype such as 'bfloat16'") from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{name}={value!r} is not a floating dtype; expected 'float32', 'bfloat16' or 'float16'")
+  return dtype
+
+
+def check_config(config, mesh, seq_axis, extra_ints=()) -> None:
+  """ValueError naming the first field of `config` (or argument) that cannot run."""
+  cls = type(config).__name__
+  for name in POSITIVE_INTS + tuple(extra_ints):
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{cls}.{name}={value!r} must be a positive int")
+  if config.num_heads % config.num_kv_heads:
+    raise ValueError(
+      f"{cls}.num_heads={config.num_heads} must be a multiple of num_kv_heads={config.num_kv_heads}"
+    )
+  if config.head_dim % 2:
+    raise ValueError(f"{cls}.head_dim={config.head_dim} must be even for rotary embeddings")
+  if config.rope_scaling is not None and not isinstance(config.rope_scaling, ring_nn.RopeScaling):
+    raise ValueError(f"{cls}.rope_scaling={config.rope_scaling!r} must be a jax_ring.nn.RopeScaling or None")
+  float_dtype(config.dtype, "dtype")
+  if float_dtype(config.param_dtype, "param_dtype") is None:
+    raise ValueError(f"{cls}.param_dtype=None: expected a float dtype such as 'float32'")
+  if config.attention not in ATTENTION_KINDS:
+    raise ValueError(f"attention={config.attention!r} is not one of {ATTENTION_KINDS}")
+  if config.attention != "dense" and not isinstance(mesh, jax.sharding.Mesh):
+    raise ValueError(f"attention={config.attention!r} needs mesh= a jax.sharding.Mesh; got {mesh!r}")
+  if isinstance(mesh, jax.sharding.Mesh) and seq_axis not in mesh.axis_names:
+    raise ValueError(f"seq_axis={seq_axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+
+
+def dtypes(config):
+  """(compute dtype or None, parameter dtype) of a config."""
+  return float_dtype(config.dtype, "dtype"), float_dtype(config.param_dtype, "param_dtype")
+
+
+class Attention(ring_nn.RingAttention):
+  """`jax_ring.nn.RingAttention` whose "dense" kind is `jax.nn.dot_product_attention`
+  (XLA: every score computed, then masked), the models' one-device reference, written
+  apart from the ring's code. `query_scale` multiplies the queries after their rotary
+  embedding (Gemma 3 27B scales logits by query_pre_attn_scalar^-1/2, not H^-1/2)."""
+
+  def __init__(self, *args, query_scale: float = 1.0, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.query_scale = float(query_scale)
+
+  def project(self, x, positions):
+    q, k, v = super().project(x, positions)
+    if self.query_scale != 1.0:
+      q = q * jnp.asarray(self.query_scale, q.dtype)
+    return q, k, v
+
+  def attend(self, q, k, v, segment_ids, token_order: str = "natural"):
+    if self.kind != "dense":
+      return super().attend(q, k, v, segment_ids, token_order)
+    o = dict(self.options)
+    return jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, local_window_size=o["local_window_size"], implementation="xla"
+    )
+
+
+def make_attention(config, *, mesh, seq_axis, rngs, **options) -> Attention:
+  """Causal attention of `config`'s shape (GQA, no biases), the placement of the model."""
+  dt, pdt = dtypes(config)
+  return Attention(
+    config.num_heads,
+    config.dim,
+    kind=config.attention,
+    num_kv_heads=config.num_kv_heads,
+    head_dim=config.head_dim,
+    mesh=mesh if config.attention != "dense" else None,
+    seq_axis=seq_axis,
+    is_causal=True,
+    dtype=dt,
+    param_dtype=pdt,
+    rngs=rngs,
+    **options,
+  )
+
+
+def rms_norm(config, size=None, *, rngs) -> nnx.RMSNorm:
+  dt, pdt = dtypes(config)
+  return nnx.RMSNorm(size or config.dim, epsilon=config.norm_eps, dtype=dt, param_dtype=pdt, rngs=rngs)
+
+
+class PreNormBlock(nnx.Module):
+  """x + attn(norm(x)), then x + mlp(norm(x)) with a SwiGLU MLP: Llama's block, and
+  Qwen 3's (whose attention adds an RMSNorm on each query and key head)."""
+
+  def __init__(self, config, *, mesh, seq_axis, rngs: nnx.Rngs, **attention_options):
+    dt, pdt = dtypes(config)
+    self.attn_norm = rms_norm(config, rngs=rngs)
+    self.attn = make_attention(
+      config,
+      mesh=mesh,
+      seq_axis=seq_axis,
+      rngs=rngs,
+      rope_base=config.rope_base,
+      rope_scaling=config.rope_scaling,
+      **attention_options,
+    )
+    self.mlp_norm = rms_norm(config, rngs=rngs)
+    self.mlp = GatedMLP(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
+
+  def __call__(self, x, attend):
+    x = x + attend(self.attn, self.attn_norm(x))
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class CausalLM(nnx.Module):
+  """A decoder: tokens int [B, T] -> logits float32 [B, T, V], T from 1 up to the
+  context length (any T: the ring pads a length its devices do not divide).
+
+  `hidden(tokens)` gives the final normed states [B, T, D] and `logits(h)` their
+  logits, so a caller can score a few positions of a long sequence without the
+  [T, V] array. Generation (`models.generate`): `init_cache(batch, max_length)`,
+  `prefill(tokens, lengths=)` (logits [B, V] at each row's last prompt token),
+  `decode(tokens)`.
+
+  A subclass sets `make_block(config, layer, mesh=, seq_axis=, rngs=)` and
+  `embed_scale(config)`; `config.tie_embeddings` False adds an output head.
+  """
+
+  def __init__(self, config, *, mesh=None, seq_axis="seq", rngs: nnx.Rngs):
+    config.validate(mesh, seq_axis)
+    self.config = config
+    self.placement = nnx.static((mesh if config.attention != "dense" else None, seq_axis))
+    dt, pdt = dtypes(config)
+    self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.blocks = nnx.List(
+      [self.make_block(config, i, mesh=mesh, seq_axis=seq_axis, rngs=rngs) for i in range(config.num_layers)]
+    )
+    self.norm = rms_norm(config, rngs=rngs)
+    if config.tie_embeddings:
+      self.head = nnx.data(None)
+    else:
+      self.head = nnx.Linear(
+        config.dim, config.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs
+      )
+
+  def make_block(self, config, layer: int, *, mesh, seq_axis, rngs):
+    raise NotImplementedError
+
+  @staticmethod
+  def embed_scale(config) -> float:
+    return 1.0
+
+  def check_tokens(self, tokens, name="tokens"):
+    """tokens as an int array [B, T] after checking them: ValueError on a wrong shape or
+    dtype, an empty or over-long sequence, or (when the values are known, outside jit)
+    an id outside [0, vocab_size). Lists and NumPy arrays are accepted."""
+    if isinstance(tokens, (list, tuple, np.ndarray)):
+      array = np.asarray(tokens)
+      if array.dtype == object or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
+        raise ValueError(f"{name} must be token ids (ints) [batch, seq]; got an array of {array.dtype}")
+      tokens = jnp.asarray(array.astype(np.int32))
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"{name} shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
+    if tokens.shape[1] == 0 or tokens.shape[0] == 0:
+      raise ValueError(f"{name} shape={tuple(tokens.shape)}: needs at least one row of at least one token")
+    if tokens.shape[1] > self.config.context_length:
+      raise ValueError(
+        f"{name} of length {tokens.shape[1]} exceed the context length {self.config.context_length}"
+      )
+    if not isinstance(tokens, jax.core.Tracer):
+      lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+      if lo < 0 or hi >= self.config.vocab_size:
+        bad = lo if lo < 0 else hi
+        where = tuple(int(i) for i in np.argwhere(np.asarray(tokens) == bad)[0])
+        raise ValueError(
+          f"{name} holds the id {bad} at {where}: token ids must be in [0, {self.config.vocab_size}) "
+          "(the vocabulary size)"
+        )
+    return tokens
+
+  def _shard(self, x):
+    """x [B, T, D] split over the mesh's seq axis, as the attention wants it."""
+    mesh, seq_axis = self.placement
+    if mesh is None or x.shape[1] % mesh.shape[seq_axis]:
+      return x  # an uneven length: the attention pads it (and outside jit a constraint cannot)
+    auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(auto, P(None, seq_axis, None)))
+
+  def hidden(self, tokens, attend=None, *, shard: bool = True):
+    """The final normed hidden states [B, T, D] (the head's input)."""
+    tokens = self.check_tokens(tokens)
+    if attend is None:
+      attend = lambda attn, h: attn(h)
+    x = self.embed(tokens)
+    scale = self.embed_scale(self.config)
+    if scale != 1.0:
+      x = x * jnp.asarray(scale, x.dtype)
+    x = self._shard(x) if shard else x
+    for block in self.blocks:
+      x = block(x, attend)
+    return self.norm(x)
+
+  def logits(self, h):
+    """Logits float32 [..., V] of hidden states [..., D]."""
+    if self.head is None:
+      return self.embed.attend(h).astype(jnp.float32)
+    return self.head(h).astype(jnp.float32)
+
+  def __call__(self, tokens):
+    return self.logits(self.hidden(tokens))
+
+  def init_cache(self, batch_size: int, max_length: int, *, dtype=None) -> None:
+    """Empty KV caches in every layer for `max_length` tokens per row."""
+    if self.config.attention == "local":
+      raise ValueError("attention='local' has no decode mode (a baseline); load with 'ring' or 'dense'")
+    if max_length > self.config.context_length:
+      raise ValueError(
+        f"max_length={max_length} (prompt and new tokens) exceeds the context length "
+        f"{self.config.context_length}"
+      )
+    for block in self.blocks:
+      block.attn.init_cache(batch_size, max_length, dtype=dtype)
+
+  def prefill(self, tokens, *, lengths=None):
+    """Logits [B, V] at each row's last prompt token (row b: its first lengths[b]
+    tokens), filling the caches from scratch."""
+    tokens = self.check_tokens(tokens)
+    h = self.hidden(tokens, lambda attn, h: attn.prefill(h, lengths=lengths))
+    ends = jnp.full((tokens.shape[0],), tokens.shape[1]) if lengths is None else jnp.asarray(lengths)
+    at_last = jnp.arange(tokens.shape[1])[None, :, None] == (ends - 1)[:, None, None]
+    return self.logits(jnp.sum(jnp.where(at_last, h, 0), axis=1))
+
+  def decode(self, tokens):
+    """Logits [B, Tq, V] of each row's next Tq tokens, appended to the caches."""
+    return self.logits(self.hidden(tokens, lambda attn, h: attn.decode(h), shard=False))
+
+
+def embed_scale_sqrt_dim(config) -> float:
+  return math.sqrt(config.dim)

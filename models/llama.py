@@ -1,0 +1,236 @@
+"""Llama 3 (Meta 2024, "The Llama 3 Herd of Models", arXiv 2407.21783): a pre-norm
+decoder (RMSNorm, GQA attention with rotary embeddings, SwiGLU MLP) whose every layer
+runs over the ring. Llama 3.1 and 3.2 stretch their rotary frequencies by the "llama3"
+rule (`jax_ring.nn.RopeScaling`); the 3.2 1B and 3B models tie the head to the
+embedding.
+
+Legend: B batch, T sequence length, D model width, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+
+from jax_ring import nn as ring_nn
+
+from . import decoder
+from .decoder import CausalLM, PreNormBlock
+
+__all__ = ["CONFIGS", "Llama", "LlamaConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Llama 3's hyper-parameters; the defaults are Llama 3.1 8B's."""
+
+  model_type: ClassVar[str] = "llama"
+  vocab_size: int = 128256
+  dim: int = 4096
+  num_layers: int = 32
+  num_heads: int = 32
+  num_kv_heads: int = 8
+  head_dim: int = 128
+  mlp_hidden: int = 14336
+  rope_base: float = 500_000.0
+  rope_scaling: ring_nn.RopeScaling | None = ring_nn.RopeScaling("llama3", factor=8.0)
+  norm_eps: float = 1e-5
+  context_length: int = 131072
+  tie_embeddings: bool = False
+  attention: str = "ring"
+  dtype: str | None = None
+  param_dtype: str = "float32"
+
+  def validate(self, mesh, seq_axis) -> None:
+    decoder.check_config(self, mesh, seq_axis)
+
+
+class Llama(CausalLM):
+  """Llama 3: tokens int [B, T] -> logits float32 [B, T, V] (`decoder.CausalLM`)."""
+
+  def make_block(self, config, layer, *, mesh, seq_axis, rngs):
+    return PreNormBlock(config, mesh=mesh, seq_axis=seq_axis, rngs=rngs)
+
+
+_LLAMA3_1 = ring_nn.RopeScaling("llama3", factor=8.0)
+_LLAMA3_2 = ring_nn.RopeScaling("llama3", factor=32.0)
+# Released configs: config.json of meta-llama/Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B
+# and Llama-3.1-70B on Hugging Face.
+CONFIGS = {
+  "llama-3.2-1b": LlamaConfig(
+    dim=2048, num_layers=16, head_dim=64, mlp_hidden=8192, rope_scaling=_LLAMA3_2, tie_embeddings=True
+  ),
+  "llama-3.2-3b": LlamaConfig(
+    dim=3072, num_layers=28, num_heads=24, mlp_hidden=8192, rope_scaling=_LLAMA3_2, tie_embeddings=True
+  ),
+  "llama-3.1-8b": LlamaConfig(rope_scaling=_LLAMA3_1),
+  "llama-3.1-70b": LlamaConfig(
+    dim=8192, num_layers=80, num_heads=64, mlp_hidden=28672, rope_scaling=_LLAMA3_1
+  ),
+}
+
+# Tensor tables (see `gemma.HF_TENSORS`): "T" transposed; "Tq"/"Tk": transposed after
+# undoing llama.cpp's reordering of each query/key head's rows (its converter pairs
+# rotary dimensions (2i, 2i+1), Hugging Face's (i, i + H/2)).
+HF_TENSORS = {
+  "model.embed_tokens.weight": ("embed.embedding", ""),
+  "model.norm.weight": ("norm.scale", ""),
+  "lm_head.weight": ("head.kernel", "T"),
+  "model.layers.{i}.input_layernorm.weight": ("blocks.{i}.attn_norm.scale", ""),
+  "model.layers.{i}.self_attn.q_proj.weight": ("blocks.{i}.attn.query.kernel", "T"),
+  "model.layers.{i}.self_attn.k_proj.weight": ("blocks.{i}.attn.key.kernel", "T"),
+  "model.layers.{i}.self_attn.v_proj.weight": ("blocks.{i}.attn.value.kernel", "T"),
+  "model.layers.{i}.self_attn.o_proj.weight": ("blocks.{i}.attn.out.kernel", "T"),
+  "model.layers.{i}.post_attention_layernorm.weight": ("blocks.{i}.mlp_norm.scale", ""),
+  "model.layers.{i}.mlp.gate_proj.weight": ("blocks.{i}.mlp.gate.kernel", "T"),
+  "model.layers.{i}.mlp.up_proj.weight": ("blocks.{i}.mlp.up.kernel", "T"),
+  "model.layers.{i}.mlp.down_proj.weight": ("blocks.{i}.mlp.down.kernel", "T"),
+}
+GGUF_TENSORS = {
+  "token_embd.weight": ("embed.embedding", ""),
+  "output_norm.weight": ("norm.scale", ""),
+  "output.weight": ("head.kernel", "T"),
+  "blk.{i}.attn_norm.weight": ("blocks.{i}.attn_norm.scale", ""),
+  "blk.{i}.attn_q.weight": ("blocks.{i}.attn.query.kernel", "Tq"),
+  "blk.{i}.attn_k.weight": ("blocks.{i}.attn.key.kernel", "Tk"),
+  "blk.{i}.attn_v.weight": ("blocks.{i}.attn.value.kernel", "T"),
+  "blk.{i}.attn_output.weight": ("blocks.{i}.attn.out.kernel", "T"),
+  "blk.{i}.ffn_norm.weight": ("blocks.{i}.mlp_norm.scale", ""),
+  "blk.{i}.ffn_gate.weight": ("blocks.{i}.mlp.gate.kernel", "T"),
+  "blk.{i}.ffn_up.weight": ("blocks.{i}.mlp.up.kernel", "T"),
+  "blk.{i}.ffn_down.weight": ("blocks.{i}.mlp.down.kernel", "T"),
+}
+# Tensors a file may hold that the model does not use (its rotary frequencies, which
+# the model computes; llama.cpp's Llama 3.1 factors are read as its config).
+IGNORED = ("rope_freqs.weight", "model.layers.{i}.self_attn.rotary_emb.inv_freq")
+
+MODEL = Llama
+MODEL_TYPES = ("llama",)
+ARCHITECTURE = "LlamaForCausalLM"
+GGUF_ARCH = "llama"
+
+
+def config_from_hf(cfg, cls=LlamaConfig, **overrides):
+  """The config of a Llama (or Qwen 3: `cls`) config.json (`hf.ConfigReader`)."""
+  cfg.expect("hidden_act", "silu")
+  cfg.expect("attention_bias", False)
+  cfg.expect("mlp_bias", False)
+  cfg.expect("attention_dropout", 0.0)
+  cfg.expect("pretraining_tp", 1)
+  heads, dim = cfg.int("num_attention_heads"), cfg.int("hidden_size")
+  theta, scaling = cfg.rope()
+  head_dim = cfg.get("head_dim")
+  return cls(
+    vocab_size=cfg.int("vocab_size"),
+    dim=dim,
+    num_layers=cfg.int("num_hidden_layers"),
+    num_heads=heads,
+    num_kv_heads=cfg.get("num_key_value_heads") or heads,
+    head_dim=dim // heads if head_dim is None else int(head_dim),
+    mlp_hidden=cfg.int("intermediate_size"),
+    rope_base=theta,
+    rope_scaling=scaling,
+    norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+    context_length=cfg.int("max_position_embeddings"),
+    tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    **overrides,
+  )
+
+
+def hf_config(config) -> dict:
+  from .hf import rope_scaling_json
+
+  return dict(
+    vocab_size=config.vocab_size,
+    hidden_size=config.dim,
+    intermediate_size=config.mlp_hidden,
+    num_hidden_layers=config.num_layers,
+    num_attention_heads=config.num_heads,
+    num_key_value_heads=config.num_kv_heads,
+    head_dim=config.head_dim,
+    hidden_act="silu",
+    max_position_embeddings=config.context_length,
+    rms_norm_eps=config.norm_eps,
+    rope_theta=config.rope_base,
+    rope_scaling=rope_scaling_json(config.rope_scaling),
+    attention_bias=False,
+    attention_dropout=0.0,
+    mlp_bias=False,
+    tie_word_embeddings=config.tie_embeddings,
+  )
+
+
+def config_from_gguf(gguf_file, arch="llama", cls=LlamaConfig, **overrides):
+  """The config a llama (or qwen3: `arch`, `cls`) GGUF file's metadata describes."""
+  f = gguf_file.arch_reader(arch)
+  f.expect("expert_count", 0)
+  f.expect("expert_used_count", 0)
+  dim, heads = f.int("embedding_length"), f.int("attention.head_count")
+  head_dim = int(f.get("attention.key_length", dim // heads))
+  if f.get("attention.value_length", head_dim) != head_dim:
+    raise ValueError(f"{arch}.attention.value_length != key_length in {str(gguf_file.path)!r}: not supported")
+  if f.get("rope.dimension_count", head_dim) != head_dim:
+    raise ValueError(
+      f"{arch}.rope.dimension_count={f.get('rope.dimension_count')} of {str(gguf_file.path)!r}: rotary "
+      f"embeddings on part of a head ({head_dim}) are not supported"
+    )
+  base = float(f.get("rope.freq_base", 10000.0))
+  scaling = f.rope_scaling()
+  if "rope_freqs.weight" in gguf_file.tensor_types:
+    if scaling is not None:
+      raise ValueError(f"{str(gguf_file.path)!r} has both rope.scaling.type and rope_freqs.weight")
+    scaling = scaling_from_factors(np.asarray(gguf_file.tensor("rope_freqs.weight")), head_dim, base)
+  return cls(
+    vocab_size=gguf_file.vocab_size,
+    dim=dim,
+    num_layers=f.int("block_count"),
+    num_heads=heads,
+    num_kv_heads=f.int("attention.head_count_kv"),
+    head_dim=head_dim,
+    mlp_hidden=f.int("feed_forward_length"),
+    rope_base=base,
+    rope_scaling=scaling,
+    norm_eps=float(f.get("attention.layer_norm_rms_epsilon", 1e-5)),
+    context_length=f.int("context_length"),
+    tie_embeddings="output.weight" not in gguf_file.tensor_types,
+    **overrides,
+  )
+
+
+def scaling_from_factors(factors, head_dim: int, base: float) -> ring_nn.RopeScaling:
+  """llama.cpp's per-frequency divisors (`rope_freqs.weight`) as the "llama3" rule they
+  came from, where one gives them (checked by recomputing them); else the divisors as
+  they are (which `models.save` cannot write to config.json).
+
+  The rule divides by 1 below one wavelength, by `factor` above another, and between
+  them 1 / divisor = 1 / factor + s (1 - 1 / factor) with s = A / wavelength - B linear
+  in 1 / wavelength, A = original_max_position_embeddings / (high - low), B = low /
+  (high - low): two in-between frequencies give A and B, and low = 1 fixes the rest.
+  With fewer, Llama 3.1's and 3.2's released values are tried."""
+  factors = np.asarray(factors, np.float64)
+  inv_freq = (1.0 / (base ** (np.arange(head_dim // 2) / (head_dim // 2)))).astype(np.float32)
+  factor = float(factors.max())
+  candidates = [ring_nn.RopeScaling("llama3", factor=f) for f in (8.0, 16.0, 32.0)]
+  between = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+  if between.sum() >= 2 and factor > 1:
+    wavelength = 2 * np.pi / inv_freq.astype(np.float64)[between]
+    smooth = (1 / factors[between] - 1 / factor) / (1 - 1 / factor)
+    a, intercept = np.polyfit(1 / wavelength, smooth, 1)
+    b = -intercept
+    if a > 0 and b > 0:
+      candidates.insert(
+        0,
+        ring_nn.RopeScaling(
+          "llama3",
+          factor=factor,
+          low_freq_factor=1.0,
+          high_freq_factor=float(1 + 1 / b),
+          original_max_position_embeddings=round(a / b),
+        ),
+      )
+  for rule in candidates:
+    if np.allclose(np.asarray(rule.divisors(inv_freq)), factors, rtol=1e-5):
+      return rule
+  return ring_nn.RopeScaling("factors", factors=tuple(float(f) for f in factors))

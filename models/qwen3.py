@@ -1,0 +1,97 @@
+"""Qwen 3 (Qwen Team 2025, "Qwen3 Technical Report", arXiv 2505.09388), the dense
+models: Llama's pre-norm block with an RMSNorm on each query and key head before the
+rotary embeddings, and no biases. The small models tie the head to the embedding.
+
+Legend: B batch, T sequence length, D model width, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from jax_ring import nn as ring_nn
+
+from . import decoder, llama
+from .decoder import CausalLM, PreNormBlock
+
+__all__ = ["CONFIGS", "Qwen3", "Qwen3Config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+  """Qwen 3's hyper-parameters; the defaults are Qwen3-8B's."""
+
+  model_type: ClassVar[str] = "qwen3"
+  vocab_size: int = 151936
+  dim: int = 4096
+  num_layers: int = 36
+  num_heads: int = 32
+  num_kv_heads: int = 8
+  head_dim: int = 128
+  mlp_hidden: int = 12288
+  rope_base: float = 1_000_000.0
+  rope_scaling: ring_nn.RopeScaling | None = None
+  norm_eps: float = 1e-6
+  context_length: int = 40960
+  tie_embeddings: bool = False
+  attention: str = "ring"
+  dtype: str | None = None
+  param_dtype: str = "float32"
+
+  def validate(self, mesh, seq_axis) -> None:
+    decoder.check_config(self, mesh, seq_axis)
+
+
+class Qwen3(CausalLM):
+  """Qwen 3: tokens int [B, T] -> logits float32 [B, T, V] (`decoder.CausalLM`)."""
+
+  def make_block(self, config, layer, *, mesh, seq_axis, rngs):
+    return PreNormBlock(config, mesh=mesh, seq_axis=seq_axis, rngs=rngs, qk_norm_epsilon=config.norm_eps)
+
+
+# Released configs: config.json of Qwen/Qwen3-0.6B, Qwen3-1.7B, Qwen3-4B and Qwen3-8B
+# on Hugging Face.
+CONFIGS = {
+  "qwen3-0.6b": Qwen3Config(dim=1024, num_layers=28, num_heads=16, mlp_hidden=3072, tie_embeddings=True),
+  "qwen3-1.7b": Qwen3Config(dim=2048, num_layers=28, num_heads=16, mlp_hidden=6144, tie_embeddings=True),
+  "qwen3-4b": Qwen3Config(dim=2560, num_layers=36, mlp_hidden=9728, tie_embeddings=True),
+  "qwen3-8b": Qwen3Config(),
+}
+
+
+def _with_qk_norms(table, q_name, k_name, transforms):
+  out = {k: (v[0], transforms.get(v[1], v[1])) for k, v in table.items()}
+  out[q_name] = ("blocks.{i}.attn.query_norm.scale", "")
+  out[k_name] = ("blocks.{i}.attn.key_norm.scale", "")
+  return out
+
+
+# Llama's tables and the per-head norms; llama.cpp keeps Qwen's rotary pairing (i, i + H/2).
+HF_TENSORS = _with_qk_norms(
+  llama.HF_TENSORS, "model.layers.{i}.self_attn.q_norm.weight", "model.layers.{i}.self_attn.k_norm.weight", {}
+)
+GGUF_TENSORS = _with_qk_norms(
+  llama.GGUF_TENSORS, "blk.{i}.attn_q_norm.weight", "blk.{i}.attn_k_norm.weight", {"Tq": "T", "Tk": "T"}
+)
+IGNORED = llama.IGNORED
+
+MODEL = Qwen3
+MODEL_TYPES = ("qwen3",)
+ARCHITECTURE = "Qwen3ForCausalLM"
+GGUF_ARCH = "qwen3"
+
+
+def config_from_hf(cfg, **overrides) -> Qwen3Config:
+  cfg.expect("use_sliding_window", False)
+  cfg.get("sliding_window")  # read only with use_sliding_window, which is refused above
+  cfg.get("max_window_layers")
+  return llama.config_from_hf(cfg, cls=Qwen3Config, **overrides)
+
+
+def hf_config(config) -> dict:
+  return llama.hf_config(config) | dict(use_sliding_window=False)
+
+
+def config_from_gguf(gguf_file, **overrides) -> Qwen3Config:
+  return llama.config_from_gguf(gguf_file, arch="qwen3", cls=Qwen3Config, **overrides)

@@ -1,0 +1,225 @@
+"""Tokenizers of the checkpoints users have: a Hugging Face `tokenizer.json` (Hugging
+Face's `tokenizers` package), a GGUF file's byte-level BPE vocabulary (Llama 3, Qwen:
+`tokenizer.ggml.model` "gpt2") and its SentencePiece one (Gemma: "llama").
+
+Each gives `encode(text) -> list[int]` (no BOS), `decode(ids) -> str`, `bos_id`,
+`eos_id`, `pad_id`, `vocab_size`, `special_ids` (the control tokens a chat template
+uses, by their text) and `to_tokenizers()`, the same tokenizer as a
+`tokenizers.Tokenizer` (what `models.save` writes as tokenizer.json).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+# Pre-tokenizer patterns by GGUF's `tokenizer.ggml.pre`, as the models' own tokenizer.json
+# files give them (Meta's Llama 3, Qwen's Qwen 2/3) and llama.cpp's llama-vocab.cpp names
+# them; with the NFC normalizer Qwen's tokenizer.json has, and whether a word already in
+# the vocabulary skips the merges (Llama 3's "ignore_merges").
+BPE_PRE = {
+  "llama-bpe": (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    False,
+    True,
+  ),
+  "qwen2": (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    True,
+    False,
+  ),
+}
+CONTROL, USER_DEFINED = 3, 4  # GGUF token types (llama.cpp's llama_token_type)
+
+
+def import_tokenizers():
+  try:
+    import tokenizers
+  except ImportError as e:  # pragma: no cover - the extra is installed by the run scripts
+    raise ImportError(
+      "tokenizer.json and GGUF BPE vocabularies need the tokenizers package: "
+      'pip install -e ".[models]" in the checkout'
+    ) from e
+  return tokenizers
+
+
+def _check_text(text):
+  if not isinstance(text, str):
+    raise TypeError(f"text of type {type(text).__name__} must be a str")
+
+
+def _ids(ids) -> list[int]:
+  return [int(i) for i in np.asarray(ids).reshape(-1)]
+
+
+class HFTokenizer:
+  """A `tokenizers.Tokenizer` with the model's special ids. From a tokenizer.json
+  (`from_folder`) or a GGUF byte-level BPE vocabulary (`from_gguf`)."""
+
+  def __init__(self, tokenizer, *, bos_id=None, eos_id=None, pad_id=None):
+    self._tok = tokenizer
+    self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+    self.special_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    _check_text(text)
+    return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+  def decode(self, ids) -> str:
+    return self._tok.decode(_ids(ids), skip_special_tokens=False)
+
+  def to_tokenizers(self):
+    return self._tok
+
+  @classmethod
+  def from_folder(cls, folder: Path) -> HFTokenizer:
+    """tokenizer.json of a Hugging Face folder, its special tokens from
+    tokenizer_config.json (bos_token, eos_token, pad_token) or config.json's ids."""
+    tokenizers = import_tokenizers()
+    path = folder / "tokenizer.json"
+    try:
+      tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - any parse failure is a malformed file
+      raise ValueError(f"{str(path)!r} is not a tokenizer.json the tokenizers package reads: {e}") from e
+    ids = {}
+    for name in ("bos", "eos", "pad"):
+      ids[name] = _special_id(tok, folder, name)
+    return cls(tok, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"])
+
+  @classmethod
+  def from_gguf(cls, gguf_file) -> HFTokenizer:
+    """The byte-level BPE ("gpt2") vocabulary of a GGUF file: its tokens, merges and
+    pre-tokenizer (`tokenizer.ggml.pre`), control and user-defined tokens as added
+    tokens."""
+    tokenizers = import_tokenizers()
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+    where = str(gguf_file.path)
+    pre = gguf_file.field("tokenizer.ggml.pre", "default")
+    if pre not in BPE_PRE:
+      raise ValueError(
+        f"tokenizer.ggml.pre={pre!r} of {where!r}: a pre-tokenizer this loader does not know; "
+        f"supported: {tuple(BPE_PRE)}"
+      )
+    pattern, nfc, ignore_merges = BPE_PRE[pre]
+    pieces = list(gguf_file.field("tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ", 1)) for m in gguf_file.field("tokenizer.ggml.merges", [])]
+    types = gguf_file.field("tokenizer.ggml.token_type", [1] * len(pieces))
+    vocab = {p: i for i, p in enumerate(pieces)}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    if nfc:
+      tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+      [
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+      ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    added = [
+      AddedToken(p, special=(t == CONTROL), normalized=False)
+      for p, t in zip(pieces, types)
+      if t in (CONTROL, USER_DEFINED)
+    ]
+    tok.add_special_tokens([a for a in added if a.special])
+    tok.add_tokens([a for a in added if not a.special])
+    field = lambda key: gguf_file.field(f"tokenizer.ggml.{key}_token_id")
+    return cls(tok, bos_id=field("bos"), eos_id=field("eos"), pad_id=field("padding"))
+
+
+def _special_id(tok, folder: Path, name: str):
+  """The id of the bos/eos/pad token: tokenizer_config.json's `{name}_token`, else
+  config.json's `{name}_token_id` (the first of a list)."""
+  tc = folder / "tokenizer_config.json"
+  if tc.is_file():
+    value = json.loads(tc.read_text()).get(f"{name}_token")
+    if isinstance(value, dict):
+      value = value.get("content")
+    if isinstance(value, str) and tok.token_to_id(value) is not None:
+      return tok.token_to_id(value)
+  for source in ("config.json", "generation_config.json"):
+    path = folder / source
+    if path.is_file():
+      value = json.loads(path.read_text()).get(f"{name}_token_id")
+      if isinstance(value, list):
+        value = value[0] if value else None
+      if isinstance(value, int):
+        return value
+  return None
+
+
+def sentencepiece_to_tokenizers(pieces, scores, types, *, unk_id: int, add_space_prefix: bool):
+  """A SentencePiece BPE vocabulary (GGUF's "llama" model: pieces with "▁" for spaces,
+  scores, token types) as a `tokenizers.Tokenizer` that tokenizes the same way: the
+  merges are every split of a normal piece into two pieces, ranked by the merged
+  piece's score (SentencePiece merges the pair whose result scores highest), with byte
+  fallback, and control and user-defined pieces as added tokens."""
+  tokenizers = import_tokenizers()
+  from tokenizers import AddedToken, decoders, models, normalizers
+
+  vocab = {p: i for i, p in enumerate(pieces)}
+  normal = [(i, p) for i, (p, t) in enumerate(zip(pieces, types)) if t == 1]
+  ranked = []
+  for i, p in normal:
+    for cut in range(1, len(p)):
+      left, right = p[:cut], p[cut:]
+      a, b = vocab.get(left), vocab.get(right)
+      if a is not None and b is not None and types[a] == 1 and types[b] == 1:
+        ranked.append((-float(scores[i]), a, b, left, right))
+  ranked.sort()
+  merges = [(left, right) for _, _, _, left, right in ranked]
+  model = models.BPE(vocab=vocab, merges=merges, unk_token=pieces[unk_id], fuse_unk=True, byte_fallback=True)
+  tok = tokenizers.Tokenizer(model)
+  steps = [normalizers.Replace(" ", "\u2581")]
+  if add_space_prefix:
+    steps.insert(0, normalizers.Prepend("\u2581"))
+  tok.normalizer = normalizers.Sequence(steps)
+  tok.decoder = decoders.Sequence(
+    [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])
+  )
+  added = [
+    AddedToken(p, special=(t == CONTROL), normalized=False)
+    for p, t in zip(pieces, types)
+    if t in (CONTROL, USER_DEFINED)
+  ]
+  tok.add_special_tokens([a for a in added if a.special])
+  tok.add_tokens([a for a in added if not a.special])
+  return tok
+
+
+def save_tokenizer(tokenizer, folder: Path, *, context_length: int) -> None:
+  """tokenizer.json and tokenizer_config.json (as transformers writes them, so that
+  `AutoTokenizer.from_pretrained(folder)` reads them) of any tokenizer here."""
+  tok = tokenizer.to_tokenizers()
+  tok.save(str(folder / "tokenizer.json"))
+  name = lambda i: None if i is None else tok.id_to_token(int(i))
+  decoder = tok.get_added_tokens_decoder()
+  config = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": name(tokenizer.bos_id),
+    "eos_token": name(tokenizer.eos_id),
+    "pad_token": name(tokenizer.pad_id),
+    "model_max_length": context_length,
+    "clean_up_tokenization_spaces": False,
+    "added_tokens_decoder": {
+      str(i): {
+        "content": t.content,
+        "special": t.special,
+        "normalized": t.normalized,
+        "lstrip": t.lstrip,
+        "rstrip": t.rstrip,
+        "single_word": t.single_word,
+      }
+      for i, t in sorted(decoder.items())
+    },
+  }
+  (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))

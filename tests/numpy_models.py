@@ -1,0 +1,131 @@
+"""Float64 NumPy forwards of Llama 3, Qwen 3 and Gemma 3, written from Hugging Face
+transformers' descriptions of the architectures (modeling_llama.py, modeling_qwen3.py,
+modeling_gemma3.py) over Hugging Face's tensor names and config.json keys. They share
+no code with `jax_ring.models`: the tests check the loaders against them.
+"""
+
+import math
+
+import numpy as np
+
+
+def rms(x, w, eps):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def inv_frequencies(head_dim, theta, scaling):
+  """transformers' rope init functions: default, "linear" and "llama3"."""
+  inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+  if kind in (None, "default"):
+    return inv
+  if kind == "linear":
+    return inv / scaling["factor"]
+  assert kind == "llama3", kind
+  factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old = scaling["original_max_position_embeddings"]
+  out = []
+  for f in inv:
+    wavelen = 2 * math.pi / f
+    if wavelen < old / high:
+      out.append(f)
+    elif wavelen > old / low:
+      out.append(f / factor)
+    else:
+      smooth = (old / wavelen - low) / (high - low)
+      out.append((1 - smooth) * f / factor + smooth * f)
+  return np.array(out)
+
+
+def rope(x, inv):
+  """rotate_half rotary embedding of x [T, heads, H] at positions 0..T-1."""
+  t, _, h = x.shape
+  ang = np.arange(t, dtype=np.float64)[:, None] * inv[None]
+  cos = np.concatenate([np.cos(ang)] * 2, axis=-1)[:, None]
+  sin = np.concatenate([np.sin(ang)] * 2, axis=-1)[:, None]
+  rotated = np.concatenate([-x[..., h // 2 :], x[..., : h // 2]], axis=-1)
+  return x * cos + rotated * sin
+
+
+def attention(q, k, v, scale, window=None):
+  """Causal GQA attention, q [T, N, H], k/v [T, K, H]; `window`: a query sees the
+  `window` keys ending at itself."""
+  t, n, _ = q.shape
+  groups = n // k.shape[1]
+  k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+  s = np.einsum("tnh,snh->nts", q, k) * scale
+  i, j = np.arange(t)[:, None], np.arange(t)[None]
+  seen = j <= i
+  if window is not None:
+    seen &= i - j < window
+  s = np.where(seen[None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("nts,snh->tnh", p, v)
+
+
+def silu(x):
+  return x / (1 + np.exp(-x))
+
+
+def gelu_tanh(x):
+  return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def llama_logits(w, config, tokens, qk_norm=False):
+  """Logits [T, V] of a Llama (or, with `qk_norm`, Qwen 3) checkpoint's tensors `w`
+  (Hugging Face names) and config.json values `config`."""
+  g = lambda name: np.asarray(w[name], np.float64)
+  n, kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["hidden_size"]
+  h = config.get("head_dim") or d // n
+  eps = config["rms_norm_eps"]
+  inv = inv_frequencies(h, config["rope_theta"], config.get("rope_scaling"))
+  x = g("model.embed_tokens.weight")[tokens]
+  t = len(tokens)
+  for layer in range(config["num_hidden_layers"]):
+    p = f"model.layers.{layer}."
+    y = rms(x, g(p + "input_layernorm.weight"), eps)
+    q = (y @ g(p + "self_attn.q_proj.weight").T).reshape(t, n, h)
+    k = (y @ g(p + "self_attn.k_proj.weight").T).reshape(t, kv, h)
+    v = (y @ g(p + "self_attn.v_proj.weight").T).reshape(t, kv, h)
+    if qk_norm:
+      q, k = rms(q, g(p + "self_attn.q_norm.weight"), eps), rms(k, g(p + "self_attn.k_norm.weight"), eps)
+    o = attention(rope(q, inv), rope(k, inv), v, h**-0.5).reshape(t, n * h)
+    x = x + o @ g(p + "self_attn.o_proj.weight").T
+    y = rms(x, g(p + "post_attention_layernorm.weight"), eps)
+    mlp = silu(y @ g(p + "mlp.gate_proj.weight").T) * (y @ g(p + "mlp.up_proj.weight").T)
+    x = x + mlp @ g(p + "mlp.down_proj.weight").T
+  x = rms(x, g("model.norm.weight"), eps)
+  head = g("model.embed_tokens.weight") if config.get("tie_word_embeddings") else g("lm_head.weight")
+  return x @ head.T
+
+
+def gemma3_logits(w, config, tokens):
+  """Logits [T, V] of a Gemma 3 text checkpoint (Hugging Face names: RMSNorm scales
+  stored as w for x * (1 + w))."""
+  g = lambda name: np.asarray(w[name], np.float64)
+  norm = lambda x, name: rms(x, 1.0 + g(name), config["rms_norm_eps"])
+  n, kv, d, h = (config[k] for k in ("num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim"))
+  inv_full = inv_frequencies(h, config["rope_theta"], config.get("rope_scaling"))
+  inv_local = inv_frequencies(h, config["rope_local_base_freq"], None)
+  scale = config["query_pre_attn_scalar"] ** -0.5
+  x = g("model.embed_tokens.weight")[tokens] * math.sqrt(d)
+  t = len(tokens)
+  for layer in range(config["num_hidden_layers"]):
+    p = f"model.layers.{layer}."
+    full = config["layer_types"][layer] == "full_attention"
+    y = norm(x, p + "input_layernorm.weight")
+    q = (y @ g(p + "self_attn.q_proj.weight").T).reshape(t, n, h)
+    k = (y @ g(p + "self_attn.k_proj.weight").T).reshape(t, kv, h)
+    v = (y @ g(p + "self_attn.v_proj.weight").T).reshape(t, kv, h)
+    q, k = norm(q, p + "self_attn.q_norm.weight"), norm(k, p + "self_attn.k_norm.weight")
+    inv = inv_full if full else inv_local
+    o = attention(rope(q, inv), rope(k, inv), v, scale, None if full else config["sliding_window"])
+    x = x + norm(
+      o.reshape(t, n * h) @ g(p + "self_attn.o_proj.weight").T, p + "post_attention_layernorm.weight"
+    )
+    y = norm(x, p + "pre_feedforward_layernorm.weight")
+    mlp = gelu_tanh(y @ g(p + "mlp.gate_proj.weight").T) * (y @ g(p + "mlp.up_proj.weight").T)
+    x = x + norm(mlp @ g(p + "mlp.down_proj.weight").T, p + "post_feedforward_layernorm.weight")
+  x = norm(x, "model.norm.weight")
+  return x @ g("model.embed_tokens.weight").T

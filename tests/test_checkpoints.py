@@ -1,0 +1,600 @@
+"""Llama 3, Qwen 3 and Gemma 3 checkpoints the tests write themselves, small and random,
+as Hugging Face folders (safetensors' own NumPy writer; config.json as transformers
+4.x and 5.x write it; one file and shards with their index) and as GGUF files (the gguf
+package's writer, with llama.cpp's tensor names and reorderings written out here):
+every loader equals an independent float64 NumPy forward (tests/numpy_models.py), the
+ring on 1, 2, 4 and 8 devices equals dense, saving and loading back is exact, the
+tokenizers equal tokenizers built apart from the loader, and bad files and inputs are
+ValueErrors that name them."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh, rel_err
+from numpy_models import gemma3_logits, inv_frequencies, llama_logits
+
+from jax_ring import models
+
+gguf = pytest.importorskip("gguf")  # installed by the test command (the [models] extra)
+from safetensors.numpy import load_file, save_file  # noqa: E402
+from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import models as tok_models  # noqa: E402
+
+# 40 tokens: past the Gemma checkpoint's 8-token window; not a multiple of 8 devices.
+LENGTH = 40
+# float32 through the small models against float64 (measured: about 1e-7 of the logits).
+F64_TOL, RING_TOL = 1e-5, 1e-5
+
+LLAMA3_PATTERN = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+  r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+  r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+CORPUS = [
+  "The pass key is 48213. Remember it, and don't forget it!",
+  "def f(x):\n    return x ** 2  # square\n\n\tif x:  pass",
+  "Café naïve façade: ÀÉÎÕÜ ß ø å. 日本語のテキスト 🙂",
+  "numbers 0123456789 3.14159 -42 1e-6; the the the then there",
+] * 4
+TEXTS = CORPUS[:4] + ["unseen words: zebra quokka 7777777", "  spaces   and\ttabs\n\n"]
+
+
+# --- A byte-level BPE vocabulary (Llama 3 and Qwen's kind), trained here. ---
+
+
+def train_bpe(pattern, nfc):
+  """The test's own tokenizer: a BPE trained on CORPUS with the model's pre-tokenizer."""
+  tok = Tokenizer(tok_models.BPE())
+  if nfc:
+    tok.normalizer = normalizers.NFC()
+  tok.pre_tokenizer = pre_tokenizers.Sequence(
+    [
+      pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+  )
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=330,
+    special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+  )
+  tok.train_from_iterator(CORPUS, trainer)
+  return tok
+
+
+def bpe_tables(tok):
+  spec = json.loads(tok.to_str())["model"]
+  vocab = tok.get_vocab(with_added_tokens=True)
+  tokens = [None] * len(vocab)
+  for piece, i in vocab.items():
+    tokens[i] = piece
+  merges = [m if isinstance(m, str) else " ".join(m) for m in spec["merges"]]
+  types = [3 if t.startswith("<|") else 1 for t in tokens]
+  return tokens, merges, types
+
+
+# --- A SentencePiece vocabulary (Gemma's kind), written out. ---
+
+SP_NORMAL = list("\u2581abcdefghijklmnopqrstuvwxyzTP.,:!") + ["\u2581t", "he", "\u2581the", "\u2581a", "in"]
+SP_PIECES = (
+  ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + SP_NORMAL + ["  ", "   "]
+)
+SP_TYPES = [3, 3, 3, 2] + [6] * 256 + [1] * len(SP_NORMAL) + [4, 4]
+SP_SCORES = (
+  [0.0] * 260 + [-float(i) for i in range(len(SP_NORMAL) - 5)] + [5.0, 4.0, 6.0, 3.0, 2.0] + [0.0, 0.0]
+)
+
+
+# --- The checkpoints. ---
+
+
+def _config(arch, vocab):
+  common = dict(
+    vocab_size=vocab,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    torch_dtype="float32",
+    bos_token_id=0,
+    eos_token_id=1,
+  )
+  if arch == "llama":
+    scaling = dict(
+      rope_type="llama3",
+      factor=4.0,
+      low_freq_factor=1.0,
+      high_freq_factor=4.0,
+      original_max_position_embeddings=64,
+    )
+    return common | dict(
+      model_type="llama",
+      architectures=["LlamaForCausalLM"],
+      num_hidden_layers=2,
+      rope_theta=10000.0,
+      rope_scaling=scaling,
+      rms_norm_eps=1e-5,
+      hidden_act="silu",
+      attention_bias=False,
+      mlp_bias=False,
+      tie_word_embeddings=False,
+    )
+  if arch == "qwen3":
+    return common | dict(
+      model_type="qwen3",
+      architectures=["Qwen3ForCausalLM"],
+      hidden_size=48,  # head_dim 16 is not hidden_size / heads
+      num_hidden_layers=2,
+      rope_theta=1_000_000.0,
+      rope_scaling=None,
+      rms_norm_eps=1e-6,
+      hidden_act="silu",
+      attention_bias=False,
+      use_sliding_window=False,
+      sliding_window=None,
+      max_window_layers=2,
+      tie_word_embeddings=True,
+    )
+  # What llama.cpp's GGUF can say of Gemma 3: every 6th layer global, windowed layers at
+  # base 10,000, logits scaled by head_dim^-1/2 (GEMMA_VARIANT changes all three).
+  return common | dict(
+    model_type="gemma3_text",
+    architectures=["Gemma3ForCausalLM"],
+    num_hidden_layers=6,
+    layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    sliding_window=8,
+    rope_theta=100000.0,
+    rope_local_base_freq=10000.0,
+    rope_scaling=dict(rope_type="linear", factor=4.0),
+    query_pre_attn_scalar=16,
+    rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh",
+    final_logit_softcapping=None,
+    attn_logit_softcapping=None,
+  )
+
+
+def _v5(config):
+  """config.json as transformers 5 writes it: rope_parameters (Gemma: per layer type)."""
+  config = dict(config)
+  theta, scaling = config.pop("rope_theta"), config.pop("rope_scaling")
+  full = dict(scaling or {"rope_type": "default"}, rope_theta=theta)
+  if config["model_type"] == "gemma3_text":
+    local = {"rope_type": "default", "rope_theta": config.pop("rope_local_base_freq")}
+    config["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+  else:
+    config["rope_parameters"] = full
+  return config
+
+
+def _weights(config, seed):
+  rng = np.random.default_rng(seed)
+  d, h, f = config["hidden_size"], config["head_dim"], config["intermediate_size"]
+  n, kv = config["num_attention_heads"], config["num_key_value_heads"]
+  gemma = config["model_type"] == "gemma3_text"
+  mat = lambda *shape: (rng.standard_normal(shape) * 0.3 / math.sqrt(shape[-1])).astype(np.float32)
+  norm = lambda size: (rng.standard_normal(size) * 0.1 + (0.0 if gemma else 1.0)).astype(np.float32)
+  w = {"model.embed_tokens.weight": (rng.standard_normal((config["vocab_size"], d)) * 0.5).astype(np.float32)}
+  w["model.norm.weight"] = norm(d)
+  if not config.get("tie_word_embeddings", gemma):
+    w["lm_head.weight"] = mat(config["vocab_size"], d)
+  for i in range(config["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    w[p + "input_layernorm.weight"] = norm(d)
+    w[p + "self_attn.q_proj.weight"] = mat(n * h, d)
+    w[p + "self_attn.k_proj.weight"] = mat(kv * h, d)
+    w[p + "self_attn.v_proj.weight"] = mat(kv * h, d)
+    w[p + "self_attn.o_proj.weight"] = mat(d, n * h)
+    w[p + "post_attention_layernorm.weight"] = norm(d)
+    w[p + "mlp.gate_proj.weight"] = mat(f, d)
+    w[p + "mlp.up_proj.weight"] = mat(f, d)
+    w[p + "mlp.down_proj.weight"] = mat(d, f)
+    if config["model_type"] != "llama":
+      w[p + "self_attn.q_norm.weight"] = norm(h)
+      w[p + "self_attn.k_norm.weight"] = norm(h)
+    if gemma:
+      w[p + "pre_feedforward_layernorm.weight"] = norm(d)
+      w[p + "post_feedforward_layernorm.weight"] = norm(d)
+  return w
+
+
+# llama.cpp's names for Hugging Face's (convert_hf_to_gguf.py's tensor map), per layer.
+GGUF_NAMES = {
+  "input_layernorm": "attn_norm",
+  "self_attn.q_proj": "attn_q",
+  "self_attn.k_proj": "attn_k",
+  "self_attn.v_proj": "attn_v",
+  "self_attn.o_proj": "attn_output",
+  "self_attn.q_norm": "attn_q_norm",
+  "self_attn.k_norm": "attn_k_norm",
+  "mlp.gate_proj": "ffn_gate",
+  "mlp.up_proj": "ffn_up",
+  "mlp.down_proj": "ffn_down",
+}
+GEMMA_GGUF_NAMES = GGUF_NAMES | {
+  "post_attention_layernorm": "post_attention_norm",
+  "pre_feedforward_layernorm": "ffn_norm",
+  "post_feedforward_layernorm": "post_ffw_norm",
+}
+LLAMA_GGUF_NAMES = GGUF_NAMES | {"post_attention_layernorm": "ffn_norm"}
+
+
+def _llama_cpp_permute(w, heads):
+  """convert_hf_to_gguf.py's LlamaModel.permute: rows of each head from (i, i + H/2)
+  pairs to (2i, 2i + 1) pairs."""
+  return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensors(config, w):
+  arch = config["model_type"]
+  gemma = arch == "gemma3_text"
+  names = GEMMA_GGUF_NAMES if gemma else LLAMA_GGUF_NAMES
+  out = {"token_embd.weight": w["model.embed_tokens.weight"]}
+  if "lm_head.weight" in w:
+    out["output.weight"] = w["lm_head.weight"]
+  for name, value in w.items():
+    if not name.startswith("model.layers."):
+      continue
+    _, _, i, rest = name.split(".", 3)
+    base = rest.removesuffix(".weight")
+    if arch == "llama" and base == "self_attn.q_proj":
+      value = _llama_cpp_permute(value, config["num_attention_heads"])
+    if arch == "llama" and base == "self_attn.k_proj":
+      value = _llama_cpp_permute(value, config["num_key_value_heads"])
+    if gemma and base.endswith("norm"):
+      value = value + 1  # llama.cpp stores Gemma's scales as 1 + w
+    out[f"blk.{i}.{names[base]}.weight"] = value
+  out["output_norm.weight"] = w["model.norm.weight"] + (1 if gemma else 0)
+  if arch == "llama":  # Llama 3.1's rule as llama.cpp stores it: a divisor per frequency
+    s = config["rope_scaling"]
+    plain = inv_frequencies(config["head_dim"], config["rope_theta"], None)
+    out["rope_freqs.weight"] = (plain / inv_frequencies(config["head_dim"], config["rope_theta"], s)).astype(
+      np.float32
+    )
+  return out
+
+
+def write_gguf(path, config, w, vocab):
+  arch = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}[config["model_type"]]
+  writer = gguf.GGUFWriter(str(path), arch)
+  writer.add_context_length(config["max_position_embeddings"])
+  writer.add_embedding_length(config["hidden_size"])
+  writer.add_block_count(config["num_hidden_layers"])
+  writer.add_feed_forward_length(config["intermediate_size"])
+  writer.add_head_count(config["num_attention_heads"])
+  writer.add_head_count_kv(config["num_key_value_heads"])
+  writer.add_key_length(config["head_dim"])
+  writer.add_value_length(config["head_dim"])
+  writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+  writer.add_rope_freq_base(config["rope_theta"])
+  if arch == "gemma3":
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(config["rope_scaling"]["factor"])
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(SP_PIECES)
+    writer.add_token_scores(SP_SCORES)
+    writer.add_token_types(SP_TYPES)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+  else:
+    tokens, merges, types = vocab
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+  for name, value in _gguf_tensors(config, w).items():
+    writer.add_tensor(name, np.ascontiguousarray(value))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def write_folder(folder, config, w, *, shards=1, tokenizer=None):
+  folder.mkdir(parents=True)
+  (folder / "config.json").write_text(json.dumps(config))
+  names = sorted(w)
+  if shards == 1:
+    save_file({n: w[n] for n in names}, str(folder / "model.safetensors"))
+  else:
+    weight_map = {}
+    for k in range(shards):
+      shard = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+      part = names[k::shards]
+      save_file({n: w[n] for n in part}, str(folder / shard))
+      weight_map |= dict.fromkeys(part, shard)
+    (folder / "model.safetensors.index.json").write_text(
+      json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+  if tokenizer is not None:
+    tokenizer.save(str(folder / "tokenizer.json"))
+    special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(special))
+  return folder
+
+
+ARCHS = ("llama", "qwen3", "gemma3")
+# A Gemma 3 folder with what only config.json can say: a global layer every 2nd, the
+# windowed layers' own rotary base, query_pre_attn_scalar apart from head_dim (the 27B's
+# kind).
+GEMMA_VARIANT = dict(
+  num_hidden_layers=4,
+  layer_types=["sliding_attention", "full_attention"] * 2,
+  rope_local_base_freq=1000.0,
+  query_pre_attn_scalar=24,
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """arch -> dict(config, weights, tokenizer, paths: hf4 (4.x config, one file), hf5 (5.x
+  config, 3 shards), gguf)."""
+  out = {}
+  for seed, arch in enumerate(ARCHS):
+    root = tmp_path_factory.mktemp(arch)
+    tok = (
+      None
+      if arch == "gemma3"
+      else train_bpe(LLAMA3_PATTERN if arch == "llama" else QWEN2_PATTERN, arch == "qwen3")
+    )
+    vocab = None if tok is None else bpe_tables(tok)
+    config = _config(arch, len(SP_PIECES) if tok is None else len(vocab[0]))
+    w = _weights(config, seed)
+    paths = dict(
+      hf4=write_folder(root / "hf4", config, w, tokenizer=tok),
+      hf5=write_folder(root / "hf5", _v5(config), w, shards=3, tokenizer=tok),
+      gguf=root / "model.gguf",
+    )
+    write_gguf(paths["gguf"], config, w, vocab)
+    out[arch] = dict(config=config, weights=w, tokenizer=tok, paths=paths)
+  variant = out["gemma3"]["config"] | GEMMA_VARIANT
+  w = _weights(variant, 7)
+  out["gemma3-variant"] = dict(
+    config=variant, weights=w, tokenizer=None, paths=dict(hf4=write_folder(root / "variant", variant, w))
+  )
+  return out
+
+
+def _numpy_logits(ckpt, tokens):
+  config, w = ckpt["config"], ckpt["weights"]
+  match config["model_type"]:
+    case "gemma3_text":
+      return gemma3_logits(w, config, tokens)
+    case "qwen3":
+      return llama_logits(w, config, tokens, qk_norm=True)
+  return llama_logits(w, config, tokens)
+
+
+def _tokens(vocab, length=LENGTH, seed=0):
+  return np.random.default_rng(seed).integers(0, vocab, (1, length)).astype(np.int32)
+
+
+@pytest.mark.parametrize(
+  "arch, fmt", [(a, f) for a in ARCHS for f in ("hf4", "hf5", "gguf")] + [("gemma3-variant", "hf4")]
+)
+def test_loaders_equal_the_float64_numpy_forward(checkpoints, arch, fmt):
+  ckpt = checkpoints[arch]
+  model, tokenizer = models.load(ckpt["paths"][fmt], attention="dense")
+  tokens = _tokens(ckpt["config"]["vocab_size"])
+  expected = _numpy_logits(ckpt, tokens[0])
+  assert rel_err(model(tokens)[0], expected) < F64_TOL
+  assert (tokenizer is None) == (fmt != "gguf" and ckpt["tokenizer"] is None)  # a folder without one: None
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ring_equals_dense(checkpoints, arch, devices):
+  path = checkpoints[arch]["paths"]["hf5"]
+  dense, _ = models.load(path, attention="dense")
+  ring, _ = models.load(path, mesh=make_mesh((devices,), ("seq",)), attention="ring")
+  tokens = _tokens(checkpoints[arch]["config"]["vocab_size"], seed=devices)
+  assert rel_err(ring(tokens), dense(tokens)) < RING_TOL
+
+
+def test_rope_scaling_is_applied(checkpoints):
+  """The scaled checkpoints' logits differ from what they would be unscaled (the
+  lengths reach the frequencies the scaling changes), so the exactness above checks it."""
+  for arch in ("llama", "gemma3"):
+    ckpt = checkpoints[arch]
+    tokens = _tokens(ckpt["config"]["vocab_size"])[0]
+    plain = dict(ckpt, config=dict(ckpt["config"], rope_scaling=None))
+    assert rel_err(_numpy_logits(plain, tokens), _numpy_logits(ckpt, tokens)) > 1e-3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_and_load_back_exactly(checkpoints, arch, tmp_path):
+  """A model loaded from GGUF saves as a Hugging Face folder (read by safetensors' own
+  reader: the original tensors under their names) that loads back with identical logits;
+  a small shard limit writes shards and their index."""
+  ckpt = checkpoints[arch]
+  model, tokenizer = models.load(ckpt["paths"]["gguf"], attention="dense")
+  models.save(model, tmp_path / "one", tokenizer=tokenizer)
+  saved = load_file(str(tmp_path / "one" / "model.safetensors"))
+  assert set(saved) == set(ckpt["weights"])
+  for name, value in ckpt["weights"].items():
+    np.testing.assert_allclose(saved[name], value, rtol=0, atol=1e-6, err_msg=name)
+  config = json.loads((tmp_path / "one" / "config.json").read_text())
+  assert config["model_type"] == ckpt["config"]["model_type"]
+  assert config["architectures"] == ckpt["config"]["architectures"]
+  tokens = _tokens(ckpt["config"]["vocab_size"], seed=5)
+  before = np.asarray(model(tokens))
+  again, tok2 = models.load(tmp_path / "one", attention="dense")
+  np.testing.assert_array_equal(np.asarray(again(tokens)), before)
+  for text in TEXTS:
+    assert tok2.encode(text) == tokenizer.encode(text), text
+  assert (tok2.bos_id, tok2.eos_id) == (tokenizer.bos_id, tokenizer.eos_id)
+  models.save(again, tmp_path / "shards", max_shard_bytes=20_000)
+  index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+  files = set(index["weight_map"].values())
+  assert len(files) > 2
+  for f in files:  # within the limit (plus the header), or one tensor larger than it alone
+    held = [n for n, shard in index["weight_map"].items() if shard == f]
+    assert (tmp_path / "shards" / f).stat().st_size < 20_000 + 4096 or len(held) == 1
+  third, _ = models.load(tmp_path / "shards", attention="dense")
+  np.testing.assert_array_equal(np.asarray(third(tokens)), before)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bpe_tokenizers_equal_the_tokenizer_they_came_from(checkpoints, arch):
+  """GGUF's byte-level BPE vocabulary (tokens, merges, pre-tokenizer name) and the
+  folder's tokenizer.json tokenize as the test's own trained tokenizer does."""
+  ckpt = checkpoints[arch]
+  reference = ckpt["tokenizer"]
+  for fmt in ("gguf", "hf4"):
+    _, tok = models.load(ckpt["paths"][fmt], attention="dense")
+    for text in TEXTS:
+      ids = tok.encode(text)
+      assert ids == reference.encode(text, add_special_tokens=False).ids, (fmt, text)
+      assert tok.decode(ids) == (text if arch == "llama" else reference.decode(ids))
+    assert (tok.bos_id, tok.eos_id) == (0, 1)
+    assert tok.special_ids["<|end_of_text|>"] == 1
+
+
+def test_sentencepiece_vocabulary_and_its_tokenizer_json(checkpoints, tmp_path):
+  """A GGUF SentencePiece vocabulary: user-defined pieces spelled with spaces (Gemma's
+  space runs) are whole tokens, and the tokenizer.json `models.save` writes gives the
+  same ids."""
+  _, tok = models.load(checkpoints["gemma3"]["paths"]["gguf"], attention="dense")
+  index = {p: i for i, p in enumerate(SP_PIECES)}
+  assert tok.encode("a  b") == [index["a"], index["  "], index["b"]]
+  assert tok.encode("   the") == [index["   "], index["t"], index["he"]]
+  assert tok.encode(" the") == [index["\u2581the"]]
+  hf = models.HFTokenizer.from_folder(_saved_tokenizer(tok, tmp_path))
+  for text in TEXTS + ["a  b", "   the", "The Theater: zebra!"]:
+    assert hf.encode(text) == tok.encode(text), text
+    assert hf.decode(tok.encode(text)) == tok.decode(tok.encode(text))
+
+
+def _saved_tokenizer(tok, folder):
+  from jax_ring.models import tokenizer as tokenizer_io
+
+  tokenizer_io.save_tokenizer(tok, folder, context_length=256)
+  return folder
+
+
+def test_named_configs_have_the_published_sizes():
+  """Parameter counts of the named configs (nothing allocated) against the counts their
+  publishers give: Llama 3.1 8B 8,030,261,248 and Llama 3.2 1B 1,235,814,400 (Meta's
+  model cards); Qwen3-0.6B 0.44B without embeddings (Qwen's model card); Gemma 3 270M
+  170M embedding and 100M transformer parameters (Google's model card)."""
+  from flax import nnx
+
+  def count(name, **kw):
+    model = nnx.eval_shape(lambda: models.build(models.config(name), attention="dense", **kw))
+    return {
+      ".".join(map(str, k)): int(np.prod(v.shape)) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+
+  assert sum(count("llama-3.1-8b").values()) == 8_030_261_248
+  assert sum(count("llama-3.2-1b").values()) == 1_235_814_400
+  qwen = count("qwen3-0.6b")
+  assert round((sum(qwen.values()) - qwen["embed.embedding"]) / 1e9, 2) == 0.44
+  gemma = count("gemma-3-270m")
+  assert (
+    round(gemma["embed.embedding"] / 1e6) == 168 and round((sum(gemma.values()) - 167_772_160) / 1e6) == 100
+  )
+  with pytest.raises(ValueError, match="name='llama-9'"):
+    models.config("llama-9")
+
+
+# --- Bad input. ---
+
+
+def test_bad_folders_and_files(checkpoints, tmp_path):
+  ckpt = checkpoints["llama"]
+  config, w = ckpt["config"], ckpt["weights"]
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(ValueError, match="without config.json"):
+    models.load(tmp_path / "empty")
+  bert = write_folder(tmp_path / "bert", config | {"model_type": "bert"}, w)
+  with pytest.raises(ValueError, match="model_type='bert'"):
+    models.load(bert)
+  missing = {k: v for k, v in w.items() if k != "model.layers.1.mlp.up_proj.weight"}
+  with pytest.raises(ValueError, match=r"'model.layers.1.mlp.up_proj.weight'.*is missing"):
+    models.load(write_folder(tmp_path / "missing", config, missing), attention="dense")
+  bad = dict(w, **{"model.layers.0.self_attn.k_proj.weight": np.zeros((8, 64), np.float32)})
+  with pytest.raises(ValueError, match=r"k_proj.weight.*shape \(64, 8\)"):
+    models.load(write_folder(tmp_path / "shape", config, bad), attention="dense")
+  sharded = write_folder(tmp_path / "shards", config, w, shards=3)
+  (sharded / "model-00002-of-00003.safetensors").unlink()
+  with pytest.raises(ValueError, match="names the shard 'model-00002-of-00003.safetensors'"):
+    models.load(sharded)
+  cut = write_folder(tmp_path / "cut", config, w)
+  raw = (cut / "model.safetensors").read_bytes()
+  (cut / "model.safetensors").write_bytes(raw[: len(raw) - 1000])
+  with pytest.raises(ValueError, match="is truncated"):
+    models.load(cut)
+  cut_gguf = tmp_path / "cut.gguf"
+  cut_gguf.write_bytes(ckpt["paths"]["gguf"].read_bytes()[:-1000])
+  with pytest.raises(ValueError, match="is truncated"):
+    models.load(cut_gguf, cache_dir=tmp_path)
+  yarn = config | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+  with pytest.raises(ValueError, match="rope_type='yarn'"):
+    models.load(write_folder(tmp_path / "yarn", yarn, w))
+  with pytest.raises(ValueError, match="attention_bias=True"):
+    models.load(write_folder(tmp_path / "bias", config | {"attention_bias": True}, w))
+  with pytest.raises(ValueError, match="quantization_config"):
+    models.load(write_folder(tmp_path / "quant", config | {"quantization_config": {"bits": 4}}, w))
+  with pytest.raises(ValueError, match="dtype='int8'"):
+    models.load(ckpt["paths"]["hf4"], dtype="int8")
+  with pytest.raises(ValueError, match="fsdp=True"):
+    models.load(ckpt["paths"]["hf4"], fsdp=True)
+
+
+def test_unknown_gguf_key_is_refused(checkpoints, tmp_path):
+  ckpt = checkpoints["qwen3"]
+  path = tmp_path / "softcap.gguf"
+  writer_config = ckpt["config"]
+  write_gguf(path, writer_config, ckpt["weights"], bpe_tables(ckpt["tokenizer"]))
+  reader = gguf.GGUFReader(str(path))
+  writer = gguf.GGUFWriter(str(tmp_path / "more.gguf"), "qwen3")
+  for field in reader.fields.values():
+    if field.name.startswith(("GGUF.", "general.architecture")):
+      continue
+    value = field.contents()
+    kind = field.types[0]
+    sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+    writer.add_key_value(field.name, value, kind, sub_type=sub)
+  writer.add_float32("qwen3.attn_logit_softcapping", 30.0)
+  for t in reader.tensors:
+    writer.add_tensor(t.name, np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  with pytest.raises(ValueError, match="qwen3.attn_logit_softcapping=30.0"):
+    models.load(tmp_path / "more.gguf", cache_dir=tmp_path)
+
+
+def test_bad_tokens(checkpoints):
+  model, _ = models.load(checkpoints["qwen3"]["paths"]["hf4"], attention="dense")
+  vocab = checkpoints["qwen3"]["config"]["vocab_size"]
+  with pytest.raises(ValueError, match=rf"the id {vocab + 5} at \(0, 2\).*\[0, {vocab}\)"):
+    model(np.array([[1, 2, vocab + 5]], np.int32))
+  with pytest.raises(ValueError, match=r"the id -5 at \(0, 0\)"):
+    model(np.array([[-5, 2]], np.int32))
+  with pytest.raises(ValueError, match=r"shape=\(1, 0\)"):
+    model(np.zeros((1, 0), np.int32))
+  with pytest.raises(ValueError, match="shape=\\(3,\\)"):
+    model(np.array([1, 2, 3], np.int32))
+  listed = np.asarray(model([[3, 4, 5]]))
+  np.testing.assert_array_equal(listed, np.asarray(model(jnp.asarray([[3, 4, 5]], jnp.int32))))
+  with pytest.raises(ValueError, match=f"the id {vocab}"):
+    models.generate(model, [[1, vocab]], max_new_tokens=2)
+  out = models.generate(model, [[3, 4, 5]], max_new_tokens=2)
+  assert out.tokens.shape == (1, 2)
+  assert jax.tree.leaves(out.tokens)
