@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_ring import _mosaic, _pallas
 from jax_ring._kernel import (
@@ -781,6 +782,10 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args=None):
   kept = zeros_varying_like(q.shape, pol.delta_dtype(q.dtype), q, k)
   lse = zeros_varying_like(q.shape[:3], pol.accum_dtype, q, k)
   (kept, lse), _ = lax.scan(group, (kept, lse), jnp.arange(groups))
+  # Named, so that a rematerialization policy can keep them for the backward instead of
+  # running the ring's forward again (jax.checkpoint_policies.save_only_these_names).
+  kept = checkpoint_name(kept, "jax_ring.attention_out")
+  lse = checkpoint_name(lse, "jax_ring.attention_lse")
   out = kept.astype(pol.out_dtype(q.dtype))
   return (out, lse), _Residuals(q, k, v, kept, lse, q_pos, k_pos, q_seg, k_seg, args)
 

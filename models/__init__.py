@@ -8,7 +8,7 @@ main job) and the rest of the package's modules.
 
 import importlib
 
-from .checkpoints import build, config, load, load_gguf, save
+from .checkpoints import build, config, load, load_gguf, save, shardings
 from .gemma import Gemma, GemmaConfig
 from .generate import Generated, generate
 from .gguf import GGUFFile, Tokenizer
@@ -40,6 +40,7 @@ __all__ = [
   "load",
   "load_gguf",
   "save",
+  "shardings",
 ]
 
 # Submodules reached as attributes (`models.runtime.initialize_distributed()`), imported

@@ -68,11 +68,42 @@ def _module_of(cfg):
 def _check_options(attention, fsdp, dtype):
   if attention not in ATTENTION_KINDS:
     raise ValueError(f"attention={attention!r} is not one of {ATTENTION_KINDS}")
-  if fsdp is not False:
+  if not isinstance(fsdp, bool):
+    raise TypeError(f"fsdp={fsdp!r} must be a bool")
+  if fsdp and attention == "dense":
     raise ValueError(
-      f"fsdp={fsdp!r}: weights sharded over the devices are not available here; use fsdp=False"
+      "fsdp=True splits the weights over a mesh's devices; attention='dense' runs on one device"
     )
   return None if dtype is None else decoder.float_dtype(dtype, "dtype").name
+
+
+def weight_sharding(key: str, shape, cfg, mesh, seq_axis, fsdp: bool):
+  """Where a parameter lives: FSDP's split (`decoder.fsdp_spec`), else the embedding
+  and an untied head split along the vocabulary over `seq_axis` and the rest replicated."""
+  mesh = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+  if fsdp:
+    return NamedSharding(mesh, decoder.fsdp_spec(shape, mesh))
+  spec = P()
+  if cfg.vocab_size % mesh.shape[seq_axis] == 0:
+    if key == "embed.embedding":
+      spec = P(seq_axis, None)
+    elif key == "head.kernel":
+      spec = P(None, seq_axis)
+  return NamedSharding(mesh, spec)
+
+
+def shardings(model):
+  """The `NamedSharding` of each of a model's parameters, as `load` and `build` place
+  them (an `nnx.State`; for compiling with abstract weights)."""
+  mesh, seq_axis, _ = model.placement
+  state = nnx.state(model, nnx.Param)
+  if mesh is None:
+    return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state)
+  flat = []
+  for path, v in nnx.to_flat_state(state):
+    key = ".".join(map(str, path))
+    flat.append((path, v.replace(weight_sharding(key, v.shape, model.config, mesh, seq_axis, model.fsdp))))
+  return nnx.from_flat_state(flat)
 
 
 def _default_mesh(mesh, attention, seq_axis):
@@ -87,25 +118,53 @@ def build(
   mesh=None,
   attention: str = "ring",
   seq_axis="seq",
+  batch_axis=None,
   fsdp: bool = False,
+  remat: str = "none",
   dtype=None,
   param_dtype="float32",
   rngs=None,
 ):
   """A model of config `cfg` (`config(name)` or an architecture's config) with random
-  weights. Under `nnx.eval_shape` it allocates nothing (for compiling ahead of time).
-  `attention`, `mesh`, `seq_axis`: as in `load`; `dtype` the compute dtype (None:
-  float32), `param_dtype` the weights'."""
+  weights, placed as `load` places them. Under `nnx.eval_shape` it allocates nothing
+  (for compiling ahead of time; `shardings(model)` gives where the weights would be).
+  `attention`, `mesh`, `seq_axis`, `batch_axis`, `fsdp`, `remat`: as in `load`; `dtype`
+  the compute dtype (None: float32), `param_dtype` the weights'."""
   module = _module_of(cfg)
   dtype = _check_options(attention, fsdp, dtype)
   param_dtype = decoder.float_dtype(param_dtype, "param_dtype").name
   cfg = dataclasses.replace(cfg, attention=attention, dtype=dtype, param_dtype=param_dtype)
   mesh = _default_mesh(mesh, attention, seq_axis)
-  return module.MODEL(cfg, mesh=mesh, seq_axis=seq_axis, rngs=rngs if rngs is not None else nnx.Rngs(0))
+  model = module.MODEL(
+    cfg,
+    mesh=mesh,
+    seq_axis=seq_axis,
+    batch_axis=batch_axis,
+    fsdp=fsdp,
+    remat=remat,
+    rngs=rngs if rngs is not None else nnx.Rngs(0),
+  )
+  state = nnx.state(model, nnx.Param)
+  if (
+    mesh is not None
+    and attention != "dense"
+    and not isinstance(jax.tree.leaves(state)[0], jax.ShapeDtypeStruct)
+  ):
+    nnx.update(model, jax.device_put(state, shardings(model)))
+  return model
 
 
 def load(
-  path, *, mesh=None, attention: str = "ring", seq_axis="seq", fsdp: bool = False, dtype=None, cache_dir=None
+  path,
+  *,
+  mesh=None,
+  attention: str = "ring",
+  seq_axis="seq",
+  batch_axis=None,
+  fsdp: bool = False,
+  remat: str = "none",
+  dtype=None,
+  cache_dir=None,
 ):
   """A pretrained model and its tokenizer: (model, tokenizer).
 
@@ -118,14 +177,20 @@ def load(
       every device on one axis named `seq_axis`).
     attention: "ring" (every layer over the mesh's `seq_axis`), "dense" (one device;
       the reference) or "local" (each shard of the sequence attends within itself).
+    batch_axis: a mesh axis the batch is split over (a ("data", "seq") mesh), or None.
+    fsdp: every weight split over all the mesh's devices (`decoder.fsdp_spec`), each
+      block's gathered where it runs, gradients reduce-scattered; each device reads
+      only its own slice of each tensor.
+    remat: what each block keeps for the backward pass: "none", "full" (its input) or
+      "attention" (its input, attention's output and log-sum-exp).
     dtype: compute and parameter dtype (None: float32).
     cache_dir: where a GGUF file's dequantized tensors are kept (`gguf.cache_root`).
 
   Every config or metadata key that changes the computation is applied or refused with
   a ValueError naming it. Tensors are read one at a time, memory-mapped, straight to
-  their devices. On a mesh the embedding (and an untied head) is split over `seq_axis`
-  along the vocabulary, the other weights are replicated; "dense" keeps them on the
-  first device.
+  their devices. On a mesh without FSDP the embedding (and an untied head) is split
+  over `seq_axis` along the vocabulary and the other weights are replicated; "dense"
+  keeps them on the first device.
   """
   dtype = _check_options(attention, fsdp, dtype)
   if not isinstance(path, (str, os.PathLike)):
@@ -137,7 +202,8 @@ def load(
   else:
     module, cfg, source, table, tokenizer = _open_gguf(path, overrides, cache_dir)
   mesh = _default_mesh(mesh, attention, seq_axis)
-  model = _place(module, cfg, source, table, mesh=mesh, seq_axis=seq_axis, where=str(path))
+  placement = dict(mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, fsdp=fsdp, remat=remat)
+  model = _place(module, cfg, source, table, placement, where=str(path))
   return model, tokenizer
 
 
@@ -278,19 +344,16 @@ def _ignored(module, name, num_layers) -> bool:
   )
 
 
-def _place(module, cfg, source, table, *, mesh, seq_axis, where):
+def _place(module, cfg, source, table, placement, *, where):
   """The model of `cfg` with every parameter read from `source` through `table`."""
-  model = nnx.eval_shape(lambda: module.MODEL(cfg, mesh=mesh, seq_axis=seq_axis, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: module.MODEL(cfg, **placement, rngs=nnx.Rngs(0)))
+  mesh, seq_axis = placement["mesh"], placement["seq_axis"]
   graphdef, state = nnx.split(model)
   by_target = {}
   for name, (target, how) in expand(table, cfg.num_layers).items():
     by_target[target] = (name, how)
   used = set()
-  if cfg.attention == "dense":
-    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  else:  # weights carry no sharding in their types, whatever the mesh's axes
-    mesh = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-    shards = mesh.shape[seq_axis]
+  single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   flat = []
   for path, variable in nnx.to_flat_state(state):
     key = ".".join(str(p) for p in path)
@@ -310,13 +373,8 @@ def _place(module, cfg, source, table, *, mesh, seq_axis, where):
       )
     if cfg.attention == "dense":
       sharding = single
-    else:
-      spec = P()
-      if key == "embed.embedding" and cfg.vocab_size % shards == 0:
-        spec = P(seq_axis, None)
-      elif key == "head.kernel" and cfg.vocab_size % shards == 0:
-        spec = P(None, seq_axis)
-      sharding = NamedSharding(mesh, spec)
+    else:  # each device reads its own slice of the (memory-mapped) tensor
+      sharding = weight_sharding(key, array.shape, cfg, mesh, seq_axis, placement["fsdp"])
     dtype = variable.dtype
     value = jax.make_array_from_callback(
       tuple(array.shape), sharding, lambda index, a=array, d=dtype: np.asarray(a[index], dtype=d)

@@ -25,6 +25,17 @@ from jax_ring import nn as ring_nn
 from .transformer import GatedMLP
 
 ATTENTION_KINDS = ("ring", "dense", "local")
+# What each block keeps for the backward pass (`CausalLM`'s `remat`): "none" keeps every
+# activation; "full" its input alone (the rest recomputed); "attention" its input and
+# attention's output and log-sum-exp (jax_ring names them), so the ring's forward is not
+# run again in the backward; the projections and MLP are recomputed.
+REMAT_POLICIES = {
+  "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "attention": jax.checkpoint_policies.save_only_these_names(
+    "jax_ring.attention_out", "jax_ring.attention_lse"
+  ),
+}
 # The config fields every architecture's config has (the loader and `models.save` read them).
 POSITIVE_INTS = (
   "vocab_size",
@@ -49,6 +60,19 @@ def float_dtype(value, name: str):
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"{name}={value!r} is not a floating dtype; expected 'float32', 'bfloat16' or 'float16'")
   return dtype
+
+
+def fsdp_spec(shape, mesh) -> P:
+  """Where FSDP puts a weight of `shape` on `mesh`: its largest dimension the device
+  count divides split over every axis of the mesh together; replicated where no
+  dimension divides."""
+  n = mesh.size
+  for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+    if shape[dim] % n == 0:
+      spec = [None] * len(shape)
+      spec[dim] = tuple(mesh.axis_names)
+      return P(*spec)
+  return P()
 
 
 def check_config(config, mesh, seq_axis, extra_ints=()) -> None:
@@ -107,7 +131,7 @@ class Attention(ring_nn.RingAttention):
     )
 
 
-def make_attention(config, *, mesh, seq_axis, rngs, **options) -> Attention:
+def make_attention(config, *, mesh, seq_axis, rngs, batch_axis=None, **options) -> Attention:
   """Causal attention of `config`'s shape (GQA, no biases), the placement of the model."""
   dt, pdt = dtypes(config)
   return Attention(
@@ -118,6 +142,7 @@ def make_attention(config, *, mesh, seq_axis, rngs, **options) -> Attention:
     head_dim=config.head_dim,
     mesh=mesh if config.attention != "dense" else None,
     seq_axis=seq_axis,
+    batch_axis=batch_axis if config.attention != "dense" else None,
     is_causal=True,
     dtype=dt,
     param_dtype=pdt,
@@ -135,13 +160,14 @@ class PreNormBlock(nnx.Module):
   """x + attn(norm(x)), then x + mlp(norm(x)) with a SwiGLU MLP: Llama's block, and
   Qwen 3's (whose attention adds an RMSNorm on each query and key head)."""
 
-  def __init__(self, config, *, mesh, seq_axis, rngs: nnx.Rngs, **attention_options):
+  def __init__(self, config, *, mesh, seq_axis, rngs: nnx.Rngs, batch_axis=None, **attention_options):
     dt, pdt = dtypes(config)
     self.attn_norm = rms_norm(config, rngs=rngs)
     self.attn = make_attention(
       config,
       mesh=mesh,
       seq_axis=seq_axis,
+      batch_axis=batch_axis,
       rngs=rngs,
       rope_base=config.rope_base,
       rope_scaling=config.rope_scaling,
@@ -165,19 +191,51 @@ class CausalLM(nnx.Module):
   `prefill(tokens, lengths=)` (logits [B, V] at each row's last prompt token),
   `decode(tokens)`.
 
-  A subclass sets `make_block(config, layer, mesh=, seq_axis=, rngs=)` and
+  Placement: `mesh` and `seq_axis` (the ring's axis), `batch_axis` (a mesh axis the
+  batch is split over, or None). `fsdp`: the weights are stored split over the mesh's
+  devices (`fsdp_spec`; placed so by `models.load` and `models.build`) and each block's
+  are gathered where the block runs; their gradients come back reduce-scattered.
+  `remat`: what each block keeps for the backward pass (`REMAT_POLICIES`).
+
+  A subclass sets `make_block(config, layer, mesh=, seq_axis=, batch_axis=, rngs=)` and
   `embed_scale(config)`; `config.tie_embeddings` False adds an output head.
   """
 
-  def __init__(self, config, *, mesh=None, seq_axis="seq", rngs: nnx.Rngs):
+  def __init__(
+    self,
+    config,
+    *,
+    mesh=None,
+    seq_axis="seq",
+    batch_axis=None,
+    fsdp: bool = False,
+    remat: str = "none",
+    rngs: nnx.Rngs,
+  ):
     config.validate(mesh, seq_axis)
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={remat!r} is not one of {tuple(REMAT_POLICIES)}")
+    if not isinstance(fsdp, bool):
+      raise TypeError(f"fsdp={fsdp!r} must be a bool")
+    if fsdp and config.attention == "dense":
+      raise ValueError(
+        "fsdp=True splits the weights over a mesh's devices; attention='dense' runs on one device"
+      )
+    if batch_axis is not None and (
+      not isinstance(mesh, jax.sharding.Mesh) or batch_axis not in mesh.axis_names
+    ):
+      raise ValueError(f"batch_axis={batch_axis!r} is not an axis of the mesh {mesh!r}")
     self.config = config
-    self.placement = nnx.static((mesh if config.attention != "dense" else None, seq_axis))
+    ring_mesh = mesh if config.attention != "dense" else None
+    batch_axis = batch_axis if ring_mesh is not None else None
+    self.placement = nnx.static((ring_mesh, seq_axis, batch_axis))
+    self.fsdp, self.remat = fsdp, remat
     dt, pdt = dtypes(config)
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
-    self.blocks = nnx.List(
-      [self.make_block(config, i, mesh=mesh, seq_axis=seq_axis, rngs=rngs) for i in range(config.num_layers)]
+    make = lambda i: self.make_block(
+      config, i, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs
     )
+    self.blocks = nnx.List([make(i) for i in range(config.num_layers)])
     self.norm = rms_norm(config, rngs=rngs)
     if config.tie_embeddings:
       self.head = nnx.data(None)
@@ -186,7 +244,7 @@ class CausalLM(nnx.Module):
         config.dim, config.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs
       )
 
-  def make_block(self, config, layer: int, *, mesh, seq_axis, rngs):
+  def make_block(self, config, layer: int, *, mesh, seq_axis, batch_axis, rngs):
     raise NotImplementedError
 
   @staticmethod
@@ -221,18 +279,51 @@ class CausalLM(nnx.Module):
         )
     return tokens
 
+  def _auto_mesh(self):
+    mesh = self.placement[0]
+    return mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+
   def _shard(self, x):
     """x [B, T, D] split over the mesh's seq axis, as the attention wants it."""
-    mesh, seq_axis = self.placement
+    mesh, seq_axis, batch_axis = self.placement
     if mesh is None or x.shape[1] % mesh.shape[seq_axis]:
       return x  # an uneven length: the attention pads it (and outside jit a constraint cannot)
-    auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(auto, P(None, seq_axis, None)))
+    if batch_axis is not None and x.shape[0] % mesh.shape[batch_axis]:
+      batch_axis = None
+    return jax.lax.with_sharding_constraint(
+      x, NamedSharding(self._auto_mesh(), P(batch_axis, seq_axis, None))
+    )
+
+  def _gathered(self, params):
+    """A block's weights whole on every device (FSDP: gathered where they are used)."""
+    whole = NamedSharding(self._auto_mesh(), P())
+    return jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, whole), params)
+
+  def _run_block(self, block, x, attend, training: bool):
+    """One block: its weights gathered (FSDP), under its remat policy (training calls)."""
+    policy = REMAT_POLICIES[self.remat] if training else None
+    if not self.fsdp and policy is None:
+      return block(x, attend)
+    graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+
+    def run(params, rest, x):
+      if self.fsdp:
+        params = self._gathered(params)
+      copy = nnx.merge(graphdef, params, rest)
+      return copy(x, attend), nnx.state(copy, nnx.Not(nnx.Param))
+
+    if policy is not None:
+      run = jax.checkpoint(run, policy=policy)
+    y, after = run(params, rest, x)
+    if not training:  # prefill and decode fill the caches of the copy: back to the block
+      nnx.update(block, after)
+    return y
 
   def hidden(self, tokens, attend=None, *, shard: bool = True):
     """The final normed hidden states [B, T, D] (the head's input)."""
     tokens = self.check_tokens(tokens)
-    if attend is None:
+    training = attend is None
+    if training:
       attend = lambda attn, h: attn(h)
     x = self.embed(tokens)
     scale = self.embed_scale(self.config)
@@ -240,14 +331,19 @@ class CausalLM(nnx.Module):
       x = x * jnp.asarray(scale, x.dtype)
     x = self._shard(x) if shard else x
     for block in self.blocks:
-      x = block(x, attend)
+      x = self._run_block(block, x, attend, training)
     return self.norm(x)
+
+  def head_weights(self):
+    """The output head as [V, D] (the embedding when tied), whole (gathered under FSDP)."""
+    table = self.embed.embedding[...] if self.head is None else self.head.kernel[...].T
+    return self._gathered(table) if self.fsdp else table
 
   def logits(self, h):
     """Logits float32 [..., V] of hidden states [..., D]."""
-    if self.head is None:
-      return self.embed.attend(h).astype(jnp.float32)
-    return self.head(h).astype(jnp.float32)
+    dt = self.embed.dtype or h.dtype
+    table = self.head_weights()
+    return jnp.einsum("...d,vd->...v", h.astype(dt), table.astype(dt)).astype(jnp.float32)
 
   def __call__(self, tokens):
     return self.logits(self.hidden(tokens))

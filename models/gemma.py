@@ -82,7 +82,7 @@ GemmaAttention = decoder.Attention
 
 
 class GemmaBlock(nnx.Module):
-  def __init__(self, config: GemmaConfig, layer: int, *, mesh, seq_axis, rngs: nnx.Rngs):
+  def __init__(self, config: GemmaConfig, layer: int, *, mesh, seq_axis, rngs: nnx.Rngs, batch_axis=None):
     dt, pdt = decoder.dtypes(config)
     norm = lambda: decoder.rms_norm(config, rngs=rngs)
     is_global = config.is_global(layer)
@@ -92,6 +92,7 @@ class GemmaBlock(nnx.Module):
       config,
       mesh=mesh,
       seq_axis=seq_axis,
+      batch_axis=batch_axis,
       rngs=rngs,
       local_window_size=None if is_global else (config.window - 1, 0),
       # A window's ring stops where the window ends only in the contiguous layout.
@@ -117,8 +118,8 @@ class Gemma(CausalLM):
   """Gemma 3: tokens int [B, T] -> logits float32 [B, T, V] (`decoder.CausalLM`);
   embeddings scaled by sqrt(D), the head tied to them."""
 
-  def make_block(self, config, layer, *, mesh, seq_axis, rngs):
-    return GemmaBlock(config, layer, mesh=mesh, seq_axis=seq_axis, rngs=rngs)
+  def make_block(self, config, layer, *, mesh, seq_axis, batch_axis, rngs):
+    return GemmaBlock(config, layer, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
 
   embed_scale = staticmethod(decoder.embed_scale_sqrt_dim)
 

@@ -50,8 +50,8 @@ class LlamaConfig:
 class Llama(CausalLM):
   """Llama 3: tokens int [B, T] -> logits float32 [B, T, V] (`decoder.CausalLM`)."""
 
-  def make_block(self, config, layer, *, mesh, seq_axis, rngs):
-    return PreNormBlock(config, mesh=mesh, seq_axis=seq_axis, rngs=rngs)
+  def make_block(self, config, layer, *, mesh, seq_axis, batch_axis, rngs):
+    return PreNormBlock(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
 
 
 _LLAMA3_1 = ring_nn.RopeScaling("llama3", factor=8.0)

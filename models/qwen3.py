@@ -46,8 +46,10 @@ class Qwen3Config:
 class Qwen3(CausalLM):
   """Qwen 3: tokens int [B, T] -> logits float32 [B, T, V] (`decoder.CausalLM`)."""
 
-  def make_block(self, config, layer, *, mesh, seq_axis, rngs):
-    return PreNormBlock(config, mesh=mesh, seq_axis=seq_axis, rngs=rngs, qk_norm_epsilon=config.norm_eps)
+  def make_block(self, config, layer, *, mesh, seq_axis, batch_axis, rngs):
+    return PreNormBlock(
+      config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs, qk_norm_epsilon=config.norm_eps
+    )
 
 
 # Released configs: config.json of Qwen/Qwen3-0.6B, Qwen3-1.7B, Qwen3-4B and Qwen3-8B

@@ -1,0 +1,336 @@
+"""Fine-tuning a loaded model (`models.load`: Llama 3, Qwen 3, Gemma 3) over the ring:
+a cross-entropy that never holds the [T, V] logits (`chunked_cross_entropy`), one jitted
+AdamW step over the model's weights where they live (replicated, or split over every
+device with `fsdp=True`: the optimizer's moments follow them), the batches of the main
+job's long documents (the loss on the answers) or of a text, and the loop behind
+`scripts/finetune.py` (warmup, clipping, a progress bar, orbax state for resuming, the
+result in `models.save`'s layout).
+
+Legend: B batch, T sequence length, D model width, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import checkpoints
+
+
+def chunked_cross_entropy(
+  h, table, targets, weights, *, chunk: int = 512, mesh=None, seq_axis=None, batch_axis=None
+):
+  """sum(weights * cross-entropy(h @ table.T, targets)) / max(sum(weights), 1), with the
+  logits made `chunk` tokens at a time and recomputed in the backward pass: at most
+  [B, chunk, V] float32 logits exist at once (per device on a mesh), never [T, V]
+  (Llama 3's 128K vocabulary at 64K tokens a device: 32 GiB of float32 logits).
+
+  h [B, T, D] (final hidden states), table [V, D] (the head), targets int [B, T],
+  weights float [B, T]. With `mesh`, each device scores its own tokens (T split over
+  `seq_axis`, B over `batch_axis`) and the sums are added over the devices."""
+  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    raise ValueError(f"chunk={chunk!r} must be a positive int")
+  if targets.shape != h.shape[:2] or weights.shape != h.shape[:2]:
+    raise ValueError(
+      f"targets.shape={tuple(targets.shape)} and weights.shape={tuple(weights.shape)} must be h's [B, T] "
+      f"{tuple(h.shape[:2])}"
+    )
+  weights = weights.astype(jnp.float32)
+
+  def local(h, targets, weights, table):
+    b, t, d = h.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets, weights = (jnp.pad(a, ((0, 0), (0, pad))) for a in (targets, weights))
+    split = lambda a: jnp.moveaxis(a.reshape(b, n, chunk, *a.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def body(_, xs):
+      hc, tc, wc = xs
+      logits = jnp.einsum("bcd,vd->bcv", hc, table.astype(hc.dtype), preferred_element_type=jnp.float32)
+      lse = jax.nn.logsumexp(logits, axis=-1)
+      picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+      return None, jnp.sum((lse - picked) * wc)
+
+    _, sums = jax.lax.scan(body, None, (split(h), split(targets), split(weights)))
+    return jnp.sum(sums), jnp.sum(weights)
+
+  if mesh is None:
+    total, count = local(h, targets, weights, table)
+  else:
+    shards = mesh.shape[seq_axis]
+    pad = -h.shape[1] % shards
+    if pad:  # a length the devices do not divide: padded tokens of weight 0
+      h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+      targets, weights = (jnp.pad(a, ((0, 0), (0, pad))) for a in (targets, weights))
+    if batch_axis is not None and h.shape[0] % mesh.shape[batch_axis]:
+      batch_axis = None
+    axes = (seq_axis,) if batch_axis is None else (batch_axis, seq_axis)
+
+    def summed(h, targets, weights, table):
+      total, count = local(h, targets, weights, table)
+      return jax.lax.psum(total, axes), jax.lax.psum(count, axes)
+
+    rows = P(batch_axis, seq_axis)
+    total, count = jax.shard_map(
+      summed,
+      mesh=mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)),
+      in_specs=(P(batch_axis, seq_axis, None), rows, rows, P()),
+      out_specs=(P(), P()),
+      axis_names=set(axes),
+    )(h, targets, weights, table)
+  return total / jnp.maximum(count, 1.0)
+
+
+def loss(model, tokens, targets, weights, *, chunk: int = 512):
+  """The model's chunked cross-entropy of `targets` after `tokens` (`chunked_cross_entropy`)."""
+  mesh, seq_axis, batch_axis = model.placement
+  h = model.hidden(tokens)
+  return chunked_cross_entropy(
+    h,
+    model.head_weights(),
+    targets,
+    weights,
+    chunk=chunk,
+    mesh=mesh,
+    seq_axis=seq_axis,
+    batch_axis=batch_axis,
+  )
+
+
+@functools.cache
+def make_tx(lr: float, warmup: int, steps: int, weight_decay: float, clip: float):
+  """AdamW (float32 moments) with linear warmup then cosine decay to 10% of `lr`, after
+  clipping the gradients' global norm at `clip`."""
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1), end_value=lr * 0.1
+  )
+  return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
+
+
+def per_device_bytes(tree) -> int:
+  """Bytes the first device holds of `tree`'s arrays (what each device holds, for the
+  even splits and the replicated arrays here)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array):
+      total += leaf.addressable_shards[0].data.nbytes
+  return total
+
+
+class Trainer:
+  """The model's weights, their AdamW state (split as the weights are) and one jitted
+  step: `step(tokens, targets, weights) -> (loss, gradient norm)`; `model()` gives the
+  model with the current weights."""
+
+  def __init__(self, model, tx, *, chunk: int = 512):
+    self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
+    self.tx, self.chunk = tx, chunk
+    self.opt_state = tx.init(self.params)
+    self.opt_state = jax.tree.map(_on_mesh(model), self.opt_state)
+    shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+    self._step = jax.jit(
+      functools.partial(_step, self.graphdef, tx, chunk),
+      donate_argnums=(0, 2),
+      out_shardings=(shardings(self.params), shardings(self.opt_state), None, None),
+    )
+
+  def step(self, tokens, targets, weights):
+    self.params, self.opt_state, value, norm = self._step(
+      self.params, self.rest, self.opt_state, tokens, targets, weights
+    )
+    return value, norm
+
+  def compiled(self, tokens, targets, weights):
+    """The step compiled for these shapes (`memory_analysis()`, `as_text()`)."""
+    return self._step.lower(self.params, self.rest, self.opt_state, tokens, targets, weights).compile()
+
+  def model(self):
+    return nnx.merge(self.graphdef, self.params, self.rest)
+
+  def memory(self, tokens, targets, weights) -> dict:
+    """Per device: the weights' and the optimizer state's bytes, and the step's
+    compiled temporaries."""
+    temp = self.compiled(tokens, targets, weights).memory_analysis().temp_size_in_bytes
+    return dict(
+      param_bytes=per_device_bytes(self.params),
+      optimizer_bytes=per_device_bytes(self.opt_state),
+      temp_bytes=int(temp),
+    )
+
+
+def _on_mesh(model):
+  """The optimizer's scalars (its step count) replicated on the model's mesh, beside the
+  moments, which optax makes with zeros_like and so placed as the weights they follow."""
+  mesh = model.placement[0]
+  if mesh is None:
+    return lambda x: x
+  whole = NamedSharding(mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)), P())
+  return lambda x: jax.device_put(x, whole) if isinstance(x, jax.Array) and x.ndim == 0 else x
+
+
+def _step(graphdef, tx, chunk, params, rest, opt_state, tokens, targets, weights):
+  def objective(p):
+    return loss(nnx.merge(graphdef, p, rest), tokens, targets, weights, chunk=chunk)
+
+  value, grads = jax.value_and_grad(objective)(params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, value, optax.tree.norm(grads)
+
+
+# --- Data. ---
+
+
+def document_batch(tokenizer, length: int, step: int, *, batch: int = 1, seed: int = 0):
+  """`batch` documents of the main job's pass-key task, each `length` tokens: filler
+  with five facts at five depths, then one question and its answer; the loss is on the
+  answer's tokens. The documents are a function of (seed, step, row). Returns (tokens,
+  targets, weights), each [B, length]."""
+  from . import long_context
+
+  rows = []
+  for row in range(batch):
+    rng = np.random.default_rng([seed, step, row])
+    depths = sorted(rng.uniform(0.02, 0.98, 5).tolist())
+    doc = long_context.make_document(
+      tokenizer, "passkey", length - long_context.ROOM, depths, seed=seed * 1_000_003 + step * 97 + row
+    )
+    q = doc.questions[int(rng.integers(len(doc.questions)))]
+    prompt = tokenizer.encode(q.prompt)
+    answer = tokenizer.encode(" " + q.answer + ".")
+    ids = list(doc.tokens) + prompt + answer
+    ids = ids[:length] + [tokenizer.pad_id or 0] * max(0, length - len(ids))
+    scored = np.zeros(length, np.float32)
+    start = len(doc.tokens) + len(prompt)
+    scored[start - 1 : min(start - 1 + len(answer), length - 1)] = 1.0  # position i predicts token i + 1
+    rows.append((ids, scored))
+  ids = np.asarray([r[0] for r in rows], np.int32)
+  targets = np.concatenate([ids[:, 1:], np.zeros((batch, 1), np.int32)], axis=1)
+  return ids, targets, np.asarray([r[1] for r in rows])
+
+
+def text_batch(ids: np.ndarray, length: int, step: int, *, batch: int = 1, seed: int = 0):
+  """`batch` windows of `length` + 1 tokens of a tokenized text, at offsets that are a
+  function of (seed, step, row); the loss on every next token."""
+  if len(ids) < length + 2:
+    raise ValueError(f"the text has {len(ids)} tokens; --length {length} needs at least {length + 2}")
+  rng = np.random.default_rng([seed, step])
+  starts = rng.integers(0, len(ids) - length - 1, batch)
+  windows = np.stack([ids[s : s + length + 1] for s in starts]).astype(np.int32)
+  return windows[:, :-1], windows[:, 1:], np.ones((batch, length), np.float32)
+
+
+def place_batch(model, *arrays):
+  """Arrays [B, T] split as the model's hidden states are (T over the seq axis, B over
+  the batch axis), when the shapes divide."""
+  mesh, seq_axis, batch_axis = model.placement
+  if mesh is None:
+    return tuple(jnp.asarray(a) for a in arrays)
+  b, t = arrays[0].shape
+  batch_axis = batch_axis if batch_axis is not None and b % mesh.shape[batch_axis] == 0 else None
+  spec = P(batch_axis, seq_axis if t % mesh.shape[seq_axis] == 0 else None)
+  auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+  return tuple(jax.device_put(np.asarray(a), NamedSharding(auto, spec)) for a in arrays)
+
+
+# --- The loop. ---
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+  length: int = 1024
+  steps: int = 4
+  batch: int = 1
+  lr: float = 1e-5
+  warmup: int = 1
+  weight_decay: float = 0.0
+  clip: float = 1.0
+  chunk: int = 512
+  seed: int = 0
+  save_every: int = 0  # orbax state for resuming every this many steps (0: at the end only)
+
+
+def finetune(
+  model, tokenizer, config: FinetuneConfig, out: str, *, text: str | None = None, progress=True
+) -> dict:
+  """Fine-tunes `model` on the main job's documents (or on `text`), writing
+  `out/report.json` ("steps": [{"loss", "seconds"}], "memory": per device param_bytes,
+  optimizer_bytes and the step's temp_bytes), `out/state/` (orbax: weights, optimizer
+  state, step; a later call resumes from it) and `out/checkpoint/` (`models.save`'s
+  layout, with the tokenizer). Returns the report."""
+  from .training import Checkpoints
+
+  os.makedirs(out, exist_ok=True)
+  tx = make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
+  trainer = Trainer(model, tx, chunk=config.chunk)
+  ids = None if text is None else np.asarray(tokenizer.encode(text), np.int32)
+
+  def batch(step):
+    if ids is None:
+      arrays = document_batch(tokenizer, config.length, step, batch=config.batch, seed=config.seed)
+    else:
+      arrays = text_batch(ids, config.length, step, batch=config.batch, seed=config.seed)
+    return place_batch(model, *arrays)
+
+  report_path = os.path.join(out, "report.json")
+  report = dict(config=dataclasses.asdict(config), steps=[])
+  state = Checkpoints(os.path.join(out, "state"), every=config.save_every or config.steps, keep=1)
+  first = 0
+  latest = state.latest()
+  if latest is not None:
+    _restore(state, latest, trainer)
+    first = latest
+    if os.path.exists(report_path):
+      with open(report_path) as f:
+        report["steps"] = json.load(f)["steps"][:first]
+  report["memory"] = trainer.memory(*batch(first))
+  steps = range(first, config.steps)
+  if progress:
+    from tqdm import tqdm
+
+    steps = tqdm(steps, desc="fine-tuning", initial=first, total=config.steps, unit="step")
+  for step in steps:
+    start = time.perf_counter()
+    value, norm = trainer.step(*batch(step))
+    value = float(value)
+    seconds = time.perf_counter() - start
+    report["steps"].append(dict(loss=value, seconds=round(seconds, 3), grad_norm=float(norm)))
+    if progress:
+      steps.set_postfix(loss=f"{value:.4f}", s=f"{seconds:.1f}")
+    if not np.isfinite(value):
+      raise FloatingPointError(f"step {step}: the loss is {value}")
+    if config.save_every and (step + 1) % config.save_every == 0:
+      _save(state, step + 1, trainer)
+  _save(state, config.steps, trainer)
+  state.close()
+  checkpoints.save(trainer.model(), os.path.join(out, "checkpoint"), tokenizer=tokenizer)
+  with open(report_path, "w") as f:
+    json.dump(report, f, indent=1)
+  return report
+
+
+def _save(state, step, trainer):
+  if step in state.manager.all_steps():
+    return
+  pure = {"params": nnx.to_pure_dict(trainer.params), "opt": trainer.opt_state}
+  state.manager.save(step, args=state.ocp.args.StandardSave(pure), force=True)
+  state.manager.wait_until_finished()
+
+
+def _restore(state, step, trainer):
+  target = {"params": nnx.to_pure_dict(trainer.params), "opt": trainer.opt_state}
+  restored = state.manager.restore(step, args=state.ocp.args.StandardRestore(target))
+  nnx.replace_by_pure_dict(trainer.params, restored["params"])
+  trainer.opt_state = restored["opt"]

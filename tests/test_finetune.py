@@ -1,0 +1,249 @@
+"""Training a loaded model's architecture over the ring: FSDP (every weight and AdamW
+moment split over all the mesh's devices) equals the replicated model's steps on (8,)
+and (2, 4) meshes; the chunked cross-entropy equals a float64 NumPy one and the full
+loss; the remat policies keep what they name (counted in the compiled program); the
+per-device bytes are the total / devices; scripts/finetune.py writes its report and a
+checkpoint that loads, and resumes."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_mesh, rel_err
+from flax import nnx
+
+from jax_ring import hlo, models
+from jax_ring.models import finetune
+
+# Sizes every device count here divides (8): FSDP splits every weight.
+SMALL = models.LlamaConfig(
+  vocab_size=256,
+  dim=64,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=16,
+  mlp_hidden=128,
+  context_length=512,
+)
+QWEN = models.Qwen3Config(
+  vocab_size=256,
+  dim=64,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=16,
+  mlp_hidden=128,
+  context_length=512,
+)
+STEP_TOL = 1e-5
+
+
+def _batch(batch=2, length=64, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, 256, (batch, length)).astype(np.int32)
+  targets = np.roll(tokens, -1, axis=1)
+  weights = (rng.random((batch, length)) < 0.7).astype(np.float32)
+  return tokens, targets, weights
+
+
+def _model(config, mesh, fsdp, batch_axis=None, remat="none"):
+  return models.build(config, mesh=mesh, fsdp=fsdp, batch_axis=batch_axis, remat=remat, rngs=nnx.Rngs(3))
+
+
+MESHES = [((8,), ("seq",), None), ((2, 4), ("data", "seq"), "data")]
+
+
+@pytest.mark.parametrize("shape, names, batch_axis", MESHES)
+def test_fsdp_steps_equal_the_replicated_model(shape, names, batch_axis):
+  """Three AdamW steps (warmup, clipping) of the FSDP model and of the replicated one:
+  the same losses, gradient norms and weights within 1e-5, and the weights and moments
+  stay split."""
+  mesh = make_mesh(shape, names)
+  tx = finetune.make_tx(3e-3, 1, 10, 0.01, 1.0)
+  trainers = [finetune.Trainer(_model(SMALL, mesh, fsdp, batch_axis), tx, chunk=16) for fsdp in (False, True)]
+  start = jax.tree.map(np.asarray, trainers[0].params)
+  for step in range(3):
+    batch = finetune.place_batch(trainers[0].model(), *_batch(seed=step))
+    (l0, n0), (l1, n1) = (t.step(*batch) for t in trainers)
+    assert abs(float(l0) - float(l1)) <= STEP_TOL * abs(float(l0))
+    assert abs(float(n0) - float(n1)) <= STEP_TOL * abs(float(n0))
+  p0, p1 = (t.params for t in trainers)
+  assert rel_err(p0["embed"]["embedding"][...], start["embed"]["embedding"][...]) > 1e-3  # the steps moved it
+  assert jax.tree.structure(p0) == jax.tree.structure(p1)
+  for (path, a), (_, b) in zip(nnx.to_flat_state(p0), nnx.to_flat_state(p1)):
+    assert rel_err(b[...], a[...]) < STEP_TOL, path
+    assert b[...].addressable_shards[0].data.size * 8 == b[...].size, path  # split 8 ways
+  moments = [x for x in jax.tree.leaves(trainers[1].opt_state) if x.ndim > 0]
+  assert moments and all(x.addressable_shards[0].data.size * 8 == x.size for x in moments)
+
+
+def test_fsdp_bytes_per_device_are_the_total_over_devices():
+  """From the arrays' shardings and the compiler: each device holds 1/8 of the weights
+  and of the AdamW moments (float32), and the compiled step's arguments are those
+  bytes plus the batch."""
+  mesh = make_mesh((8,), ("seq",))
+  model = _model(QWEN, mesh, True)
+  total = sum(v[...].nbytes for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  trainer = finetune.Trainer(model, finetune.make_tx(1e-3, 1, 10, 0.0, 1.0), chunk=16)
+  batch = finetune.place_batch(model, *_batch())
+  memory = trainer.memory(*batch)
+  assert memory["param_bytes"] == total // 8
+  scalars = sum(x.nbytes for x in jax.tree.leaves(trainer.opt_state) if x.ndim == 0)  # step counts
+  assert memory["optimizer_bytes"] == 2 * total // 8 + scalars  # mu and nu, float32
+  arguments = trainer.compiled(*batch).memory_analysis().argument_size_in_bytes
+  batch_bytes = sum(a.addressable_shards[0].data.nbytes for a in batch)
+  assert arguments == memory["param_bytes"] + memory["optimizer_bytes"] + batch_bytes
+  replicated = finetune.Trainer(_model(QWEN, mesh, False), finetune.make_tx(1e-3, 1, 10, 0.0, 1.0))
+  assert replicated.memory(*batch)["optimizer_bytes"] > 4 * memory["optimizer_bytes"]
+
+
+def test_fsdp_step_gathers_weights_and_reduces_gradients():
+  """The compiled FSDP step all-gathers weights and reduces gradients back to their
+  shards (all-reduce or reduce-scatter, as the backend lowers it); the replicated
+  model's step gathers no weight."""
+  mesh = make_mesh((8,), ("seq",))
+  batch = _batch()
+
+  def ops(fsdp):
+    model = _model(SMALL, mesh, fsdp)
+    trainer = finetune.Trainer(model, finetune.make_tx(1e-3, 1, 10, 0.0, 1.0), chunk=16)
+    return [c.op for c in hlo.collectives(trainer.compiled(*finetune.place_batch(model, *batch)))]
+
+  sharded, replicated = ops(True), ops(False)
+  # Each of the 2 layers' 9 weights and the head are gathered (XLA may combine some).
+  assert sharded.count("all-gather") >= 10
+  assert sharded.count("all-reduce") + sharded.count("reduce-scatter") >= 1
+  assert sharded.count("collective-permute") == replicated.count("collective-permute")  # the ring's
+
+
+def _numpy_ce(h, table, targets, weights):
+  logits = np.asarray(h, np.float64) @ np.asarray(table, np.float64).T
+  top = logits.max(-1, keepdims=True)
+  lse = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+  picked = np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+  return float(((lse - picked) * weights).sum() / max(weights.sum(), 1))
+
+
+@pytest.mark.parametrize("chunk", [7, 16, 64])
+def test_chunked_cross_entropy_equals_float64_and_the_full_loss(chunk):
+  """On 8 devices, chunks that do and do not divide a device's 8 tokens: the value
+  against a float64 NumPy cross-entropy, and the gradients against optax's full-logits
+  loss."""
+  mesh = make_mesh((8,), ("seq",))
+  rng = np.random.default_rng(1)
+  h = rng.standard_normal((2, 64, 32)).astype(np.float32)
+  table = rng.standard_normal((300, 32)).astype(np.float32) * 0.3
+  _, targets, weights = _batch()
+  targets = targets % 300
+  chunked = lambda h, t: finetune.chunked_cross_entropy(
+    h, t, targets, weights, chunk=chunk, mesh=mesh, seq_axis="seq"
+  )
+  value = float(jax.jit(chunked)(h, table))
+  assert abs(value - _numpy_ce(h, table, targets, weights)) < 1e-6 * abs(value)
+
+  def full(h, t):
+    ce = optax.softmax_cross_entropy_with_integer_labels(h @ t.T, targets)
+    return jnp.sum(ce * weights) / jnp.sum(weights)
+
+  for a, b in zip(jax.grad(chunked, (0, 1))(h, table), jax.grad(full, (0, 1))(h, table)):
+    assert rel_err(a, b) < 1e-5
+
+
+def test_chunked_cross_entropy_holds_no_full_logits():
+  """Compiled on 8 devices at 4,096 tokens and a 32,768 vocabulary: the full loss's
+  temporaries hold [T / 8, V] float32 logits (64 MiB a device); the chunked one's, with
+  chunks of 32 tokens (4 MiB of logits), less than half that, backward included (the
+  table's gradient, 8 MiB, among them)."""
+  mesh = make_mesh((8,), ("seq",))
+  h = jax.ShapeDtypeStruct((1, 4096, 64), jnp.float32)
+  table = jax.ShapeDtypeStruct((32768, 64), jnp.float32)
+  t = jnp.zeros((1, 4096), jnp.int32)
+  w = jnp.ones((1, 4096), jnp.float32)
+  auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,))
+  rows = jax.sharding.NamedSharding(auto, jax.sharding.PartitionSpec(None, "seq"))
+  t, w = jax.device_put(t, rows), jax.device_put(w, rows)
+  chunked = lambda h, table: finetune.chunked_cross_entropy(
+    h, table, t, w, chunk=32, mesh=mesh, seq_axis="seq"
+  )
+
+  def full(h, table):
+    h = jax.lax.with_sharding_constraint(
+      h, jax.sharding.NamedSharding(auto, jax.sharding.PartitionSpec(None, "seq"))
+    )
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(h @ table.T, t))
+
+  temp = lambda f: jax.jit(jax.grad(f, (0, 1))).lower(h, table).compile().memory_analysis().temp_size_in_bytes
+  logits = 4096 // 8 * 32768 * 4
+  assert temp(full) >= logits
+  assert temp(chunked) < logits / 2
+
+
+@pytest.mark.parametrize("remat", ["full", "attention"])
+def test_remat_policies_keep_what_they_name(remat):
+  """Gradients equal the unrematerialized model's; "full" runs the ring's forward again
+  in the backward (twice the forward ring loops), "attention" keeps its output and
+  log-sum-exp (as many forward ring loops as without remat)."""
+  mesh = make_mesh((4,), ("seq",))
+  batch = finetune.place_batch(_model(SMALL, mesh, False), *_batch())
+
+  def run(policy):
+    trainer = finetune.Trainer(
+      _model(SMALL, mesh, False, remat=policy), finetune.make_tx(1e-3, 1, 10, 0.0, 1.0)
+    )
+    grad = jax.grad(lambda p: finetune.loss(nnx.merge(trainer.graphdef, p, trainer.rest), *batch))(
+      trainer.params
+    )
+    loops = [c.where for c in hlo.collectives(trainer.compiled(*batch)) if c.op == "collective-permute"]
+    return grad, loops.count("forward ring step")
+
+  (g_none, f_none), (g_remat, f_remat) = run("none"), run(remat)
+  for a, b in zip(jax.tree.leaves(g_none), jax.tree.leaves(g_remat)):
+    assert rel_err(b, a) < 1e-6
+  assert f_remat == (2 * f_none if remat == "full" else f_none)
+  with pytest.raises(ValueError, match="remat='some'"):
+    _model(SMALL, mesh, False, remat="some")
+
+
+def test_finetune_script_reports_checkpoints_and_resumes(tmp_path):
+  """scripts/finetune.py on a small Llama folder and a text: report.json's steps and
+  memory, a checkpoint folder `models.load` reads, the loss falling on a repeated text,
+  and a second run with more steps resuming from the saved state."""
+  import finetune as script  # scripts/finetune.py
+
+  from jax_ring.models.tokenizer import HFTokenizer
+
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  model = models.build(SMALL, attention="dense")
+  models.save(model, tmp_path / "model", tokenizer=HFTokenizer(tok, bos_id=1, eos_id=2, pad_id=0))
+  text = tmp_path / "text.txt"
+  text.write_text(" ".join(f"w{(i * 7) % 50 + 3}" for i in range(600)))
+  out = tmp_path / "run"
+  common = [
+    str(tmp_path / "model"),
+    "--text",
+    str(text),
+    "--length",
+    "64",
+    "--devices",
+    "4",
+    "--out",
+    str(out),
+  ]
+  script.main(common + ["--steps", "6", "--lr", "3e-3", "--fsdp"])
+  report = json.loads((out / "report.json").read_text())
+  losses = [s["loss"] for s in report["steps"]]
+  assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+  assert set(report["memory"]) == {"param_bytes", "optimizer_bytes", "temp_bytes"}
+  assert report["memory"]["optimizer_bytes"] > 2 * report["memory"]["param_bytes"]
+  tuned, _ = models.load(out / "checkpoint", attention="dense")
+  assert rel_err(tuned.embed.embedding[...], model.embed.embedding[...]) > 1e-4  # trained
+  script.main(common + ["--steps", "8", "--lr", "3e-3", "--fsdp"])
+  again = json.loads((out / "report.json").read_text())["steps"]
+  assert len(again) == 8 and [s["loss"] for s in again[:6]] == losses
