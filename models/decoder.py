@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ring import nn as ring_nn
 
+from . import vocab
 from .transformer import GatedMLP
 
 ATTENTION_KINDS = ("ring", "dense", "local")
@@ -268,14 +269,14 @@ class CausalLM(nnx.Module):
       raise ValueError(
         f"{name} of length {tokens.shape[1]} exceed the context length {self.config.context_length}"
       )
-    if not isinstance(tokens, jax.core.Tracer):
-      lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
-      if lo < 0 or hi >= self.config.vocab_size:
-        bad = lo if lo < 0 else hi
-        where = tuple(int(i) for i in np.argwhere(np.asarray(tokens) == bad)[0])
+    if not isinstance(tokens, jax.core.Tracer):  # values known: read on the host
+      host = np.asarray(tokens)
+      bad = (host < 0) | (host >= self.config.vocab_size)
+      if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(
-          f"{name} holds the id {bad} at {where}: token ids must be in [0, {self.config.vocab_size}) "
-          "(the vocabulary size)"
+          f"{name} holds the id {int(host[where])} at {where}: token ids must be in "
+          f"[0, {self.config.vocab_size}) (the vocabulary size)"
         )
     return tokens
 
@@ -325,7 +326,7 @@ class CausalLM(nnx.Module):
     training = attend is None
     if training:
       attend = lambda attn, h: attn(h)
-    x = self.embed(tokens)
+    x = self._lookup(tokens) if training else self.embed(tokens)
     scale = self.embed_scale(self.config)
     if scale != 1.0:
       x = x * jnp.asarray(scale, x.dtype)
@@ -334,9 +335,55 @@ class CausalLM(nnx.Module):
       x = self._run_block(block, x, attend, training)
     return self.norm(x)
 
+  def vocab_axes(self):
+    """The mesh axes the vocabulary tables (embedding, head) are split over along the
+    vocabulary, as `models.load` and `models.build` place them, or None."""
+    mesh, seq_axis, _ = self.placement
+    if mesh is None:
+      return None
+    v, d = self.config.vocab_size, self.config.dim
+    if self.fsdp:
+      first = fsdp_spec((v, d), mesh)[0] if len(fsdp_spec((v, d), mesh)) else None
+      first = (first,) if isinstance(first, str) else first
+      return tuple(first) if first else None
+    return (seq_axis,) if v % mesh.shape[seq_axis] == 0 else None
+
+  def _rows_spec(self, shape):
+    """How tokens [B, T] split for the vocabulary rings, or None where they cannot."""
+    mesh, seq_axis, batch_axis = self.placement
+    if shape[1] % mesh.shape[seq_axis]:
+      return None
+    if batch_axis is not None and shape[0] % mesh.shape[batch_axis]:
+      batch_axis = None
+    return P(batch_axis, seq_axis)
+
+  def _lookup(self, tokens):
+    """The embeddings of `tokens`; with a table split along the vocabulary, the ring
+    lookup (`vocab.embed`): no device gathers the table."""
+    axes = self.vocab_axes()
+    rows = None if axes is None else self._rows_spec(tokens.shape)
+    if rows is None:
+      return self.embed(tokens)
+    dt = self.embed.dtype or self.embed.embedding.dtype
+    token_axes = tuple(a for a in rows if a is not None)
+    return jax.shard_map(
+      lambda table, t: vocab.embed(table, t, axes, token_axes),
+      mesh=self._auto_mesh(),
+      in_specs=(P(axes, None), rows),
+      out_specs=P(*rows, None),
+    )(self.embed.embedding[...].astype(dt), tokens)
+
+  def head_table(self):
+    """The output head where it lives, as stored: the embedding [V, D] when tied, else
+    the head's kernel [D, V]; and the mesh axes it is split over along the vocabulary
+    (None: it is used whole)."""
+    table = self.embed.embedding[...] if self.head is None else self.head.kernel[...]
+    return table, self.vocab_axes()
+
   def head_weights(self):
     """The output head as [V, D] (the embedding when tied), whole (gathered under FSDP)."""
-    table = self.embed.embedding[...] if self.head is None else self.head.kernel[...].T
+    table = self.head_table()[0]
+    table = table if self.head is None else table.T
     return self._gathered(table) if self.fsdp else table
 
   def logits(self, h):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import time
 
@@ -25,11 +26,21 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import checkpoints
+from . import checkpoints, vocab
 
 
 def chunked_cross_entropy(
-  h, table, targets, weights, *, chunk: int = 512, mesh=None, seq_axis=None, batch_axis=None
+  h,
+  table,
+  targets,
+  weights,
+  *,
+  chunk: int = 512,
+  mesh=None,
+  seq_axis=None,
+  batch_axis=None,
+  table_axes=None,
+  transposed: bool = False,
 ):
   """sum(weights * cross-entropy(h @ table.T, targets)) / max(sum(weights), 1), with the
   logits made `chunk` tokens at a time and recomputed in the backward pass: at most
@@ -38,7 +49,10 @@ def chunked_cross_entropy(
 
   h [B, T, D] (final hidden states), table [V, D] (the head), targets int [B, T],
   weights float [B, T]. With `mesh`, each device scores its own tokens (T split over
-  `seq_axis`, B over `batch_axis`) and the sums are added over the devices."""
+  `seq_axis`, B over `batch_axis`) and the sums are added over the devices. With
+  `table_axes` (the mesh axes `table` is split over along V), the table is never
+  gathered: its shards pass each device in a ring (`vocab.cross_entropy`).
+  `transposed`: `table` is given as [D, V] (an untied head's kernel)."""
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"chunk={chunk!r} must be a positive int")
   if targets.shape != h.shape[:2] or weights.shape != h.shape[:2]:
@@ -47,6 +61,8 @@ def chunked_cross_entropy(
       f"{tuple(h.shape[:2])}"
     )
   weights = weights.astype(jnp.float32)
+  if transposed and not table_axes:
+    table, transposed = table.T, False
 
   def local(h, targets, weights, table):
     b, t, d = h.shape
@@ -79,34 +95,58 @@ def chunked_cross_entropy(
       batch_axis = None
     axes = (seq_axis,) if batch_axis is None else (batch_axis, seq_axis)
 
+    def ring(h, targets, weights, table):
+      pad = -h.shape[1] % chunk
+      h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+      targets, weights = (jnp.pad(a, ((0, 0), (0, pad))) for a in (targets, weights))
+      ce = vocab.cross_entropy(h, table, targets, table_axes, chunk, axes, transposed)
+      return jnp.sum(ce * weights), jnp.sum(weights)
+
     def summed(h, targets, weights, table):
-      total, count = local(h, targets, weights, table)
-      return jax.lax.psum(total, axes), jax.lax.psum(count, axes)
+      total, count = (ring if table_axes else local)(h, targets, weights, table)
+      total, count = jax.lax.psum(total, axes), jax.lax.psum(count, axes)
+      # The same sums on every device of the other axes (the ring's table may vary over
+      # FSDP's data axis, which the tokens are not split over): their mean, typed alike.
+      others = tuple(a for a in mesh.axis_names if a not in axes)
+      if others:
+        size = math.prod(mesh.shape[a] for a in others)
+        total, count = jax.lax.psum(total, others) / size, jax.lax.psum(count, others) / size
+      return total, count
 
     rows = P(batch_axis, seq_axis)
     total, count = jax.shard_map(
       summed,
       mesh=mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)),
-      in_specs=(P(batch_axis, seq_axis, None), rows, rows, P()),
+      in_specs=(P(batch_axis, seq_axis, None), rows, rows, _table_spec(table_axes, transposed)),
       out_specs=(P(), P()),
-      axis_names=set(axes),
     )(h, targets, weights, table)
   return total / jnp.maximum(count, 1.0)
+
+
+def _table_spec(axes, transposed):
+  if not axes:
+    return P()
+  return P(None, axes) if transposed else P(axes, None)
 
 
 def loss(model, tokens, targets, weights, *, chunk: int = 512):
   """The model's chunked cross-entropy of `targets` after `tokens` (`chunked_cross_entropy`)."""
   mesh, seq_axis, batch_axis = model.placement
   h = model.hidden(tokens)
+  table, axes = model.head_table()
+  if axes is None:  # the table whole on every device
+    table = model.head_weights()
   return chunked_cross_entropy(
     h,
-    model.head_weights(),
+    table,
     targets,
     weights,
     chunk=chunk,
     mesh=mesh,
     seq_axis=seq_axis,
     batch_axis=batch_axis,
+    table_axes=axes,
+    transposed=axes is not None and model.head is not None,
   )
 
 
@@ -334,3 +374,69 @@ def _restore(state, step, trainer):
   restored = state.manager.restore(step, args=state.ocp.args.StandardRestore(target))
   nnx.replace_by_pure_dict(trainer.params, restored["params"])
   trainer.opt_state = restored["opt"]
+
+
+# --- Compiling a training step for hardware that is not here. ---
+
+
+def compile_train_step(
+  name: str,
+  mesh,
+  *,
+  seq_len: int,
+  batch: int = 1,
+  remat: str = "attention",
+  dtype: str = "bfloat16",
+  param_dtype: str = "float32",
+  chunk: int = 1024,
+):
+  """One whole AdamW step of the named model (`models.config(name)`) with `fsdp=True`,
+  per-layer `remat` and the chunked loss, over `mesh`'s "seq" axis, compiled with
+  abstract weights (nothing allocated): the `Compiled` program. Weights and AdamW
+  moments in `param_dtype`, computed in `dtype`; the ring's kernel is the target's
+  default."""
+  from . import checkpoints
+
+  cfg = checkpoints.config(name)
+  auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+  with jax.set_mesh(auto):
+    model = nnx.eval_shape(
+      lambda: checkpoints.build(
+        cfg, mesh=auto, fsdp=True, remat=remat, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)
+      )
+    )
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    spec = lambda shape: NamedSharding(auto, _fsdp_or_whole(shape, auto))
+    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec(x.shape))
+    params = jax.tree.map(abstract, params)
+    tx = make_tx(1e-5, 100, 1000, 0.1, 1.0)
+    plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    opt_state = jax.tree.map(abstract, jax.eval_shape(tx.init, plain))
+    rows = NamedSharding(auto, P(None, "seq"))
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)
+    weights = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=rows)
+    step = jax.jit(functools.partial(_step, graphdef, tx, chunk), donate_argnums=(0, 2))
+    return step.lower(params, rest, opt_state, tokens, tokens, weights).compile()
+
+
+def _fsdp_or_whole(shape, mesh):
+  from .decoder import fsdp_spec
+
+  return fsdp_spec(shape, mesh) if len(shape) else P()
+
+
+def step_memory(compiled, device_bytes: int) -> dict:
+  """A compiled step's memory per device: its arguments (weights, optimizer state,
+  batch), outputs, temporaries, the outputs that reuse donated arguments (alias), and
+  the peak the device must hold at once (arguments + outputs - alias + temporaries);
+  `fits`: the peak within `device_bytes`."""
+  m = compiled.memory_analysis()
+  out = dict(
+    argument_bytes=int(m.argument_size_in_bytes),
+    output_bytes=int(m.output_size_in_bytes),
+    temp_bytes=int(m.temp_size_in_bytes),
+    alias_bytes=int(m.alias_size_in_bytes),
+  )
+  out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+  out["fits"] = out["peak_bytes"] <= device_bytes
+  return out

@@ -8,6 +8,7 @@ configuration before you have the cluster.
     python scripts/aot.py --target v5e:8x8 --seq-len 1048576 --kernel xla
     python scripts/aot.py --target h100x8 --max-length --budget-gib 70
     python scripts/aot.py --target v5e:8x8 --model --layers 2 --max-length
+    python scripts/aot.py --target h100x8 --model llama-3.1-8b --train --seq-len 524288
 
 Needs the [aot] extra, best in an environment of its own (`python -m venv .venv-aot &&
 .venv-aot/bin/pip install -e ".[aot]"`: the CUDA plugin with ptxas and jax[tpu], pinned
@@ -89,7 +90,21 @@ def parse_args(argv=None):
   p.add_argument("--no-causal", action="store_true", help="full attention instead of causal")
   p.add_argument("--forward-only", action="store_true", help="compile the forward pass alone")
   p.add_argument("--make-mesh", action="store_true", help="jax.make_mesh's device order, not ring_mesh's")
-  p.add_argument("--model", action="store_true", help="a DecoderLM training step (loss and gradients)")
+  p.add_argument(
+    "--model",
+    nargs="?",
+    const=True,
+    default=False,
+    help="a DecoderLM's loss and gradients; with NAME (models.config) and --train, that model's AdamW step",
+  )
+  p.add_argument(
+    "--train", action="store_true", help="--model NAME: one whole AdamW step (FSDP, remat, chunked loss)"
+  )
+  p.add_argument(
+    "--remat", default="attention", choices=("none", "full", "attention"), help="--train: a layer keeps"
+  )
+  p.add_argument("--param-dtype", default="float32", help="--train: weights and AdamW moments")
+  p.add_argument("--chunk", type=int, default=1024, help="--train: tokens per chunk of the loss")
   p.add_argument("--layers", type=int, default=2, help="--model: transformer blocks")
   p.add_argument(
     "--natural-order",
@@ -150,6 +165,19 @@ def compile_model(mesh, args, seq_len: int):
 
 
 def compile_for(mesh, args, seq_len: int):
+  if isinstance(args.model, str):
+    from jax_ring.models import finetune
+
+    return finetune.compile_train_step(
+      args.model,
+      mesh,
+      seq_len=seq_len,
+      batch=args.batch,
+      remat=args.remat,
+      dtype=args.dtype,
+      param_dtype=args.param_dtype,
+      chunk=args.chunk,
+    )
   if args.model:
     return compile_model(mesh, args, seq_len)
   return aot.compile_attention(
@@ -168,6 +196,9 @@ def compile_for(mesh, args, seq_len: int):
 
 def main(argv=None):
   args = parse_args(argv)
+  if isinstance(args.model, str) and not args.train:
+    print("aot.py: --model NAME compiles a training step: add --train", file=sys.stderr)
+    return 2
   target = aot.target(args.target)
   try:
     mesh = aot.target_mesh(args.target, linked=not args.make_mesh)
@@ -190,6 +221,8 @@ def main(argv=None):
           return False
         raise
       used = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
+      if isinstance(args.model, str):  # donated weights and optimizer state: outputs reuse them
+        used -= memory.alias_size_in_bytes
       return used <= budget
 
     result["budget_gib"] = budget / 2**30
@@ -198,6 +231,12 @@ def main(argv=None):
   compiled = compile_for(mesh, args, args.seq_len)
   result["seq_len"] = args.seq_len
   result |= aot.report(compiled)
+  if isinstance(args.model, str):
+    from jax_ring.models import finetune
+
+    budget = (args.budget_gib * 2**30) if args.budget_gib else target.memory_bytes
+    result["memory"] = finetune.step_memory(compiled, int(budget))
+    result["fits"] = result["memory"]["fits"]
   if not args.model:
     shape = dict(
       heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, is_causal=not args.no_causal
@@ -220,11 +259,21 @@ def main(argv=None):
     print(json.dumps(result))
     return
   what = "DecoderLM step" if args.model else "ring attention"
+  if isinstance(args.model, str):
+    what = f"{args.model} AdamW step (FSDP, remat {args.remat})"
   print(f"{args.target}: {what}, T={args.seq_len}, kernel={args.kernel}: {result['kernel_resolved']}")
   print(f"  ({result['kernel_reason']})")
   if "max_length" in result:
     print(f"  longest sequence within {result['budget_gib']:.1f} GiB per device: {result['max_length']}")
   print(f"  memory per device: temp {result['temp_mib']:.1f} MiB, arguments {result['argument_mib']:.1f} MiB")
+  if "memory" in result:
+    m = {k: v / 2**30 for k, v in result["memory"].items() if k.endswith("bytes")}
+    print(
+      f"  peak {m['peak_bytes']:.2f} GiB of {target.memory_bytes / 2**30:.0f} GiB "
+      f"(arguments {m['argument_bytes']:.2f}, "
+      f"outputs {m['output_bytes']:.2f}, aliased {m['alias_bytes']:.2f}, temp {m['temp_bytes']:.2f}): "
+      f"{'fits' if result['fits'] else 'does NOT fit'}"
+    )
   for op, n in sorted(result["collective_bytes"].items()):
     print(f"  {op}: {n / 2**20:.1f} MiB per device")
   for op, (count, n) in sorted(result["outside_loops"].items()):

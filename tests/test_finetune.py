@@ -103,8 +103,9 @@ def test_fsdp_bytes_per_device_are_the_total_over_devices():
 
 
 def test_fsdp_step_gathers_weights_and_reduces_gradients():
-  """The compiled FSDP step all-gathers weights and reduces gradients back to their
-  shards (all-reduce or reduce-scatter, as the backend lowers it); the replicated
+  """The compiled FSDP step all-gathers the blocks' weights and reduces gradients back
+  to their shards (all-reduce or reduce-scatter, as the backend lowers it), but never
+  gathers the vocabulary table (its lookup and the loss are rings); the replicated
   model's step gathers no weight."""
   mesh = make_mesh((8,), ("seq",))
   batch = _batch()
@@ -112,13 +113,40 @@ def test_fsdp_step_gathers_weights_and_reduces_gradients():
   def ops(fsdp):
     model = _model(SMALL, mesh, fsdp)
     trainer = finetune.Trainer(model, finetune.make_tx(1e-3, 1, 10, 0.0, 1.0), chunk=16)
-    return [c.op for c in hlo.collectives(trainer.compiled(*finetune.place_batch(model, *batch)))]
+    return hlo.collectives(trainer.compiled(*finetune.place_batch(model, *batch)))
 
   sharded, replicated = ops(True), ops(False)
-  # Each of the 2 layers' 9 weights and the head are gathered (XLA may combine some).
-  assert sharded.count("all-gather") >= 10
-  assert sharded.count("all-reduce") + sharded.count("reduce-scatter") >= 1
-  assert sharded.count("collective-permute") == replicated.count("collective-permute")  # the ring's
+  kinds = [c.op for c in sharded]
+  # Each of the 2 layers' 9 weights is gathered (XLA may combine some).
+  assert kinds.count("all-gather") >= 8
+  assert kinds.count("all-reduce") + kinds.count("reduce-scatter") >= 1
+  table = SMALL.vocab_size * SMALL.dim * 4
+  assert max(c.bytes for c in sharded if c.op == "all-gather") < table
+  assert not [c for c in replicated if c.op == "all-gather" and c.bytes >= SMALL.dim * SMALL.mlp_hidden * 4]
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_vocabulary_rings_equal_the_gathered_table(fsdp):
+  """The model's training loss with the table split along the vocabulary (the lookup
+  and the loss as rings over 8 devices; with FSDP over both axes of a (2, 4) mesh)
+  equals optax's full-logits loss of the one-device model with the same weights, value
+  and gradients."""
+  shape, names, batch_axis = MESHES[1] if fsdp else MESHES[0]
+  ring = _model(QWEN, make_mesh(shape, names), fsdp, None)
+  dense = models.build(QWEN, attention="dense", rngs=nnx.Rngs(3))
+  tokens, targets, weights = _batch()
+  assert ring.vocab_axes() == (names if fsdp else ("seq",))
+
+  def full(model):
+    ce = optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets)
+    return jnp.sum(ce * weights) / jnp.sum(weights)
+
+  batch = finetune.place_batch(ring, tokens, targets, weights)
+  value, grads = nnx.value_and_grad(lambda m: finetune.loss(m, *batch, chunk=16))(ring)
+  expected, expected_grads = nnx.value_and_grad(full)(dense)
+  assert abs(float(value) - float(expected)) < 1e-6 * float(expected)
+  for (path, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected_grads)):
+    assert rel_err(a[...], b[...]) < 1e-5, path
 
 
 def _numpy_ce(h, table, targets, weights):

@@ -1,0 +1,198 @@
+"""The vocabulary's two ends with the table split over devices along the vocabulary and
+never gathered: the embedding lookup (`embed`) and the output head's cross-entropy
+(`cross_entropy`), each a ring over the devices that hold the table's shards, as ring
+attention is over the sequence. Each device keeps its own tokens; the table's shards
+rotate past them. In the backward pass each shard's gradient travels with the shard
+and arrives home holding every device's contribution. A device needs one shard of the
+table and of its gradient at a time and [B, chunk, V / n] logits, where gathering the
+table would put [V, D] and its float32 gradient on every device (Gemma 3's
+262,144 x 640: 2.7 GiB of temporaries a device for the two ends, compiled).
+
+Both run inside `jax.shard_map` over `axes`, the mesh axes the table's first dimension
+is split over: `table` is the device's shard [V / n, D], shard i holding rows
+[i V / n, (i + 1) V / n); tokens and hidden states are the device's own, split over
+`token_axes`. The table's gradient is summed over the token axes it is not split over;
+results are the same on the devices of the table axes the tokens are not split over.
+
+Legend: B batch, T the device's tokens, D width, V vocabulary, n devices of `axes`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _ring(axes):
+  n = lax.axis_size(axes)
+  me = lax.axis_index(axes)
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  return n, me, lambda x: lax.ppermute(x, axes, perm)
+
+
+def _owner(me, step, n):
+  """The shard a device holds after `step` moves to the next device."""
+  return (me - step) % n
+
+
+def _same_over(x, table_axes, token_axes):
+  """A result every device of the table's other axes computed alike, typed as such."""
+  extra = tuple(a for a in table_axes if a not in token_axes)
+  return lax.pmax(x, extra) if extra else x
+
+
+def _summed_over(grad, table_axes, token_axes):
+  """The table's gradient summed over the token axes it is not split over."""
+  extra = tuple(a for a in token_axes if a not in table_axes)
+  return lax.psum(grad, extra) if extra else grad
+
+
+def _copies(table_axes, token_axes):
+  """How many devices of the ring hold the same tokens (the table axes the tokens are
+  not split over): each adds the same contribution to a shard's gradient."""
+  extra = tuple(a for a in table_axes if a not in token_axes)
+  return lax.axis_size(extra) if extra else 1
+
+
+def _varying(x, *like):
+  """`x` typed as varying over every mesh axis `like`'s arrays vary over (a scan carry
+  must keep its type): zeros of theirs added."""
+  return x + sum(jnp.zeros_like(a, shape=(), dtype=x.dtype) for a in like)
+
+
+# --- The embedding lookup. ---
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def embed(table, tokens, axes, token_axes=()):
+  """Rows of the split table for the device's tokens int [B, T] -> [B, T, D]."""
+  return _embed_fwd(table, tokens, axes, token_axes)[0]
+
+
+def _embed_fwd(table, tokens, axes, token_axes=()):
+  n, me, send = _ring(axes)
+  rows = table.shape[0]
+
+  def step(carry, s):
+    shard, x = carry
+    local = tokens - _owner(me, s, n) * rows
+    inside = (local >= 0) & (local < rows)
+    found = jnp.take(shard, jnp.clip(local, 0, rows - 1), axis=0)
+    return (send(shard), x + jnp.where(inside[..., None], found, 0).astype(x.dtype)), None
+
+  x = _varying(jnp.zeros((*tokens.shape, table.shape[1]), table.dtype), table, tokens)
+  (_, x), _ = lax.scan(step, (table, x), jnp.arange(n))
+  return _same_over(x, axes, token_axes), (table, tokens)
+
+
+def _embed_bwd(axes, token_axes, res, g):
+  table, tokens = res
+  n, me, send = _ring(axes)
+  rows = table.shape[0]
+  flat_g = g.reshape(-1, g.shape[-1]).astype(jnp.float32) / _copies(axes, token_axes)
+
+  def step(grad, s):
+    local = (tokens - _owner(me, s, n) * rows).reshape(-1)
+    index = jnp.where((local >= 0) & (local < rows), local, rows)  # rows: dropped
+    return send(grad.at[index].add(flat_g, mode="drop")), None
+
+  grad = _varying(jnp.zeros(table.shape, jnp.float32), table, tokens, g)
+  grad, _ = lax.scan(step, grad, jnp.arange(n))
+  return _summed_over(grad, axes, token_axes).astype(table.dtype), None
+
+
+embed.defvjp(_embed_fwd, _embed_bwd)
+
+
+# --- The head's cross-entropy. ---
+
+
+def _chunks(x, chunk):
+  """[B, T, ...] -> [T / chunk, B, chunk, ...] (T a multiple of chunk)."""
+  b, t = x.shape[:2]
+  return jnp.moveaxis(x.reshape(b, t // chunk, chunk, *x.shape[2:]), 1, 0)
+
+
+def _unchunk(x):
+  k, b, c = x.shape[:3]
+  return jnp.moveaxis(x, 0, 1).reshape(b, k * c, *x.shape[3:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def cross_entropy(h, table, targets, axes, chunk, token_axes=(), transposed=False):
+  """Per-token cross-entropy float32 [B, T] of the logits h [B, T, D] @ (the whole
+  table).T against int targets [B, T]; T a multiple of `chunk`. `transposed`: the
+  table's shard is [D, V / n] (an untied head's kernel), used as it lies."""
+  return _ce_fwd(h, table, targets, axes, chunk, token_axes, transposed)[0]
+
+
+def _spec(transposed):
+  return "dv" if transposed else "vd"
+
+
+def _ce_fwd(h, table, targets, axes, chunk, token_axes=(), transposed=False):
+  n, me, send = _ring(axes)
+  rows = table.shape[1 if transposed else 0]
+  spec = _spec(transposed)
+  hc, tc = _chunks(h, chunk), _chunks(targets, chunk)
+
+  def step(carry, s):
+    shard, m, l, picked = carry
+    offset = _owner(me, s, n) * rows
+
+    def per_chunk(_, xs):
+      hh, tt, mm, ll, pp = xs
+      logits = jnp.einsum(f"bcd,{spec}->bcv", hh, shard.astype(hh.dtype), preferred_element_type=jnp.float32)
+      new = jnp.maximum(mm, logits.max(-1))
+      ll = ll * jnp.exp(mm - new) + jnp.exp(logits - new[..., None]).sum(-1)
+      local = tt - offset
+      inside = (local >= 0) & (local < rows)
+      at = jnp.take_along_axis(logits, jnp.clip(local, 0, rows - 1)[..., None], axis=-1)[..., 0]
+      return None, (new, ll, pp + jnp.where(inside, at, 0.0))
+
+    _, (m, l, picked) = lax.scan(per_chunk, None, (hc, tc, m, l, picked))
+    return (send(shard), m, l, picked), None
+
+  stats = _varying(jnp.zeros(tc.shape, jnp.float32), h, table, targets)
+  start = (table, stats - jnp.inf, stats, stats)
+  (_, m, l, picked), _ = lax.scan(step, start, jnp.arange(n))
+  lse = m + jnp.log(l)
+  return _same_over(_unchunk(lse - picked), axes, token_axes), (h, table, targets, lse)
+
+
+def _ce_bwd(axes, chunk, token_axes, transposed, res, g):
+  h, table, targets, lse = res
+  n, me, send = _ring(axes)
+  rows = table.shape[1 if transposed else 0]
+  spec = _spec(transposed)
+  hc, tc, gc = _chunks(h, chunk), _chunks(targets, chunk), _chunks(g.astype(jnp.float32), chunk)
+  share = 1.0 / _copies(axes, token_axes)  # of a shard's gradient, from each copy of the tokens
+
+  def step(carry, s):
+    shard, grad, dh = carry
+    offset = _owner(me, s, n) * rows
+    whole = shard.astype(jnp.float32)
+
+    def per_chunk(grad, xs):
+      hh, tt, ll, gg, dd = xs
+      logits = jnp.einsum(f"bcd,{spec}->bcv", hh, shard.astype(hh.dtype), preferred_element_type=jnp.float32)
+      onehot = jnp.arange(rows) == (tt - offset)[..., None]  # no column where the target is elsewhere
+      dlogits = gg[..., None] * (jnp.exp(logits - ll[..., None]) - onehot)
+      dd = dd + jnp.einsum(f"bcv,{spec}->bcd", dlogits, whole)
+      grad = grad + share * jnp.einsum(f"bcv,bcd->{spec}", dlogits, hh.astype(jnp.float32))
+      return grad, dd
+
+    grad, dh = lax.scan(per_chunk, grad, (hc, tc, lse, gc, dh))
+    return (send(shard), send(grad), dh), None
+
+  grad = _varying(jnp.zeros(table.shape, jnp.float32), h, table, targets, g)
+  dh = _varying(jnp.zeros(hc.shape, jnp.float32), h, table, targets, g)
+  (_, grad, dh), _ = lax.scan(step, (table, grad, dh), jnp.arange(n))
+  dh = _same_over(_unchunk(dh), axes, token_axes)
+  return dh.astype(h.dtype), _summed_over(grad, axes, token_axes).astype(table.dtype), None
+
+
+cross_entropy.defvjp(_ce_fwd, _ce_bwd)
