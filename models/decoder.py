@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_ring import layouts
 from jax_ring import nn as ring_nn
 
 from . import vocab
@@ -296,9 +297,17 @@ class CausalLM(nnx.Module):
     )
 
   def _gathered(self, params):
-    """A block's weights whole on every device (FSDP: gathered where they are used)."""
+    """A block's weights whole on every device (FSDP: gathered where they are used), in
+    the compute dtype when the model has one (bfloat16 moves half float32's bytes; the
+    float32 weights stay split)."""
     whole = NamedSharding(self._auto_mesh(), P())
-    return jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, whole), params)
+    dt = dtypes(self.config)[0]
+    cast = (
+      (lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p)
+      if dt is not None
+      else (lambda p: p)
+    )
+    return jax.tree.map(lambda p: jax.lax.with_sharding_constraint(cast(p), whole), params)
 
   def _run_block(self, block, x, attend, training: bool):
     """One block: its weights gathered (FSDP), under its remat policy (training calls)."""
@@ -320,12 +329,35 @@ class CausalLM(nnx.Module):
       nnx.update(block, after)
     return y
 
-  def hidden(self, tokens, attend=None, *, shard: bool = True):
-    """The final normed hidden states [B, T, D] (the head's input)."""
+  def ring_permutation(self, length: int):
+    """perm [length] such that tokens[:, perm] is the order every layer's ring runs in
+    at `length` tokens (the balanced causal layout), where all layers share one layout
+    that is not the natural order and `length` fits it; else None. A training call on
+    tokens in that order (`hidden(..., token_order="layout")`) relays nothing per layer."""
+    mesh, seq_axis, _ = self.placement
+    if mesh is None or self.config.attention != "ring":
+      return None
+    found = {block.attn.token_layout(length) for block in self.blocks}
+    if len(found) != 1:
+      return None
+    (layout,) = found
+    shards = mesh.shape[seq_axis]
+    if layout == "contiguous" or length % layouts.multiple(layout, shards):
+      return None
+    return layouts.permutation(layout, length, shards)
+
+  def hidden(self, tokens, attend=None, *, shard: bool = True, token_order: str = "natural"):
+    """The final normed hidden states [B, T, D] (the head's input). `token_order=
+    "layout"`: the tokens come in `ring_permutation(T)`'s order, and the states go out
+    in it (training calls)."""
     tokens = self.check_tokens(tokens)
     training = attend is None
+    if token_order not in ("natural", "layout") or (token_order == "layout" and not training):
+      raise ValueError(f"token_order={token_order!r}: 'natural', or 'layout' for training calls")
+    if token_order == "layout" and self.ring_permutation(tokens.shape[1]) is None:
+      raise ValueError(f"token_order='layout': no single ring layout at length {tokens.shape[1]}")
     if training:
-      attend = lambda attn, h: attn(h)
+      attend = lambda attn, h: attn(h, token_order=token_order)
     x = self._lookup(tokens) if training else self.embed(tokens)
     scale = self.embed_scale(self.config)
     if scale != 1.0:

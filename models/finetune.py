@@ -123,6 +123,15 @@ def chunked_cross_entropy(
   return total / jnp.maximum(count, 1.0)
 
 
+def _like_hidden(model, x):
+  """x [B, T] split over the sequence (and batch) as the model's hidden states are."""
+  mesh, seq_axis, batch_axis = model.placement
+  if batch_axis is not None and x.shape[0] % mesh.shape[batch_axis]:
+    batch_axis = None
+  auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(auto, P(batch_axis, seq_axis)))
+
+
 def _table_spec(axes, transposed):
   if not axes:
     return P()
@@ -132,7 +141,13 @@ def _table_spec(axes, transposed):
 def loss(model, tokens, targets, weights, *, chunk: int = 512):
   """The model's chunked cross-entropy of `targets` after `tokens` (`chunked_cross_entropy`)."""
   mesh, seq_axis, batch_axis = model.placement
-  h = model.hidden(tokens)
+  perm = model.ring_permutation(tokens.shape[1])
+  if perm is None:
+    h = model.hidden(tokens)
+  else:  # every layer in the ring's order: the loss sums over tokens in any order
+    tokens, targets, weights = (jnp.take(jnp.asarray(a), perm, axis=1) for a in (tokens, targets, weights))
+    tokens, targets, weights = (_like_hidden(model, a) for a in (tokens, targets, weights))
+    h = model.hidden(tokens, token_order="layout")
   table, axes = model.head_table()
   if axes is None:  # the table whole on every device
     table = model.head_weights()
@@ -397,7 +412,10 @@ def compile_train_step(
   default."""
   from . import checkpoints
 
+  # Training past the released context (as long-context fine-tuning does): the model
+  # takes sequences up to seq_len, with its rotary settings as released.
   cfg = checkpoints.config(name)
+  cfg = dataclasses.replace(cfg, context_length=max(cfg.context_length, seq_len))
   auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
   with jax.set_mesh(auto):
     model = nnx.eval_shape(
