@@ -77,6 +77,28 @@ def fsdp_spec(shape, mesh) -> P:
   return P()
 
 
+def gather_weight(p, mesh, dtype=None):
+  """An FSDP weight whole on every device (in `dtype`, when given, for a float weight);
+  its cotangent is placed back on the weight's shards (`fsdp_spec`): a reduce-scatter
+  at the point of use."""
+  whole = NamedSharding(mesh, P())
+  split = NamedSharding(mesh, fsdp_spec(p.shape, mesh))
+  cast = dtype if dtype is not None and jnp.issubdtype(p.dtype, jnp.floating) else p.dtype
+
+  @jax.custom_vjp
+  def gather(p):
+    return jax.lax.with_sharding_constraint(p.astype(cast), whole)
+
+  def fwd(p):
+    return gather(p), None
+
+  def bwd(_, g):
+    return (jax.lax.with_sharding_constraint(g.astype(p.dtype), split),)
+
+  gather.defvjp(fwd, bwd)
+  return gather(p)
+
+
 def check_config(config, mesh, seq_axis, extra_ints=()) -> None:
   """ValueError naming the first field of `config` (or argument) that cannot run."""
   cls = type(config).__name__
@@ -299,15 +321,12 @@ class CausalLM(nnx.Module):
   def _gathered(self, params):
     """A block's weights whole on every device (FSDP: gathered where they are used), in
     the compute dtype when the model has one (bfloat16 moves half float32's bytes; the
-    float32 weights stay split)."""
-    whole = NamedSharding(self._auto_mesh(), P())
+    float32 weights stay split). In the backward pass each weight's gradient goes back
+    to its shards right there (`gather_weight`), so no layer's whole gradient waits for
+    the others'."""
+    mesh = self._auto_mesh()
     dt = dtypes(self.config)[0]
-    cast = (
-      (lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p)
-      if dt is not None
-      else (lambda p: p)
-    )
-    return jax.tree.map(lambda p: jax.lax.with_sharding_constraint(cast(p), whole), params)
+    return jax.tree.map(lambda p: gather_weight(p, mesh, dt), params)
 
   def _run_block(self, block, x, attend, training: bool):
     """One block: its weights gathered (FSDP), under its remat policy (training calls)."""
