@@ -382,9 +382,40 @@ class CausalLM(nnx.Module):
     if scale != 1.0:
       x = x * jnp.asarray(scale, x.dtype)
     x = self._shard(x) if shard else x
+    scanned = self._scanned_blocks(x, attend) if training else None
+    if scanned is not None:
+      return self.norm(scanned)
     for block in self.blocks:
       x = self._run_block(block, x, attend, training)
     return self.norm(x)
+
+  def _scanned_blocks(self, x, attend):
+    """A training call's blocks as one `lax.scan` over their stacked weights, where every
+    block has the same structure (Llama, Qwen) and FSDP or remat is on: the backward
+    pass then recomputes and gathers one layer at a time (unrolled, XLA is free to run
+    every layer's recomputation at once, which keeps nothing smaller), and one block
+    compiles for all. None where the blocks differ (Gemma's windowed and global ones)."""
+    policy = REMAT_POLICIES[self.remat]
+    if len(self.blocks) < 2 or (policy is None and not self.fsdp):
+      return None
+    splits = [nnx.split(block, nnx.Param, ...) for block in self.blocks]
+    graphdef = splits[0][0]
+    if any(g != graphdef for g, _, _ in splits[1:]):
+      return None
+    stack = lambda *xs: jnp.stack(xs)
+    params = jax.tree.map(stack, *[p for _, p, _ in splits])
+    rest = jax.tree.map(stack, *[r for _, _, r in splits])
+
+    def body(x, layer):
+      p, r = layer
+      if self.fsdp:
+        p = self._gathered(p)
+      return nnx.merge(graphdef, p, r)(x, attend), None
+
+    if policy is not None:
+      body = jax.checkpoint(body, policy=policy)
+    x, _ = jax.lax.scan(body, x, (params, rest))
+    return x
 
   def vocab_axes(self):
     """The mesh axes the vocabulary tables (embedding, head) are split over along the

@@ -400,7 +400,7 @@ def compile_train_step(
   *,
   seq_len: int,
   batch: int = 1,
-  remat: str = "attention",
+  remat: str = "full",
   dtype: str = "bfloat16",
   param_dtype: str = "float32",
   chunk: int = 1024,

@@ -101,7 +101,7 @@ def parse_args(argv=None):
     "--train", action="store_true", help="--model NAME: one whole AdamW step (FSDP, remat, chunked loss)"
   )
   p.add_argument(
-    "--remat", default="attention", choices=("none", "full", "attention"), help="--train: a layer keeps"
+    "--remat", default="full", choices=("none", "full", "attention"), help="--train: what a layer keeps"
   )
   p.add_argument("--param-dtype", default="float32", help="--train: weights and AdamW moments")
   p.add_argument("--chunk", type=int, default=1024, help="--train: tokens per chunk of the loss")
