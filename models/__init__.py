@@ -45,7 +45,21 @@ __all__ = [
 
 # Submodules reached as attributes (`models.runtime.initialize_distributed()`), imported
 # when first named so that `import jax_ring.models` needs no optional extra.
-_SUBMODULES = ("cli", "long_context", "needle", "report", "runtime", "tasks", "training")
+_SUBMODULES = (
+  "checkpoints",
+  "cli",
+  "decoder",
+  "finetune",
+  "hf",
+  "long_context",
+  "needle",
+  "report",
+  "runtime",
+  "tasks",
+  "tokenizer",
+  "training",
+  "vocab",
+)
 
 
 def __getattr__(name):

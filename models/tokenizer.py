@@ -100,7 +100,7 @@ class HFTokenizer:
     pre-tokenizer (`tokenizer.ggml.pre`), control and user-defined tokens as added
     tokens."""
     tokenizers = import_tokenizers()
-    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 
     where = str(gguf_file.path)
     pre = gguf_file.field("tokenizer.ggml.pre", "default")
@@ -124,15 +124,23 @@ class HFTokenizer:
       ]
     )
     tok.decoder = decoders.ByteLevel()
-    added = [
-      AddedToken(p, special=(t == CONTROL), normalized=False)
-      for p, t in zip(pieces, types)
-      if t in (CONTROL, USER_DEFINED)
-    ]
-    tok.add_special_tokens([a for a in added if a.special])
-    tok.add_tokens([a for a in added if not a.special])
+    add_pieces(tok, pieces, types)
     field = lambda key: gguf_file.field(f"tokenizer.ggml.{key}_token_id")
     return cls(tok, bos_id=field("bos"), eos_id=field("eos"), pad_id=field("padding"))
+
+
+def add_pieces(tok, pieces, types) -> None:
+  """A GGUF vocabulary's control pieces as special added tokens and its user-defined
+  ones as added tokens, each matched in the text as written (not normalized)."""
+  from tokenizers import AddedToken
+
+  added = [
+    AddedToken(p, special=(t == CONTROL), normalized=False)
+    for p, t in zip(pieces, types)
+    if t in (CONTROL, USER_DEFINED)
+  ]
+  tok.add_special_tokens([a for a in added if a.special])
+  tok.add_tokens([a for a in added if not a.special])
 
 
 def _special_id(tok, folder: Path, name: str):
@@ -163,7 +171,7 @@ def sentencepiece_to_tokenizers(pieces, scores, types, *, unk_id: int, add_space
   piece's score (SentencePiece merges the pair whose result scores highest), with byte
   fallback, and control and user-defined pieces as added tokens."""
   tokenizers = import_tokenizers()
-  from tokenizers import AddedToken, decoders, models, normalizers
+  from tokenizers import decoders, models, normalizers
 
   vocab = {p: i for i, p in enumerate(pieces)}
   normal = [(i, p) for i, (p, t) in enumerate(zip(pieces, types)) if t == 1]
@@ -186,13 +194,7 @@ def sentencepiece_to_tokenizers(pieces, scores, types, *, unk_id: int, add_space
     [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])
   )
-  added = [
-    AddedToken(p, special=(t == CONTROL), normalized=False)
-    for p, t in zip(pieces, types)
-    if t in (CONTROL, USER_DEFINED)
-  ]
-  tok.add_special_tokens([a for a in added if a.special])
-  tok.add_tokens([a for a in added if not a.special])
+  add_pieces(tok, pieces, types)
   return tok
 
 

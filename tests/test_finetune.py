@@ -99,8 +99,6 @@ def test_fsdp_bytes_per_device_are_the_total_over_devices():
   arguments = trainer.compiled(*batch).memory_analysis().argument_size_in_bytes
   batch_bytes = sum(a.addressable_shards[0].data.nbytes for a in batch)
   assert arguments == memory["param_bytes"] + memory["optimizer_bytes"] + batch_bytes
-  replicated = finetune.Trainer(_model(QWEN, mesh, False), finetune.make_tx(1e-3, 1, 10, 0.0, 1.0))
-  assert replicated.memory(*batch)["optimizer_bytes"] > 4 * memory["optimizer_bytes"]
 
 
 def test_fsdp_step_gathers_weights_and_reduces_gradients():
@@ -154,12 +152,12 @@ def test_training_loss_in_the_ring_order_equals_natural_order():
   """At 512 tokens a device (the balanced causal layout) the loss runs every layer in
   the ring's token order (tokens, targets and weights permuted once; no relayout per
   layer): value and gradients equal the one-device model's full-logits loss."""
-  mesh = make_mesh((4,), ("seq",))
-  config = dataclasses.replace(QWEN, context_length=2048)
+  mesh = make_mesh((2,), ("seq",))
+  config = dataclasses.replace(QWEN, context_length=1024)
   ring = _model(config, mesh, True)
   dense = models.build(config, attention="dense", rngs=nnx.Rngs(3))
-  tokens, targets, weights = _batch(batch=1, length=2048)
-  assert ring.ring_permutation(2048) is not None and ring.ring_permutation(64) is None
+  tokens, targets, weights = _batch(batch=1, length=1024)
+  assert ring.ring_permutation(1024) is not None and ring.ring_permutation(64) is None
 
   def full(model):
     ce = optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets)
@@ -235,9 +233,10 @@ def test_chunked_cross_entropy_holds_no_full_logits():
 
 
 def test_remat_policies_keep_what_they_name():
-  """Gradients equal the unrematerialized model's; under "full" the backward pass runs
-  the ring's forward again (a forward ring loop in the rematerialized computation),
-  under "attention" it does not (the ring's output and log-sum-exp are kept)."""
+  """The two policies' compiled steps give the same loss, gradient norm and updated
+  weights; under "full" the backward pass runs the ring's forward again (a forward ring
+  loop in the rematerialized computation), under "attention" it does not (the ring's
+  output and log-sum-exp are kept)."""
   mesh = make_mesh((4,), ("seq",))
   batch = finetune.place_batch(_model(SMALL, mesh, False), *_batch())
 
@@ -245,19 +244,16 @@ def test_remat_policies_keep_what_they_name():
     trainer = finetune.Trainer(
       _model(SMALL, mesh, False, remat=policy), finetune.make_tx(1e-3, 1, 10, 0.0, 1.0)
     )
-    grad = jax.grad(lambda p: finetune.loss(nnx.merge(trainer.graphdef, p, trainer.rest), *batch))(
-      trainer.params
-    )
-    forward = [c.source for c in hlo.collectives(trainer.compiled(*batch)) if c.where == "forward ring step"]
-    return grad, len(forward), sum("rematted_computation" in s for s in forward)
+    compiled = trainer.compiled(*batch)
+    forward = [c.source for c in hlo.collectives(compiled) if c.where == "forward ring step"]
+    params, _, loss, norm = compiled(trainer.params, trainer.rest, trainer.opt_state, *batch)
+    return (params, loss, norm), len(forward), sum("rematted_computation" in s for s in forward)
 
-  g_none, loops, again = run("none")
-  assert loops > 0 and again == 0
-  for policy, recomputed in (("full", True), ("attention", False)):
-    g, loops, again = run(policy)
-    assert loops > 0 and (again > 0) == recomputed, policy
-    for a, b in zip(jax.tree.leaves(g_none), jax.tree.leaves(g)):
-      assert rel_err(b, a) < 1e-6, policy
+  (full, loops_full, again_full), (att, loops_att, again_att) = run("full"), run("attention")
+  assert loops_full > 0 and again_full > 0
+  assert loops_att > 0 and again_att == 0
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(att)):
+    assert rel_err(b, a) < 1e-6
   with pytest.raises(ValueError, match="remat='some'"):
     _model(SMALL, mesh, False, remat="some")
 
