@@ -151,7 +151,7 @@ def write_safetensors(path: Path, tensors: dict, metadata=None) -> None:
 
 
 def write_shards(folder: Path, tensors: dict, max_shard_bytes: int) -> None:
-  """Tensors (name -> a function giving the NumPy array) as `model.safetensors`, or as
+  """Tensors (name -> (bytes, a function giving the NumPy array)) as `model.safetensors`, or as
   shards of at most `max_shard_bytes` with `model.safetensors.index.json` (a tensor
   larger than that has a shard of its own), as transformers' `save_pretrained` does.
   Each shard's arrays are materialized while it is written, one shard at a time."""

@@ -10,19 +10,18 @@ ValueErrors that name them."""
 import json
 import math
 
+import gguf  # noqa: E402  - installed by the test command (the [models] extra): missing is an error
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh, rel_err
 from numpy_models import gemma3_logits, inv_frequencies, llama_logits
-
-from jax_ring import models
-
-gguf = pytest.importorskip("gguf")  # installed by the test command (the [models] extra)
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers  # noqa: E402
 from tokenizers import models as tok_models  # noqa: E402
+
+from jax_ring import models
 
 # 40 tokens: past the Gemma checkpoint's 8-token window; not a multiple of 8 devices.
 LENGTH = 40

@@ -263,10 +263,10 @@ def test_finetune_script_reports_checkpoints_and_resumes(tmp_path):
   memory, a checkpoint folder `models.load` reads, the loss falling on a repeated text,
   and a second run with more steps resuming from the saved state."""
   import finetune as script  # scripts/finetune.py
+  import tokenizers  # installed by the test command (the [models] extra)
 
   from jax_ring.models.tokenizer import HFTokenizer
 
-  tokenizers = pytest.importorskip("tokenizers")
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
   model = models.build(SMALL, attention="dense")
