@@ -329,24 +329,23 @@ class CausalLM(nnx.Module):
     return jax.tree.map(lambda p: gather_weight(p, mesh, dt), params)
 
   def _run_block(self, block, x, attend, training: bool):
-    """One block: its weights gathered (FSDP), under its remat policy (training calls)."""
+    """One block; in training calls its weights gathered (FSDP) and under its remat policy."""
     policy = REMAT_POLICIES[self.remat] if training else None
-    if not self.fsdp and policy is None:
+    if not training or (not self.fsdp and policy is None):
+      # Prefill and decode use FSDP's weights where they lie: the compiler moves the
+      # activations to them (a decode step's are a few KiB), where gathering every
+      # weight per token would move the whole model.
       return block(x, attend)
     graphdef, params, rest = nnx.split(block, nnx.Param, ...)
 
     def run(params, rest, x):
       if self.fsdp:
         params = self._gathered(params)
-      copy = nnx.merge(graphdef, params, rest)
-      return copy(x, attend), nnx.state(copy, nnx.Not(nnx.Param))
+      return nnx.merge(graphdef, params, rest)(x, attend)
 
     if policy is not None:
       run = jax.checkpoint(run, policy=policy)
-    y, after = run(params, rest, x)
-    if not training:  # prefill and decode fill the caches of the copy: back to the block
-      nnx.update(block, after)
-    return y
+    return run(params, rest, x)
 
   def ring_permutation(self, length: int):
     """perm [length] such that tokens[:, perm] is the order every layer's ring runs in
@@ -471,7 +470,10 @@ class CausalLM(nnx.Module):
   def logits(self, h):
     """Logits float32 [..., V] of hidden states [..., D]."""
     dt = self.embed.dtype or h.dtype
-    table = self.head_weights()
+    # The head where it lies (split along the vocabulary under FSDP): each device makes
+    # the logits of its own rows of the table; only [..., V] logits move.
+    table = self.head_table()[0]
+    table = table if self.head is None else table.T
     return jnp.einsum("...d,vd->...v", h.astype(dt), table.astype(dt)).astype(jnp.float32)
 
   def __call__(self, tokens):

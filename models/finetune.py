@@ -41,6 +41,7 @@ def chunked_cross_entropy(
   batch_axis=None,
   table_axes=None,
   transposed: bool = False,
+  predictions: bool = False,
 ):
   """sum(weights * cross-entropy(h @ table.T, targets)) / max(sum(weights), 1), with the
   logits made `chunk` tokens at a time and recomputed in the backward pass: at most
@@ -49,10 +50,12 @@ def chunked_cross_entropy(
 
   h [B, T, D] (final hidden states), table [V, D] (the head), targets int [B, T],
   weights float [B, T]. With `mesh`, each device scores its own tokens (T split over
-  `seq_axis`, B over `batch_axis`) and the sums are added over the devices. With
-  `table_axes` (the mesh axes `table` is split over along V), the table is never
-  gathered: its shards pass each device in a ring (`vocab.cross_entropy`).
-  `transposed`: `table` is given as [D, V] (an untied head's kernel)."""
+  `seq_axis`, a mesh axis or a tuple of them, B over `batch_axis`) and the sums are
+  added over the devices. With `table_axes` (the mesh axes `table` is split over along
+  V), the table is never gathered: its shards pass each device in a ring
+  (`vocab.cross_entropy`). `transposed`: `table` is given as [D, V] (an untied head's
+  kernel). `predictions`: also the argmax token of every position, int [B, T], from
+  the same chunks of logits (returns (loss, predictions); not with `table_axes`)."""
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"chunk={chunk!r} must be a positive int")
   if targets.shape != h.shape[:2] or weights.shape != h.shape[:2]:
@@ -60,7 +63,10 @@ def chunked_cross_entropy(
       f"targets.shape={tuple(targets.shape)} and weights.shape={tuple(weights.shape)} must be h's [B, T] "
       f"{tuple(h.shape[:2])}"
     )
+  if predictions and table_axes:
+    raise ValueError(f"predictions=True needs the table whole (table_axes={table_axes!r})")
   weights = weights.astype(jnp.float32)
+  length = h.shape[1]
   if transposed and not table_axes:
     table, transposed = table.T, False
 
@@ -78,32 +84,35 @@ def chunked_cross_entropy(
       logits = jnp.einsum("bcd,vd->bcv", hc, table.astype(hc.dtype), preferred_element_type=jnp.float32)
       lse = jax.nn.logsumexp(logits, axis=-1)
       picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
-      return None, jnp.sum((lse - picked) * wc)
+      best = jnp.argmax(logits, axis=-1).astype(jnp.int32) if predictions else None
+      return None, (jnp.sum((lse - picked) * wc), best)
 
-    _, sums = jax.lax.scan(body, None, (split(h), split(targets), split(weights)))
-    return jnp.sum(sums), jnp.sum(weights)
+    _, (sums, best) = jax.lax.scan(body, None, (split(h), split(targets), split(weights)))
+    if predictions:
+      best = jnp.moveaxis(best, 0, 1).reshape(b, n * chunk)[:, :t]
+    return jnp.sum(sums), jnp.sum(weights), best
 
   if mesh is None:
-    total, count = local(h, targets, weights, table)
+    total, count, best = local(h, targets, weights, table)
   else:
-    shards = mesh.shape[seq_axis]
-    pad = -h.shape[1] % shards
+    seq_axes = tuple(seq_axis) if isinstance(seq_axis, (tuple, list)) else (seq_axis,)
+    pad = -length % math.prod(mesh.shape[a] for a in seq_axes)
     if pad:  # a length the devices do not divide: padded tokens of weight 0
       h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
       targets, weights = (jnp.pad(a, ((0, 0), (0, pad))) for a in (targets, weights))
     if batch_axis is not None and h.shape[0] % mesh.shape[batch_axis]:
       batch_axis = None
-    axes = (seq_axis,) if batch_axis is None else (batch_axis, seq_axis)
+    axes = seq_axes if batch_axis is None else (batch_axis, *seq_axes)
 
     def ring(h, targets, weights, table):
       pad = -h.shape[1] % chunk
       h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
       targets, weights = (jnp.pad(a, ((0, 0), (0, pad))) for a in (targets, weights))
       ce = vocab.cross_entropy(h, table, targets, table_axes, chunk, axes, transposed)
-      return jnp.sum(ce * weights), jnp.sum(weights)
+      return jnp.sum(ce * weights), jnp.sum(weights), None
 
     def summed(h, targets, weights, table):
-      total, count = (ring if table_axes else local)(h, targets, weights, table)
+      total, count, best = (ring if table_axes else local)(h, targets, weights, table)
       total, count = jax.lax.psum(total, axes), jax.lax.psum(count, axes)
       # The same sums on every device of the other axes (the ring's table may vary over
       # FSDP's data axis, which the tokens are not split over): their mean, typed alike.
@@ -111,16 +120,18 @@ def chunked_cross_entropy(
       if others:
         size = math.prod(mesh.shape[a] for a in others)
         total, count = jax.lax.psum(total, others) / size, jax.lax.psum(count, others) / size
-      return total, count
+      return total, count, best
 
-    rows = P(batch_axis, seq_axis)
-    total, count = jax.shard_map(
+    rows = P(batch_axis, seq_axes)
+    total, count, best = jax.shard_map(
       summed,
       mesh=mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)),
-      in_specs=(P(batch_axis, seq_axis, None), rows, rows, _table_spec(table_axes, transposed)),
-      out_specs=(P(), P()),
+      in_specs=(P(batch_axis, seq_axes, None), rows, rows, _table_spec(table_axes, transposed)),
+      out_specs=(P(), P(), rows if predictions else None),
     )(h, targets, weights, table)
-  return total / jnp.maximum(count, 1.0)
+    best = best[:, :length] if predictions else None
+  value = total / jnp.maximum(count, 1.0)
+  return (value, best) if predictions else value
 
 
 def _like_hidden(model, x):
@@ -166,11 +177,12 @@ def loss(model, tokens, targets, weights, *, chunk: int = 512):
 
 
 @functools.cache
-def make_tx(lr: float, warmup: int, steps: int, weight_decay: float, clip: float):
-  """AdamW (float32 moments) with linear warmup then cosine decay to 10% of `lr`, after
-  clipping the gradients' global norm at `clip`."""
+def make_tx(lr: float, warmup: int, steps: int, weight_decay: float, clip: float, end: float = 0.1):
+  """AdamW (float32 moments) with linear warmup then cosine decay to `end` x `lr`, after
+  clipping the gradients' global norm at `clip`; cached, so that runs with the same
+  settings share one optimizer and hence one compiled step."""
   schedule = optax.warmup_cosine_decay_schedule(
-    0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1), end_value=lr * 0.1
+    0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1), end_value=lr * end
   )
   return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
 
@@ -185,28 +197,44 @@ def per_device_bytes(tree) -> int:
   return total
 
 
-class Trainer:
-  """The model's weights, their AdamW state (split as the weights are) and one jitted
-  step: `step(tokens, targets, weights) -> (loss, gradient norm)`; `model()` gives the
-  model with the current weights."""
+def cross_entropy(model, tokens, targets, weights, *, chunk: int = 512):
+  """A loaded model's objective for `Trainer`: (`loss`, no other statistics)."""
+  return loss(model, tokens, targets, weights, chunk=chunk), {}
 
-  def __init__(self, model, tx, *, chunk: int = 512):
+
+class Trainer:
+  """The training step of every model here: the model's weights, their AdamW state
+  (split as the weights are: replicated, or over every device with FSDP) and one jitted
+  step, `step(tokens, targets, weights) -> (loss, stats)`: stats holds the gradient's
+  global norm ("grad_norm") and what the objective reports beside its loss.
+  `evaluate(...)` gives (loss, stats) without a step; `model()` the model with the
+  current weights.
+
+  objective(model, tokens, targets, weights, chunk=) -> (loss, dict of scalars): by
+  default a loaded model's chunked cross-entropy (`cross_entropy`); `DecoderLM`s train
+  with `models.training.loss_and_accuracy`."""
+
+  def __init__(self, model, tx, *, chunk: int = 512, objective=cross_entropy):
     self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
     self.tx, self.chunk = tx, chunk
     self.opt_state = tx.init(self.params)
     self.opt_state = jax.tree.map(_on_mesh(model), self.opt_state)
     shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
     self._step = jax.jit(
-      functools.partial(_step, self.graphdef, tx, chunk),
+      functools.partial(_step, self.graphdef, tx, objective, chunk),
       donate_argnums=(0, 2),
       out_shardings=(shardings(self.params), shardings(self.opt_state), None, None),
     )
+    self._evaluate = jax.jit(functools.partial(_evaluate, self.graphdef, objective, chunk))
 
   def step(self, tokens, targets, weights):
-    self.params, self.opt_state, value, norm = self._step(
+    self.params, self.opt_state, value, stats = self._step(
       self.params, self.rest, self.opt_state, tokens, targets, weights
     )
-    return value, norm
+    return value, stats
+
+  def evaluate(self, tokens, targets, weights):
+    return self._evaluate(self.params, self.rest, tokens, targets, weights)
 
   def compiled(self, tokens, targets, weights):
     """The step compiled for these shapes (`memory_analysis()`, `as_text()`)."""
@@ -228,21 +256,34 @@ class Trainer:
 
 def _on_mesh(model):
   """The optimizer's scalars (its step count) replicated on the model's mesh, beside the
-  moments, which optax makes with zeros_like and so placed as the weights they follow."""
+  moments, which optax makes with zeros_like and so placed as the weights they follow.
+  Each process places its own copy (the same on all)."""
   mesh = model.placement[0]
   if mesh is None:
     return lambda x: x
   whole = NamedSharding(mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)), P())
-  return lambda x: jax.device_put(x, whole) if isinstance(x, jax.Array) and x.ndim == 0 else x
+
+  def place(x):
+    if not (isinstance(x, jax.Array) and x.ndim == 0):
+      return x
+    value = np.asarray(x)
+    return jax.make_array_from_callback((), whole, lambda index: value[index])
+
+  return place
 
 
-def _step(graphdef, tx, chunk, params, rest, opt_state, tokens, targets, weights):
-  def objective(p):
-    return loss(nnx.merge(graphdef, p, rest), tokens, targets, weights, chunk=chunk)
+def _step(graphdef, tx, objective, chunk, params, rest, opt_state, tokens, targets, weights):
+  def value(p):
+    return objective(nnx.merge(graphdef, p, rest), tokens, targets, weights, chunk=chunk)
 
-  value, grads = jax.value_and_grad(objective)(params)
+  (loss_value, stats), grads = jax.value_and_grad(value, has_aux=True)(params)
   updates, opt_state = tx.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, value, optax.tree.norm(grads)
+  stats = dict(stats, grad_norm=optax.tree.norm(grads))
+  return optax.apply_updates(params, updates), opt_state, loss_value, stats
+
+
+def _evaluate(graphdef, objective, chunk, params, rest, tokens, targets, weights):
+  return objective(nnx.merge(graphdef, params, rest), tokens, targets, weights, chunk=chunk)
 
 
 # --- Data. ---
@@ -345,7 +386,7 @@ def finetune(
   first = 0
   latest = state.latest()
   if latest is not None:
-    _restore(state, latest, trainer)
+    state.restore(latest, trainer)
     first = latest
     if os.path.exists(report_path):
       with open(report_path) as f:
@@ -358,37 +399,22 @@ def finetune(
     steps = tqdm(steps, desc="fine-tuning", initial=first, total=config.steps, unit="step")
   for step in steps:
     start = time.perf_counter()
-    value, norm = trainer.step(*batch(step))
+    value, stats = trainer.step(*batch(step))
     value = float(value)
     seconds = time.perf_counter() - start
-    report["steps"].append(dict(loss=value, seconds=round(seconds, 3), grad_norm=float(norm)))
+    report["steps"].append(dict(loss=value, seconds=round(seconds, 3), grad_norm=float(stats["grad_norm"])))
     if progress:
       steps.set_postfix(loss=f"{value:.4f}", s=f"{seconds:.1f}")
     if not np.isfinite(value):
       raise FloatingPointError(f"step {step}: the loss is {value}")
     if config.save_every and (step + 1) % config.save_every == 0:
-      _save(state, step + 1, trainer)
-  _save(state, config.steps, trainer)
+      state.save(step + 1, trainer, force=True)
+  state.save(config.steps, trainer, force=True)
   state.close()
   checkpoints.save(trainer.model(), os.path.join(out, "checkpoint"), tokenizer=tokenizer)
   with open(report_path, "w") as f:
     json.dump(report, f, indent=1)
   return report
-
-
-def _save(state, step, trainer):
-  if step in state.manager.all_steps():
-    return
-  pure = {"params": nnx.to_pure_dict(trainer.params), "opt": trainer.opt_state}
-  state.manager.save(step, args=state.ocp.args.StandardSave(pure), force=True)
-  state.manager.wait_until_finished()
-
-
-def _restore(state, step, trainer):
-  target = {"params": nnx.to_pure_dict(trainer.params), "opt": trainer.opt_state}
-  restored = state.manager.restore(step, args=state.ocp.args.StandardRestore(target))
-  nnx.replace_by_pure_dict(trainer.params, restored["params"])
-  trainer.opt_state = restored["opt"]
 
 
 # --- Compiling a training step for hardware that is not here. ---
@@ -433,7 +459,7 @@ def compile_train_step(
     rows = NamedSharding(auto, P(None, "seq"))
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)
     weights = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=rows)
-    step = jax.jit(functools.partial(_step, graphdef, tx, chunk), donate_argnums=(0, 2))
+    step = jax.jit(functools.partial(_step, graphdef, tx, cross_entropy, chunk), donate_argnums=(0, 2))
     return step.lower(params, rest, opt_state, tokens, tokens, weights).compile()
 
 

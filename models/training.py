@@ -8,14 +8,16 @@ resume from the latest, a history of losses.
     history = train(TrainConfig(attention="ring", steps=300), KeyValueTask(seq_len=256))
 
 The loss is the cross-entropy of the scored positions of each batch (the task's
-`weights`); accuracy is the fraction of rows whose every answer token (weight 1) is the
-argmax; positions of weight in (0, 1) add to the loss only.
+`weights`), made from the final hidden states a chunk of tokens at a time; accuracy is
+the fraction of rows whose every answer token (weight 1) is the argmax; positions of
+weight in (0, 1) add to the loss only. The step is `finetune.Trainer`'s, the one that
+fine-tunes loaded models: with `fsdp=True` the weights and their AdamW moments are split
+over all the mesh's devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -23,11 +25,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import finetune
+from .decoder import fsdp_spec
 from .report import plot_history
 from .transformer import DecoderLM, LMConfig
 
@@ -62,6 +65,10 @@ class TrainConfig:
   attention_sinks: bool = _field(False, "a learned attention sink per head (gpt-oss)")
   alibi: bool = _field(False, "ALiBi position biases (with the rotary embeddings)")
   remat: bool = _field(False, "recompute activations in the backward pass (nnx.remat)")
+  fsdp: bool = _field(
+    False, "split every weight and its AdamW moments over all the mesh's devices (not with dense attention)"
+  )
+  chunk: int = _field(512, "tokens per chunk of the loss's logits (never [T, vocab] at once)")
   conv: int = _field(0, "width of a causal depthwise convolution before each attention (0: none)")
   rope_max_wavelength: float | None = _field(
     None, "drop rotary frequencies of longer wavelength (p-RoPE; for running past the training length)"
@@ -88,7 +95,11 @@ class TrainConfig:
   def __post_init__(self):
     if self.attention not in ATTENTIONS:
       raise ValueError(f"TrainConfig.attention={self.attention!r} is not one of {ATTENTIONS}")
-    for name in ("data", "ulysses", "steps", "batch", "eval_every", "ckpt_every"):
+    if self.fsdp and self.attention == "dense":
+      raise ValueError(
+        "TrainConfig.fsdp=True splits the weights over a mesh; attention='dense' runs on one device"
+      )
+    for name in ("data", "ulysses", "steps", "batch", "eval_every", "ckpt_every", "chunk"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"TrainConfig.{name}={value!r} must be a positive int")
@@ -137,7 +148,8 @@ def model_config(config: TrainConfig, task) -> LMConfig:
 
 
 def build(config: TrainConfig, task, mesh):
-  """(model, optimizer), replicated on the mesh."""
+  """(model, optax transformation): the model's weights placed on the mesh, replicated
+  or, with `config.fsdp`, split over all its devices (`decoder.fsdp_spec`)."""
   kind = config.attention
   model = DecoderLM(
     model_config(config, task),
@@ -145,13 +157,8 @@ def build(config: TrainConfig, task, mesh):
     batch_axis="data" if kind != "dense" and config.data > 1 else None,
     rngs=nnx.Rngs(config.seed),
   )
-  tx = make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  # Replicated on the mesh from the start, as the train step returns them: the second
-  # step then reuses the first step's executable.
-  for obj in (model, optimizer):
-    nnx.update(obj, replicate(nnx.state(obj), mesh))
-  return model, optimizer
+  nnx.update(model, place(nnx.state(model), mesh, config.fsdp))
+  return model, make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
 
 
 def save_params(model, path: str) -> None:
@@ -164,9 +171,9 @@ def save_params(model, path: str) -> None:
       np.savez(f, **arrays)
 
 
-def load_params(model, path: str, mesh) -> None:
-  """Sets the model's parameters from `save_params`'s .npz, replicated on `mesh`;
-  ValueError naming the first path or shape that differs."""
+def load_params(model, path: str, mesh, fsdp: bool = False) -> None:
+  """Sets the model's parameters from `save_params`'s .npz, placed on `mesh` as `build`
+  places them; ValueError naming the first path or shape that differs."""
   state = nnx.state(model, nnx.Param)
   flat = nnx.to_flat_state(state)
   with np.load(path) as saved:
@@ -184,27 +191,32 @@ def load_params(model, path: str, mesh) -> None:
           f"init={path!r}: {name} has shape {value.shape}, this model's has {var.get_value().shape}"
         )
       var.set_value(jnp.asarray(value, var.get_value().dtype))
-  nnx.update(model, replicate(nnx.from_flat_state(flat), mesh))
+  nnx.update(model, place(nnx.from_flat_state(flat), mesh, fsdp))
 
 
-def replicate(tree, mesh):
-  """Every array of `tree` replicated over `mesh`. With several processes each copies
-  its own (identical: same seed) values to its devices; nothing crosses processes."""
-  replicated = NamedSharding(mesh, P())
+def place(tree, mesh, fsdp: bool = False):
+  """Every array of `tree` on `mesh`: replicated, or with `fsdp` split over all its
+  devices along a dimension their count divides (`decoder.fsdp_spec`). With several
+  processes each copies its own (identical: same seed) values to its devices; nothing
+  crosses processes."""
+
+  def sharding(x):
+    return NamedSharding(mesh, fsdp_spec(x.shape, mesh) if fsdp and x.ndim else P())
+
   if jax.process_count() == 1:
-    return jax.device_put(tree, replicated)
-  to_global = lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: np.asarray(x)[index])
+    return jax.tree.map(lambda x: jax.device_put(x, sharding(x)), tree)
+  to_global = lambda x: jax.make_array_from_callback(x.shape, sharding(x), lambda index: np.asarray(x)[index])
   return jax.tree.map(to_global, tree)
 
 
-@functools.cache
+def replicate(tree, mesh):
+  """Every array of `tree` replicated over `mesh` (`place` without FSDP)."""
+  return place(tree, mesh)
+
+
 def make_tx(lr: float, warmup: int, steps: int, weight_decay: float, clip: float):
-  """AdamW with warmup + cosine decay and clipping; cached, so that runs with the same
-  settings share one optimizer graph and hence the compiled train step."""
-  schedule = optax.warmup_cosine_decay_schedule(
-    0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1), end_value=lr * 0.05
-  )
-  return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
+  """AdamW with warmup + cosine decay to 5% of `lr`, and clipping (`finetune.make_tx`)."""
+  return finetune.make_tx(lr, warmup, steps, weight_decay, clip, end=0.05)
 
 
 def rows_right(logits, targets, weights):
@@ -212,35 +224,32 @@ def rows_right(logits, targets, weights):
   return jnp.all((jnp.argmax(logits, -1) == targets) | (weights < 1), axis=-1)
 
 
-def loss_and_accuracy(model, tokens, targets, weights):
-  """(weighted mean cross-entropy of the scored positions, fraction of rows whose
-  answer tokens, those of weight 1, are all the argmax)."""
-  # The logits stay in the order the layers ran on (`LMConfig.ring_order`); the targets
+def loss_and_accuracy(model, tokens, targets, weights, *, chunk: int = 512):
+  """(weighted mean cross-entropy of the scored positions, {"accuracy": the fraction of
+  rows whose answer tokens, those of weight 1, are all the argmax}), from the final
+  hidden states `chunk` tokens at a time (`finetune.chunked_cross_entropy`): never
+  [T, vocab] logits. `Trainer`'s objective for a `DecoderLM`."""
+  # The states stay in the order the layers ran on (`LMConfig.ring_order`); the targets
   # and weights follow them, and neither sum depends on the order.
-  logits = model(tokens, logits_order="ring")
+  h = model.hidden(tokens, order="ring")
   targets, weights = model.to_ring_order(targets), model.to_ring_order(weights)
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-  return loss, jnp.mean(rows_right(logits, targets, weights))
-
-
-@functools.cache
-def make_steps():
-  """The jitted train and eval steps, shared by every run in a process (a second run
-  with the same model structure and mesh reuses the compiled step)."""
-
-  @nnx.jit
-  def train_step(model, optimizer, tokens, targets, weights):
-    grad_fn = nnx.value_and_grad(loss_and_accuracy, has_aux=True)
-    (loss, acc), grads = grad_fn(model, tokens, targets, weights)
-    optimizer.update(model, grads)
-    return loss, acc
-
-  @nnx.jit
-  def eval_step(model, tokens, targets, weights):
-    return loss_and_accuracy(model, tokens, targets, weights)
-
-  return train_step, eval_step
+  mesh, seq_axis, batch_axis = model.placement
+  if mesh is not None and model.config.ulysses_axis is not None:
+    seq_axis = (seq_axis, model.config.ulysses_axis)
+  value, predicted = finetune.chunked_cross_entropy(
+    h,
+    model.head.kernel[...],
+    targets,
+    weights,
+    chunk=chunk,
+    mesh=mesh,
+    seq_axis=seq_axis,
+    batch_axis=batch_axis,
+    transposed=True,
+    predictions=True,
+  )
+  right = jnp.all((predicted == targets) | (weights < 1), axis=-1)
+  return value, {"accuracy": jnp.mean(right)}
 
 
 class Checkpoints:
@@ -257,26 +266,20 @@ class Checkpoints:
   def latest(self):
     return self.manager.latest_step()
 
-  @staticmethod
-  def _states(model, optimizer):
-    return {"model": nnx.state(model, nnx.Param), "optimizer": nnx.state(optimizer)}
-
-  def save(self, step: int, model, optimizer, force=False):
+  def save(self, step: int, trainer, force=False):
+    """The trainer's weights and optimizer state at `step` (`finetune.Trainer`)."""
     if step in self.manager.all_steps():
       return
-    pure = {name: nnx.to_pure_dict(s) for name, s in self._states(model, optimizer).items()}
+    pure = {"params": nnx.to_pure_dict(trainer.params), "opt": trainer.opt_state}
     self.manager.save(step, args=self.ocp.args.StandardSave(pure), force=force)
 
-  def restore(self, step: int, model, optimizer):
-    states = self._states(model, optimizer)
-    target = {name: nnx.to_pure_dict(s) for name, s in states.items()}
-    # Restored with the target's shardings (this run's mesh), whatever mesh or process
-    # count wrote the checkpoint.
+  def restore(self, step: int, trainer):
+    # Restored with the target's shardings (this run's mesh and FSDP setting), whatever
+    # mesh or process count wrote the checkpoint.
+    target = {"params": nnx.to_pure_dict(trainer.params), "opt": trainer.opt_state}
     restored = self.manager.restore(step, args=self.ocp.args.StandardRestore(target))
-    for name, state in states.items():
-      nnx.replace_by_pure_dict(state, restored[name])
-    nnx.update(model, states["model"])
-    nnx.update(optimizer, states["optimizer"])
+    nnx.replace_by_pure_dict(trainer.params, restored["params"])
+    trainer.opt_state = restored["opt"]
 
   def close(self):
     self.manager.wait_until_finished()
@@ -315,14 +318,14 @@ def place_batch(task, seed: int, step: int, batch_size: int, mesh, spec: P):
   return tuple(jax.make_array_from_process_local_data(sharding, x[:, cols], shape) for x in local)
 
 
-def evaluate(eval_step, model, task, config: TrainConfig, mesh):
+def evaluate(trainer, task, config: TrainConfig, mesh):
   """(mean loss, mean accuracy) over `eval_batches` held-out batches."""
   losses, accs = [], []
   for i in range(config.eval_batches):
     batch = place_batch(task, config.seed + 10_000, i, config.batch, mesh, _batch_spec(config))
-    loss, acc = eval_step(model, *batch)
+    loss, stats = trainer.evaluate(*batch)
     losses.append(float(loss))
-    accs.append(float(acc))
+    accs.append(float(stats["accuracy"]))
   return float(np.mean(losses)), float(np.mean(accs))
 
 
@@ -345,10 +348,11 @@ def train(config: TrainConfig, task, log=print, return_model: bool = False):
   else:
     data, seq = config.data, config.seq or jax.device_count() // (config.data * config.ulysses)
   mesh = make_mesh(data, seq, config.ulysses if config.attention != "dense" else 1)
-  model, optimizer = build(config, task, mesh)
+  model, tx = build(config, task, mesh)
   if config.init:
-    load_params(model, config.init, mesh)
-  train_step, eval_step = make_steps()
+    load_params(model, config.init, mesh, config.fsdp)
+  # The one training step of the codebase (`finetune.Trainer`), with this model's loss.
+  trainer = finetune.Trainer(model, tx, chunk=config.chunk, objective=loss_and_accuracy)
   spec = _batch_spec(config)
 
   ckpt = Checkpoints(config.ckpt_dir, config.ckpt_every, config.ckpt_keep) if config.ckpt_dir else None
@@ -356,7 +360,7 @@ def train(config: TrainConfig, task, log=print, return_model: bool = False):
   if config.resume:
     latest = ckpt.latest()
     if latest is not None:
-      ckpt.restore(latest, model, optimizer)
+      ckpt.restore(latest, trainer)
       start = latest
       log(f"resumed from step {latest} in {config.ckpt_dir}")
   history = {"step": [], "loss": [], "accuracy": [], "eval": [], "seconds": [], "attention": config.attention}
@@ -365,18 +369,18 @@ def train(config: TrainConfig, task, log=print, return_model: bool = False):
   )
   t0 = time.perf_counter()
   for step in bar:
-    loss, acc = train_step(model, optimizer, *place_batch(task, config.seed, step, config.batch, mesh, spec))
+    loss, stats = trainer.step(*place_batch(task, config.seed, step, config.batch, mesh, spec))
     loss = float(loss)
     history["step"].append(step + 1)
     history["loss"].append(loss)
-    history["accuracy"].append(float(acc))
+    history["accuracy"].append(float(stats["accuracy"]))
     history["seconds"].append(time.perf_counter() - t0)
     bar.set_postfix(loss=f"{loss:.3f}")
     if ckpt is not None:
-      ckpt.save(step + 1, model, optimizer)
+      ckpt.save(step + 1, trainer)
     done = step + 1 == config.steps
     if config.eval_batches and ((step + 1) % config.eval_every == 0 or done):
-      ev_loss, ev_acc = evaluate(eval_step, model, task, config, mesh)
+      ev_loss, ev_acc = evaluate(trainer, task, config, mesh)
       history["eval"].append({"step": step + 1, "loss": ev_loss, "accuracy": ev_acc})
       if not config.progress:
         log(f"step {step + 1}: loss {loss:.4f}, eval loss {ev_loss:.4f}, eval accuracy {ev_acc:.3f}")
@@ -387,12 +391,13 @@ def train(config: TrainConfig, task, log=print, return_model: bool = False):
     if config.stop_after is not None and step + 1 >= config.stop_after:
       break
   if ckpt is not None:
-    ckpt.save(history["step"][-1] if history["step"] else start, model, optimizer, force=True)
+    ckpt.save(history["step"][-1] if history["step"] else start, trainer, force=True)
     ckpt.close()
   final_eval = not history["eval"] or history["eval"][-1]["step"] != history["step"][-1]
   if config.eval_batches and history["step"] and final_eval:
-    ev_loss, ev_acc = evaluate(eval_step, model, task, config, mesh)
+    ev_loss, ev_acc = evaluate(trainer, task, config, mesh)
     history["eval"].append({"step": history["step"][-1], "loss": ev_loss, "accuracy": ev_acc})
+  model = trainer.model()
   if config.save_params:
     save_params(model, config.save_params)
   history["chance"] = task.chance

@@ -402,6 +402,15 @@ class DecoderLM(nnx.Module):
     """Logits [B, T, V] of tokens int [B, T]. `logits_order="ring"`: in the order the
     layers ran on (`ring_permutation(T)`, natural where it is None), so that a loss can
     permute its targets instead of the logits."""
+    return self._forward(tokens, segment_ids, positions, logits_order, head=True)
+
+  def hidden(self, tokens, *, segment_ids=None, positions=None, order: str = "natural"):
+    """The final normed hidden states [B, T, D] (the head's input, `head.kernel` [D, V]);
+    `order` as `__call__`'s `logits_order`. A loss over chunks of them never holds the
+    [T, V] logits (`models.training.loss_and_accuracy`)."""
+    return self._forward(tokens, segment_ids, positions, order, head=False)
+
+  def _forward(self, tokens, segment_ids, positions, logits_order, head):
     if logits_order not in ("natural", "ring"):
       raise ValueError(f"logits_order={logits_order!r} must be 'natural' or 'ring'")
     if positions is None and tokens.ndim == 2:
@@ -409,7 +418,7 @@ class DecoderLM(nnx.Module):
     layout = self.ring_layout(tokens.shape[1]) if tokens.ndim == 2 else None
     if layout is None:
       attend = lambda attn, h: attn(h, segment_ids=segment_ids, positions=positions)
-      return forward(self, tokens, attend)
+      return forward(self, tokens, attend, head=head)
     perm = self.ring_permutation(tokens.shape[1])
     tokens, segment_ids = self.to_ring_order(tokens), self.to_ring_order(segment_ids)
     positions = jnp.take(positions, perm, axis=-1)
@@ -420,7 +429,7 @@ class DecoderLM(nnx.Module):
     if logits_order == "natural":
       inverse = np.argsort(perm)
       unpermute = lambda x: self._permute(x, inverse)
-    return forward(self, tokens, attend, mix=mix, before_head=unpermute)
+    return forward(self, tokens, attend, mix=mix, before_head=unpermute, head=head)
 
   def to_ring_order(self, x):
     """x [B, T, ...] in natural order (targets, loss weights) -> the order the layers
@@ -511,9 +520,10 @@ def decode_model(model, tokens, *, segment_ids=None):
   return forward(model, tokens, attend, mix=lambda conv, h: conv.decode(h))
 
 
-def forward(model, tokens, attend, mix=None, before_head=None):
+def forward(model, tokens, attend, mix=None, before_head=None, head: bool = True):
   """embed -> blocks (attention by `attend`, short convolutions by `mix`) -> norm ->
-  (`before_head`) -> head: the forward pass the models share; logits in float32."""
+  (`before_head`) -> head: the forward pass the models share; logits in float32
+  (`head=False`: the hidden states before the head)."""
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"tokens shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
   x = model.embed_tokens(tokens) if hasattr(model, "embed_tokens") else model.embed(tokens)
@@ -523,7 +533,7 @@ def forward(model, tokens, attend, mix=None, before_head=None):
   x = model.norm(x)
   if before_head is not None:
     x = before_head(x)
-  return model.head(x).astype(jnp.float32)
+  return model.head(x).astype(jnp.float32) if head else x
 
 
 def run_blocks(blocks, x, attend, *, remat: bool, scan: bool, mix=None):

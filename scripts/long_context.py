@@ -81,7 +81,9 @@ def main(argv=None):
   else:
     path = args.model
   mesh = jax.make_mesh((args.devices,), ("seq",), devices=jax.devices()[: args.devices])
-  ring_model, tokenizer = models.load(path, mesh=mesh, attention="ring")
+  # The ring's weights split over its devices (exact: the tests compare it with the
+  # replicated model): each device holds an eighth of them, not a copy.
+  ring_model, tokenizer = models.load(path, mesh=mesh, attention="ring", fsdp=args.devices > 1)
   if tokenizer is None:
     raise SystemExit(f"--model {path}: the folder has no tokenizer.json; the documents need its tokenizer")
   dense_model, _ = models.load(path, attention="dense")

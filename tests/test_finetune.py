@@ -70,7 +70,8 @@ def test_fsdp_steps_equal_the_replicated_model(shape, names, batch_axis):
   start = jax.tree.map(np.asarray, trainers[0].params)
   for step in range(3):
     batch = finetune.place_batch(trainers[0].model(), *_batch(seed=step))
-    (l0, n0), (l1, n1) = (t.step(*batch) for t in trainers)
+    (l0, s0), (l1, s1) = (t.step(*batch) for t in trainers)
+    n0, n1 = s0["grad_norm"], s1["grad_norm"]
     assert abs(float(l0) - float(l1)) <= STEP_TOL * abs(float(l0))
     assert abs(float(n0) - float(n1)) <= STEP_TOL * abs(float(n0))
   p0, p1 = (t.params for t in trainers)
@@ -122,6 +123,24 @@ def test_fsdp_step_gathers_weights_and_reduces_gradients():
   table = SMALL.vocab_size * SMALL.dim * 4
   assert max(c.bytes for c in sharded if c.op == "all-gather") < table
   assert not [c for c in replicated if c.op == "all-gather" and c.bytes >= SMALL.dim * SMALL.mlp_hidden * 4]
+
+
+def test_fsdp_generates_the_replicated_tokens_without_gathering_weights():
+  """Generation from the FSDP model: the replicated model's tokens, and a decode step
+  that moves activations to the weights' shards, never a weight (gathering every
+  weight per token would move the whole model for each one)."""
+  mesh = make_mesh((8,), ("seq",))
+  prompt = _batch(batch=1, length=24)[0]
+  replicated, split = (_model(SMALL, mesh, fsdp) for fsdp in (False, True))
+  expected = models.generate(replicated, prompt, max_new_tokens=5).tokens
+  np.testing.assert_array_equal(models.generate(split, prompt, max_new_tokens=5).tokens, expected)
+
+  split.init_cache(1, 32)
+  graphdef, state = nnx.split(split)
+  step = jax.jit(lambda state, tokens: nnx.merge(graphdef, state).decode(tokens))
+  found = hlo.collectives(step.lower(state, jnp.zeros((1, 1), jnp.int32)).compile())
+  smallest_weight = SMALL.dim * SMALL.head_dim * SMALL.num_kv_heads * 4 // 8 * 8  # a k projection
+  assert found and not [c for c in found if c.op == "all-gather" and c.bytes >= smallest_weight]
 
 
 @pytest.mark.parametrize("fsdp", [False, True])
@@ -194,6 +213,15 @@ def test_chunked_cross_entropy_equals_float64_and_the_full_loss(chunk):
   )
   value = float(jax.jit(chunked)(h, table))
   assert abs(value - _numpy_ce(h, table, targets, weights)) < 1e-6 * abs(value)
+  # predictions=True: the same value, and every position's argmax from the same chunks.
+  both = jax.jit(
+    lambda h, t: finetune.chunked_cross_entropy(
+      h, t, targets, weights, chunk=chunk, mesh=mesh, seq_axis="seq", predictions=True
+    )
+  )(h, table)
+  assert float(both[0]) == value
+  logits64 = h.astype(np.float64) @ table.astype(np.float64).T
+  np.testing.assert_array_equal(np.asarray(both[1]), logits64.argmax(-1))
 
   def full(h, t):
     ce = optax.softmax_cross_entropy_with_integer_labels(h @ t.T, targets)

@@ -173,9 +173,8 @@ def test_ring_order_training_step_relays_no_layer(short_shards_zigzag):
   def loop_free(ring_order):
     model = DecoderLM(dataclasses.replace(config, ring_order=ring_order), mesh=mesh, rngs=nnx.Rngs(0))
     graph, state = nnx.split(model)
-    step = lambda state, *batch: nnx.value_and_grad(loss_and_accuracy, has_aux=True)(
-      nnx.merge(graph, state), *batch
-    )
+    loss = lambda model, *batch: loss_and_accuracy(model, *batch)
+    step = lambda state, *batch: nnx.value_and_grad(loss, has_aux=True)(nnx.merge(graph, state), *batch)
     return hlo.loop_free_collectives(jax.jit(step).lower(state, *batch).compile())
 
   natural, ordered = loop_free(False), loop_free(None)

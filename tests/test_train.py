@@ -7,6 +7,7 @@ import re
 import demo
 import numpy as np
 import pytest
+from flax import nnx
 
 from jax_ring.models.tasks import NAMES, KeyValueTask, NeedleTask, corpus, decode
 from jax_ring.models.training import TrainConfig, build, load_params, make_mesh, train
@@ -29,6 +30,30 @@ def test_eight_devices_give_the_losses_of_one():
   np.testing.assert_allclose(eight, one, rtol=2e-5)
   np.testing.assert_allclose(two_d, one, rtol=2e-5)
   np.testing.assert_allclose(hybrid, one, rtol=2e-5)
+
+
+@pytest.mark.parametrize("data, seq", [(1, 8), (2, 4)])
+def test_fsdp_gives_the_replicated_losses_and_splits_the_weights(data, seq):
+  """The DecoderLM path trains with the step that fine-tunes loaded models: with
+  `fsdp=True` every weight and AdamW moment is split over all 8 devices (each holds
+  1/8 of every array), and four steps give the replicated run's losses and weights."""
+  config = dataclasses.replace(SMALL, attention="ring", data=data, seq=seq, steps=4, layers=2)
+  runs = [
+    train(dataclasses.replace(config, fsdp=fsdp), TASK, log=lambda *_: None, return_model=True)
+    for fsdp in (False, True)
+  ]
+  (replicated, a), (split, b) = runs
+  np.testing.assert_allclose(split["loss"], replicated["loss"], rtol=1e-5)
+  assert len(set(replicated["loss"])) == 4  # the weights move
+  flat_a, flat_b = nnx.to_flat_state(nnx.state(a, nnx.Param)), nnx.to_flat_state(nnx.state(b, nnx.Param))
+  assert [k for k, _ in flat_a] == [k for k, _ in flat_b]
+  for (key, va), (_, vb) in zip(flat_a, flat_b):
+    x, y = va.get_value(), vb.get_value()
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=str(key))
+    assert x.addressable_shards[0].data.size == x.size  # replicated
+    assert y.addressable_shards[0].data.size * 8 == y.size, key  # an eighth on each device
+  with pytest.raises(ValueError, match="fsdp=True"):
+    TrainConfig(attention="dense", fsdp=True)
 
 
 def test_resume_continues_exactly(tmp_path):
