@@ -634,8 +634,10 @@ def ring_attention(
       carries are `is_causal`, `local_window_size`, `segment_ids` and the lengths.
 
   Any T and S work: each is padded internally to what the layout needs, and the
-  padding is masked. A query that sees no key gets 0 (jax.nn gives such a row the
-  mean of V when it is not padding).
+  padding is masked. Where T is not a multiple of the size of `seq_axis`, the output
+  comes back replicated along it (every device holds all T rows) instead of sharded;
+  that is said once per process at INFO level on the "jax_ring" logger. A query that
+  sees no key gets 0 (jax.nn gives such a row the mean of V when it is not padding).
 
   Returns:
     [B, T, N, H] (or [T, N, H]), in the policy's output dtype (default: the query's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import sys
 import warnings
 
@@ -36,20 +37,27 @@ def _caller_level() -> int:
   return level
 
 
-def notice_once(key, message: str) -> None:
+log = logging.getLogger("jax_ring")
+
+
+def notice_once(key, message: str, *, warn: bool = True) -> None:
   """A UserWarning, pointing at the user's call, the first time `key` is seen in this
-  process; never again."""
+  process; never again. `warn=False`: an INFO record on the "jax_ring" logger instead
+  (what supported input does, documented where the argument is)."""
   if key not in _NOTICED:
     _NOTICED.add(key)
-    warnings.warn(message, UserWarning, stacklevel=_caller_level())
+    if warn:
+      warnings.warn(message, UserWarning, stacklevel=_caller_level())
+    else:
+      log.info(message)
 
 
 def notice_mesh(
   mesh, caller: str, seq_axis, named, length: int | None = None, parts: int | None = None
 ) -> None:
-  """Warns once about what a call would otherwise do silently on this mesh: axes of
-  size > 1 that no argument names (every device along them repeats the same work),
-  and a length the ring does not divide (the output comes back replicated along it)."""
+  """Warns once about axes of size > 1 that no argument names (every device along them
+  repeats the same work); logs once (INFO) a length the ring does not divide, which is
+  supported input whose output comes back replicated along the ring's axis."""
   for axis in mesh.axis_names:
     if axis not in named and axis not in _REPLICATED.get() and mesh.shape[axis] > 1:
       notice_once(
@@ -65,6 +73,7 @@ def notice_mesh(
       f"jax_ring.{caller}: length {length} does not divide by the {p} devices of the sequence, "
       f"so the output comes back replicated along {seq_axis!r} (every device holds all {length} rows); "
       f"a length that is a multiple of {p} keeps it sharded. (Said once per process.)",
+      warn=False,
     )
 
 

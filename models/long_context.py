@@ -253,11 +253,14 @@ def question_lengths(tokenizer, doc: Document) -> list[int]:
   return sorted({len(tokenizer.encode(q.prompt)) for q in doc.questions})
 
 
-def read(reader: Reader, tokenizer, doc: Document, tokens: np.ndarray, new_tokens: int, program=None) -> dict:
+def read(
+  reader: Reader, tokenizer, doc: Document, tokens: np.ndarray, new_tokens: int, program=None, answered=None
+) -> dict:
   """Prefill `tokens` (the document, or the part of it this reader sees) once, then
   answer every question of `doc` from that state. Logits: at the prefill's last token,
   then per question after its last token and after each generated token but the last.
-  `program`: the reader's compiled programs for these tokens (compiled here if None)."""
+  `program`: the reader's compiled programs for these tokens (compiled here if None);
+  `answered(question)` is called after each answer (progress)."""
   lengths = question_lengths(tokenizer, doc)
   if program is None:
     program = reader.compile(len(tokens), lengths[-1] + new_tokens, lengths)
@@ -277,6 +280,8 @@ def read(reader: Reader, tokenizer, doc: Document, tokens: np.ndarray, new_token
     )
     logits.append(step_logits)
     per_token.append(per)
+    if answered is not None:
+      answered(q)
   return dict(
     answers=answers,
     logits=np.concatenate(logits),
@@ -322,6 +327,7 @@ def run_grid(
   new_tokens: int = 6,
   seed: int = 0,
   log=print,
+  progress: bool = False,
 ) -> dict:
   """Reads every (task, length) document with each reader and returns the report:
   "answers" (reader, task, length, depth, expected, generated, right), "runs" (per
@@ -329,7 +335,9 @@ def run_grid(
   ms/token, compile seconds, per-device compiled temp MiB) and "exact" (per task and
   length where dense ran: the ring's largest |logit difference| from dense's, and
   whether every generated token is the same). A length is a nominal context: its
-  documents have `length - ROOM` tokens, the question and answer fill the rest."""
+  documents have `length - ROOM` tokens, the question and answer fill the rest.
+  `progress`: a bar over every question of the grid (tqdm: reader, length, depth,
+  time left), the log lines printed above it."""
   report = dict(answers=[], runs=[], exact=[], lengths=list(lengths), depths=list(depths), tasks=list(tasks))
   dense_reader = Reader(dense_model)
   readers_of = dict(ring=Reader(ring_model), local=dense_reader, last4k=dense_reader, dense=dense_reader)
@@ -344,6 +352,15 @@ def run_grid(
   # ring's own prefill and decoding never share the machine with a compile.
   pool = concurrent.futures.ThreadPoolExecutor(1)
   keys = list(documents)
+  kinds_at = lambda length: list(readers) + (["dense"] if length <= dense_max and "ring" in readers else [])
+  from tqdm import tqdm
+
+  questions = sum(
+    len(kinds_at(length)) * sum(len(d.questions) for d in documents[task, length]) for task, length in keys
+  )
+  bar = tqdm(total=questions, desc="reading", unit="question", disable=not progress, dynamic_ncols=True)
+  if progress:
+    log = bar.write
 
   def compile_ring(i):
     if "ring" not in readers or i >= len(keys):
@@ -356,13 +373,20 @@ def run_grid(
   for task in tasks:
     for length in lengths:
       docs = documents[task, length]
-      kinds = list(readers) + (["dense"] if length <= dense_max and "ring" in readers else [])
+      kinds = kinds_at(length)
       results = {}
       for kind in kinds:
         reader = readers_of[kind]
+        bar.set_postfix_str(f"{kind} at {length}: prefill")
         program = ahead[task, length].result() if kind == "ring" else None
+
+        def answered(q, kind=kind, length=length):
+          bar.set_postfix_str(f"{kind} at {length}: depth {q.depth:.2f} answered")
+          bar.update()
+
         outs = [
-          read(reader, tokenizer, d, reader_tokens(kind, d, devices), new_tokens, program) for d in docs
+          read(reader, tokenizer, d, reader_tokens(kind, d, devices), new_tokens, program, answered)
+          for d in docs
         ]
         if kind == "ring":
           i = keys.index((task, length)) + 1
@@ -408,6 +432,7 @@ def run_grid(
           f"same tokens: {same}"
         )
   pool.shutdown()
+  bar.close()
   return report
 
 

@@ -13,6 +13,8 @@ Cloud TPU, ...); otherwise one process.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import logging
 import os
 
 # Seconds without a heartbeat after which the coordinator declares a process dead and
@@ -20,13 +22,47 @@ import os
 HEARTBEAT_TIMEOUT = 30
 
 
+# XLA's CPU collectives wait for every simulated device's thread: by default they warn
+# after 20 s and abort the process after 40 s ("Termination timeout ... only 7 of them
+# arrived on time"), which a loaded 2-core machine reaches while a compile runs beside
+# the collective. Simulated devices get minutes instead. The names are those of the
+# jaxlib versions below (XLA aborts on a flag it does not know); with another jaxlib
+# nothing is added.
+CPU_COLLECTIVE_TIMEOUTS = {
+  "xla_cpu_collective_call_warn_stuck_timeout_seconds": 120,
+  "xla_cpu_collective_call_terminate_timeout_seconds": 900,
+  "xla_cpu_collective_timeout_seconds": 900,
+}
+TIMEOUT_FLAGS_JAXLIB = ("0.10.",)
+
+log = logging.getLogger(__name__)
+
+
+def with_collective_timeouts(flags: str) -> str:
+  """`flags` (an XLA_FLAGS value) with XLA's CPU collective timeouts raised
+  (`CPU_COLLECTIVE_TIMEOUTS`), each one unless `flags` already sets it."""
+  try:
+    version = importlib.metadata.version("jaxlib")
+  except importlib.metadata.PackageNotFoundError:
+    return flags
+  if not version.startswith(TIMEOUT_FLAGS_JAXLIB):
+    log.info("jaxlib %s: XLA's CPU collective timeouts left at their defaults", version)
+    return flags
+  for name, seconds in CPU_COLLECTIVE_TIMEOUTS.items():
+    if f"--{name}=" not in flags:
+      flags = f"{flags} --{name}={seconds}"
+  return flags.strip()
+
+
 def simulate_devices(count: int) -> None:
-  """Asks XLA for `count` host-platform (CPU) devices; call before the first JAX
-  computation (importing jax is fine). A flag already in XLA_FLAGS wins; on a machine
-  with accelerators the CPU devices are simply not the default."""
+  """Asks XLA for `count` host-platform (CPU) devices, with its CPU collective timeouts
+  raised (`with_collective_timeouts`); call before the first JAX computation (importing
+  jax is fine). A flag already in XLA_FLAGS wins; on a machine with accelerators the
+  CPU devices are simply not the default."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "--xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    flags = f"{flags} --xla_force_host_platform_device_count={count}"
+  os.environ["XLA_FLAGS"] = with_collective_timeouts(flags)
 
 
 def add_flags(parser: argparse.ArgumentParser, devices: int = 8) -> None:

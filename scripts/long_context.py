@@ -48,6 +48,7 @@ def parse_args(argv=None):
   p.add_argument("--new-tokens", type=int, default=6, help="tokens generated per answer")
   p.add_argument("--seed", type=int, default=0, help="seed of the documents")
   p.add_argument("--out", default="results/long_context", help="folder for report.json and report.png")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
   p.add_argument(
     "--model", default=None, help="a Hugging Face folder or GGUF file (default: the packaged Gemma 3 270M)"
   )
@@ -100,6 +101,7 @@ def main(argv=None):
     one_per_document=args.one_per_document,
     new_tokens=args.new_tokens,
     seed=args.seed,
+    progress=not args.no_progress,
   )
   report["dense_temp_mib"] = long_context.dense_memory(report, dense_model)
   report["devices"] = args.devices

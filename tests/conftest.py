@@ -13,7 +13,11 @@ if "xla_force_host_platform_device_count" not in flags:
 # (multi-host tests) inherit the flag.
 if "xla_backend_optimization_level" not in flags:
   flags = f"{flags} --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = flags.strip()
+# XLA's CPU collective timeouts raised, as every script's simulated devices have them:
+# a collective waiting on a device whose thread a compile starves is not a failure here.
+from jax_ring.models.runtime import with_collective_timeouts  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_collective_timeouts(flags.strip())
 
 
 def _compile_faster(flags: str) -> str:

@@ -434,14 +434,15 @@ def test_errors_name_the_problem(tmp_path, path, dense):
 # --- The main job, on its quick grid. ---
 
 
-def test_long_context_grid(tmp_path, ring8, dense, tokenizer):
-  """The main job's grid on one short document: every reader answers, ring equals
-  dense (logits and tokens), the report's table and heatmap are written."""
+def test_long_context_grid(tmp_path, ring8, dense, tokenizer, capsys):
+  """The main job's grid on one short document: the ring answers the pass key right,
+  the dense model reads the same document and the ring equals it (logits and tokens),
+  the progress bar counts every question, the report's table and heatmap are written."""
   import long_context as script  # scripts/long_context.py
 
-  # One fact and three new tokens keep the decoding short. The ring alone reads: the
-  # other readers are the dense model's programs, which the ring-against-dense and
-  # shard-local tests below run (each compile of an 18-layer reader costs ~10 s here).
+  # One fact keeps the decoding short. The shard-local and last-4K readers are the
+  # dense model's programs, which the shard-local test below runs (each compile of an
+  # 18-layer reader costs ~10 s here).
   report = long_context.run_grid(
     ring8,
     dense,
@@ -450,14 +451,20 @@ def test_long_context_grid(tmp_path, ring8, dense, tokenizer):
     lengths=[512],
     depths=[0.6],
     readers=("ring",),
-    dense_max=0,
-    new_tokens=3,
+    dense_max=512,
+    new_tokens=6,
+    progress=True,
   )
-  assert report["exact"] == []  # no dense reader at this length: nothing to compare
-  assert {a["reader"] for a in report["answers"]} == {"ring"}
+  assert {a["reader"] for a in report["answers"]} == {"ring", "dense"}
+  ring_answer = [a for a in report["answers"] if a["reader"] == "ring"]
+  assert len(ring_answer) == 1 and ring_answer[0]["right"], ring_answer  # the pass key, read right
+  assert ring_answer[0]["expected"] in ring_answer[0]["generated"]
+  (exact,) = report["exact"]
+  assert exact["length"] == 512 and exact["same_tokens"]
+  assert exact["max_abs_logit_diff"] < 1e-4 * max(exact["max_abs_logit"], 1.0), exact
+  assert "reading: 100%" in capsys.readouterr().err  # the bar over the grid's 2 questions
   doc = long_context.make_document(tokenizer, "passkey", 512 - long_context.ROOM, [0.6])
-  ring = [a for a in report["answers"] if a["reader"] == "ring"]
-  assert [a["expected"] for a in ring] == [q.answer for q in doc.questions]
+  assert [a["expected"] for a in ring_answer] == [q.answer for q in doc.questions]
   assert all(r["temp_mib"] > 0 and r["prefill_s"] > 0 for r in report["runs"])
   report["dense_temp_mib"] = long_context.dense_memory(report, dense)
   ring_mib = [r for r in report["runs"] if r["reader"] == "ring"][0]["temp_mib"]

@@ -427,3 +427,77 @@ def test_alibi_slopes_are_the_papers():
   np.testing.assert_allclose(jax_ring.alibi_slopes(8), eight, rtol=1e-6)
   twelve = eight + [2**-0.5, 2**-1.5, 2**-2.5, 2**-3.5]
   np.testing.assert_allclose(jax_ring.alibi_slopes(12), twelve, rtol=1e-6)
+
+
+# The parameter a modifier's gradient also reaches, by its ring and by-hand names.
+HAND_PARAMETER = {"alibi": ("alibi_slopes", "slopes"), "sinks": ("sinks", "sinks")}
+
+
+@pytest.mark.parametrize("name", sorted(HAND))
+def test_each_modifier_gradient_against_a_finite_difference_by_hand(name):
+  """The ring's gradients of sum(w * out) (q, k, v, and the slopes or sinks where the
+  modifier has them) along random directions, against a central difference of
+  `_by_hand` in float64: no code shared with `jax_ring._mods` or the reference."""
+  ring_options, hand_options = HAND[name]
+  q, k, v = qkv(1, 24, N, 2, 16)
+  w = np.random.default_rng(3).standard_normal(q.shape)
+  mesh = make_mesh((4,), ("seq",))
+  ring_name, hand_name = HAND_PARAMETER.get(name, (None, None))
+  inputs = [np.asarray(x, np.float64) for x in (q, k, v)]
+  if ring_name is not None:
+    inputs.append(np.asarray(ring_options[ring_name], np.float64))
+
+  def ring_loss(*xs):
+    options = dict(ring_options)
+    if ring_name is not None:
+      options[ring_name] = xs[3]
+    out = ring_attention(*xs[:3], mesh=mesh, is_causal=True, block_sizes=SMALL, **options)
+    return jnp.sum(w.astype(np.float32) * out)
+
+  def hand_loss(*xs):
+    options = dict(hand_options)
+    if hand_name is not None:
+      options[hand_name] = xs[3]
+    return float(np.sum(w * _by_hand(*xs[:3], **options)))
+
+  f32 = [jnp.asarray(x, jnp.float32) for x in inputs]
+  grads = [np.asarray(g, np.float64) for g in jax.grad(ring_loss, argnums=tuple(range(len(f32))))(*f32)]
+  rng = np.random.default_rng(4)
+  eps = 1e-5
+  for _ in range(3):
+    directions = [rng.standard_normal(x.shape) for x in inputs]
+    plus = hand_loss(*(x + eps * d for x, d in zip(inputs, directions, strict=True)))
+    minus = hand_loss(*(x - eps * d for x, d in zip(inputs, directions, strict=True)))
+    difference = (plus - minus) / (2 * eps)
+    analytic = sum(float(np.sum(g * d)) for g, d in zip(grads, directions, strict=True))
+    scale = sum(float(np.sum(np.abs(g * d))) for g, d in zip(grads, directions, strict=True))
+    assert abs(analytic - difference) < 1e-4 * scale, (analytic, difference, scale)
+
+
+def test_dropout_gradient_against_a_finite_difference_of_its_forward():
+  """Dropout's keep decisions are a function of the key (checked above on every device
+  count and layout); its backward must differentiate the forward it ran: the ring's
+  gradient along random directions against a central difference of the ring's own
+  forward with the same key (float32, so a looser bound)."""
+  q, k, v = qkv(1, 24, N, 2, 16)
+  w = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape), jnp.float32)
+  mesh = make_mesh((4,), ("seq",))
+  options = MODIFIERS["dropout"]
+  loss = jax.jit(
+    lambda q, k, v: jnp.sum(
+      w * ring_attention(q, k, v, mesh=mesh, is_causal=True, block_sizes=SMALL, **options)
+    )
+  )
+  grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  rng = np.random.default_rng(5)
+  eps = 1e-2
+  for _ in range(3):
+    directions = [jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v)]
+    plus, minus = (
+      float(loss(*(x + sign * eps * d for x, d in zip((q, k, v), directions, strict=True))))
+      for sign in (1, -1)
+    )
+    difference = (plus - minus) / (2 * eps)
+    analytic = sum(float(jnp.sum(g * d)) for g, d in zip(grads, directions, strict=True))
+    scale = sum(float(jnp.sum(jnp.abs(g * d))) for g, d in zip(grads, directions, strict=True))
+    assert abs(analytic - difference) < 2e-3 * scale, (analytic, difference, scale)

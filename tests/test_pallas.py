@@ -143,8 +143,9 @@ def test_forward_matches_dense_float64(name, style):
 @pytest.mark.parametrize("name", list(CASES))
 def test_backward_from_global_lse_matches_dense_float64(name, style):
   (_, _, grads), (_, _, ref_grads) = _run(name, style)
-  for label, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+  for label, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
     ref = np.asarray(ref)
+    assert np.shape(g) == ref.shape, label
     if np.abs(ref).max() == 0:
       assert np.all(np.asarray(g) == 0), label
     else:
@@ -235,8 +236,9 @@ def test_kernels_agree_with_the_xla_tiles_on_the_same_blocks(style, monkeypatch)
       _q_natural(grads[0]),
       *(_ring_kv(g) for g in grads[1:]),
     )
-  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results["pallas"], results["xla"]):
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results["pallas"], results["xla"], strict=True):
     a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, name
     np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b), err_msg=name)
     np.testing.assert_allclose(
       np.where(np.isinf(a), 0, a), np.where(np.isinf(b), 0, b), atol=2e-5, err_msg=name
@@ -331,8 +333,8 @@ def test_ring_with_pallas_kernel_half_precision(preset):
     out, vjp = jax.vjp(jax.jit(fn), *args)
     got = (out, vjp(cot))
     assert jax.tree.structure(got) == jax.tree.structure(ref)
-    errors[kernel] = [rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))]
-  for e_pallas, e_xla in zip(errors["pallas"], errors["xla"]):
+    errors[kernel] = [rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True)]
+  for e_pallas, e_xla in zip(errors["pallas"], errors["xla"], strict=True):
     assert e_pallas < 1e-2 and e_pallas <= 1.5 * e_xla + 1e-4, errors
 
 

@@ -182,23 +182,29 @@ def test_shard_variant_refuses_auto_layout():
     _shard_call(axis_name="seq", layout="auto", is_causal=True)
 
 
-def test_silent_surprises_are_said_once(monkeypatch):
-  """An axis no argument names repeats the work on every device along it, and a length
-  the ring does not divide comes back replicated: each is a UserWarning naming the
-  axis or the length, the first time only (not once per call or per layer)."""
+def test_silent_surprises_are_said_once(monkeypatch, caplog):
+  """An axis no argument names repeats the work on every device along it: a UserWarning
+  naming it, the first time only (not once per call or per layer). A length the ring
+  does not divide is supported input (its output comes back replicated): no warning,
+  one INFO record on the "jax_ring" logger naming the length."""
   from jax_ring import _validation
 
   monkeypatch.setattr(_validation, "_NOTICED", set())
   mesh = make_mesh((2, 4), ("data", "seq"))
   x = jnp.ones((2, 30, 4, 16))
-  with pytest.warns(UserWarning) as seen:
+  with pytest.warns(UserWarning) as seen, caplog.at_level("INFO", logger="jax_ring"):
     out = jax_ring.ring_attention(x, x, x, mesh=mesh)
     jax_ring.ring_attention(x, x, x, mesh=mesh)
   messages = [str(w.message) for w in seen]
-  assert len(messages) == 2, messages
+  assert len(messages) == 1, messages
   assert "mesh axis 'data' (size 2) is not named" in messages[0] and "batch_axis='data'" in messages[0]
-  assert "length 30 does not divide by the 4 devices" in messages[1] and "replicated" in messages[1]
-  assert out.sharding.spec == P()  # what the notice says: replicated, not sharded along "seq"
+  logged = [r.getMessage() for r in caplog.records if r.name == "jax_ring"]
+  assert len(logged) == 1 and "length 30 does not divide by the 4 devices" in logged[0], logged
+  assert out.sharding.spec == P()  # what the record says: replicated, not sharded along "seq"
+  monkeypatch.setattr(_validation, "_NOTICED", set())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # an uneven length on named axes: no warning at all
+    jax_ring.ring_attention(x, x, x, mesh=make_mesh((4,), ("seq",)))
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # named axes, a length the ring divides: nothing to say
     y = jnp.ones((2, 32, 4, 16))

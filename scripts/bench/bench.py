@@ -13,7 +13,7 @@ per-device budget (compile only, nothing runs), for jax_ring and the reference.
     python scripts/bench/bench.py                           # the full suite -> docs/benchmarks.md
     python scripts/bench/bench.py --lengths 8192 --devices 8 --no-max-length
 
-The reference package is optional (`pip install -e .[bench]`); it needs a small
+The reference package is optional (`pip install -e ".[bench]"`); it needs a small
 import shim on current JAX (`jax.lib.xla_bridge` is gone), which lives here, not in
 the library. Without it, its rows are skipped with a message.
 """
