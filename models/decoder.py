@@ -318,34 +318,47 @@ class CausalLM(nnx.Module):
       x, NamedSharding(self._auto_mesh(), P(batch_axis, seq_axis, None))
     )
 
-  def _gathered(self, params):
+  def _gathered(self, params, after=None):
     """A block's weights whole on every device (FSDP: gathered where they are used), in
     the compute dtype when the model has one (bfloat16 moves half float32's bytes; the
     float32 weights stay split). In the backward pass each weight's gradient goes back
     to its shards right there (`gather_weight`), so no layer's whole gradient waits for
-    the others'."""
+    the others'. `after`: an array the gathers wait for (the block's input), so that the
+    compiler cannot gather every layer's weights at the start and hold them all."""
     mesh = self._auto_mesh()
     dt = dtypes(self.config)[0]
+    if after is not None:
+      # A data dependence the compiler keeps (an optimization barrier did not survive
+      # its partitioning): each shard plus 0 x one element of `after`, still split.
+      zero = jax.lax.stop_gradient(jnp.nan_to_num(after.reshape(-1)[0]) * 0)
+      split = lambda p: jax.lax.with_sharding_constraint(
+        p + zero.astype(p.dtype), NamedSharding(mesh, fsdp_spec(p.shape, mesh))
+      )
+      params = jax.tree.map(split, params)
     return jax.tree.map(lambda p: gather_weight(p, mesh, dt), params)
 
-  def _run_block(self, block, x, attend, training: bool):
-    """One block; in training calls its weights gathered (FSDP) and under its remat policy."""
+  def _run_block(self, block, x, attend, training: bool, gather: bool):
+    """One block; in training calls under its remat policy. With FSDP and `gather` its
+    weights are gathered for it (training, prefill); without `gather` (decode) it uses
+    them where they lie and the compiler moves the activations to them (a decode step's
+    are a few KiB, where gathering every weight per token would move the whole model)."""
     policy = REMAT_POLICIES[self.remat] if training else None
-    if not training or (not self.fsdp and policy is None):
-      # Prefill and decode use FSDP's weights where they lie: the compiler moves the
-      # activations to them (a decode step's are a few KiB), where gathering every
-      # weight per token would move the whole model.
+    if not (self.fsdp and gather) and policy is None:
       return block(x, attend)
     graphdef, params, rest = nnx.split(block, nnx.Param, ...)
 
     def run(params, rest, x):
-      if self.fsdp:
-        params = self._gathered(params)
-      return nnx.merge(graphdef, params, rest)(x, attend)
+      if self.fsdp and gather:
+        params = self._gathered(params, after=None if training else x)
+      copy = nnx.merge(graphdef, params, rest)
+      return copy(x, attend), nnx.state(copy, nnx.Not(nnx.Param))
 
     if policy is not None:
       run = jax.checkpoint(run, policy=policy)
-    return run(params, rest, x)
+    y, after = run(params, rest, x)
+    if not training:  # a prefill fills the caches of the copy: back to the block
+      nnx.update(block, after)
+    return y
 
   def ring_permutation(self, length: int):
     """perm [length] such that tokens[:, perm] is the order every layer's ring runs in
@@ -367,7 +380,8 @@ class CausalLM(nnx.Module):
   def hidden(self, tokens, attend=None, *, shard: bool = True, token_order: str = "natural"):
     """The final normed hidden states [B, T, D] (the head's input). `token_order=
     "layout"`: the tokens come in `ring_permutation(T)`'s order, and the states go out
-    in it (training calls)."""
+    in it (training calls). `shard=False` (decoding a few tokens): the tokens stay
+    whole on every device and FSDP's weights are used where they lie, not gathered."""
     tokens = self.check_tokens(tokens)
     training = attend is None
     if token_order not in ("natural", "layout") or (token_order == "layout" and not training):
@@ -385,7 +399,7 @@ class CausalLM(nnx.Module):
     if scanned is not None:
       return self.norm(scanned)
     for block in self.blocks:
-      x = self._run_block(block, x, attend, training)
+      x = self._run_block(block, x, attend, training, gather=shard)
     return self.norm(x)
 
   def _scanned_blocks(self, x, attend):
