@@ -88,7 +88,8 @@ def main(argv=None):
   if tokenizer is None:
     raise SystemExit(f"--model {path}: the folder has no tokenizer.json; the documents need its tokenizer")
   dense_model, _ = models.load(path, attention="dense")
-  print(f"loaded {path} in {time.perf_counter() - start:.1f} s; {args.devices} devices", flush=True)
+  loaded = time.perf_counter() - start
+  print(f"loaded {path} in {loaded:.1f} s; {args.devices} devices", flush=True)
   report = long_context.run_grid(
     ring_model,
     dense_model,
@@ -103,7 +104,10 @@ def main(argv=None):
     seed=args.seed,
     progress=not args.no_progress,
   )
+  measuring = time.perf_counter()
   report["dense_temp_mib"] = long_context.dense_memory(report, dense_model)
+  report["time_s"]["load"] = round(loaded, 1)
+  report["time_s"]["one device's memory, compiled"] = round(time.perf_counter() - measuring, 1)
   report["devices"] = args.devices
   report["seconds"] = round(time.perf_counter() - start, 1)
   report["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
@@ -112,6 +116,7 @@ def main(argv=None):
     json.dump(report, f, indent=1)
   long_context.plot(report, os.path.join(args.out, "report.png"))
   print(table(report))
+  print("time spent (s):", json.dumps(report["time_s"]))
   print(f"wrote {args.out}/report.json and report.png in {report['seconds']} s")
   print(f"peak resident memory {report['peak_rss_gb']} GiB")
   return report

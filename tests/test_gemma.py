@@ -463,6 +463,9 @@ def test_long_context_grid(tmp_path, ring8, dense, tokenizer, capsys):
   assert exact["length"] == 512 and exact["same_tokens"]
   assert exact["max_abs_logit_diff"] < 1e-4 * max(exact["max_abs_logit"], 1.0), exact
   assert "reading: 100%" in capsys.readouterr().err  # the bar over the grid's 2 questions
+  spent = report["time_s"]  # where the time went, per reader and for the compiles
+  assert spent["ring"]["prefill"] > 0 and spent["ring"]["answer"] > 0 and spent["ring compile"] > 0
+  assert spent["dense"]["prefill"] > 0 and spent["baselines compile"] > 0
   doc = long_context.make_document(tokenizer, "passkey", 512 - long_context.ROOM, [0.6])
   assert [a["expected"] for a in ring_answer] == [q.answer for q in doc.questions]
   assert all(r["temp_mib"] > 0 and r["prefill_s"] > 0 for r in report["runs"])
