@@ -457,8 +457,7 @@ def chunk_forward(
   if isinstance(acc, list):  # query blocks and their states as lists: none sliced or stacked
     seg = lambda i: None if q_seg is None else q_seg[i]
     return [over_q(None, (q[i], q_pos[i], seg(i), _index(q_bounds, i), a))[1] for i, a in enumerate(acc)]
-  _, acc = lax.scan(over_q, None, (q, q_pos, q_seg, q_bounds, acc))
-  return acc
+  return _over_blocks_in_place(over_q, (q, q_pos, q_seg, q_bounds), acc)
 
 
 def dense_forward(policy, q, q_pos, kv: KVBlocks | KVRows, acc, mods=NO_MODS, args=None, k_blocks=None):
@@ -477,8 +476,22 @@ def dense_forward(policy, q, q_pos, kv: KVBlocks | KVRows, acc, mods=NO_MODS, ar
     state, _ = lax.scan(over_k, state, jnp.arange(k_blocks.start, k_blocks.stop))
     return None, state
 
-  _, acc = lax.scan(over_q, None, (q, q_pos, acc))
-  return acc
+  return _over_blocks_in_place(over_q, (q, q_pos), acc)
+
+
+def _over_blocks_in_place(over_q, xs, acc):
+  """acc with block i replaced by over_q(None, (*xs[i], acc[i]))[1] for every block i,
+  in place: the loop carries the state and writes each block back where it was. A scan
+  over the blocks stacks its results into a second state beside the first (compiled
+  for 8 x H100, the forward of 512K tokens, 8 heads of 128, held 879 MiB of
+  temporaries a device that way and 621 MiB this way)."""
+
+  def body(i, acc):
+    x = _index(xs, i)
+    _, new = over_q(None, (*x, _index(acc, i)))
+    return jax.tree.map(lambda a, b: lax.dynamic_update_index_in_dim(a, b, i, 0), acc, new)
+
+  return lax.fori_loop(0, jax.tree.leaves(acc)[0].shape[0], body, acc)
 
 
 def _index(tree, i):

@@ -316,6 +316,14 @@ def zeros_varying_like(shape, dtype, *like):
   return jnp.broadcast_to(zero, shape)
 
 
+def zeros_from(x, dtype, *like):
+  """Zeros of x's shape computed from x (x * 0 where x is finite), varying over the mesh
+  axes of x and of every array in `like`. XLA folds constant zeros into one array per
+  program, so every loop that starts from them copies that array, and its CPU scheduler
+  runs all those copies at the program's start; zeros computed from x wait for x."""
+  return jnp.where(jnp.isfinite(x), x * 0, 0).astype(dtype) + zeros_varying_like((), dtype, x, *like)
+
+
 class Inputs(NamedTuple):
   """One device's blocked ring inputs (see `prepare`)."""
 
@@ -410,7 +418,9 @@ def ring_forward_state(cfg: RingConfig, x: Inputs):
   if cfg.kernel == "pallas":
     return _pallas_forward_state(cfg, x)
   pol = cfg.policy
-  o = zeros_varying_like(x.q.shape, pol.accum_dtype, x.q, x.kv.k)
+  # From the queries, not constant zeros: Gemma 3 270M's prefill at 32K tokens on 8
+  # devices held 17 copies of a constant accumulator from its start, 16 MiB each.
+  o = zeros_from(x.q, pol.accum_dtype, x.kv.k)
   m = jnp.full_like(o, -jnp.inf, shape=x.q.shape[:-1])
   l = jnp.zeros_like(m)
   q_bounds = block_bounds(x.q_pos, x.q_seg)  # once, outside the ring's loop
@@ -670,7 +680,7 @@ def _pallas_forward_state(cfg: RingConfig, x: Inputs):
   into the running pair."""
   q, q_pos, q_seg, kv = _pallas_args(x)
   opts = _kernel_options(cfg)
-  out = zeros_varying_like(q.shape, jnp.float32, x.q, x.kv.k)
+  out = zeros_from(q, jnp.float32, x.kv.k)
   lse = jnp.full_like(out, -jnp.inf, shape=q.shape[:-1])
 
   # A step merges the previous step's kernel result and then runs its own kernel, so

@@ -390,7 +390,7 @@ class CausalLM(nnx.Module):
       raise ValueError(f"token_order='layout': no single ring layout at length {tokens.shape[1]}")
     if training:
       attend = lambda attn, h: attn(h, token_order=token_order)
-    x = self._lookup(tokens) if training else self.embed(tokens)
+    x = self._lookup(tokens) if shard else self.embed(tokens)
     scale = self.embed_scale(self.config)
     if scale != 1.0:
       x = x * jnp.asarray(scale, x.dtype)

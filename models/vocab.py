@@ -1,9 +1,11 @@
 """The vocabulary's two ends with the table split over devices along the vocabulary and
 never gathered: the embedding lookup (`embed`) and the output head's cross-entropy
 (`cross_entropy`), each a ring over the devices that hold the table's shards, as ring
-attention is over the sequence. Each device keeps its own tokens; the table's shards
-rotate past them. In the backward pass each shard's gradient travels with the shard
-and arrives home holding every device's contribution. A device needs one shard of the
+attention is over the sequence. Each device keeps its own tokens and the table's
+shards rotate past them; in the backward pass each shard's gradient travels with the
+shard and arrives home holding every device's contribution. Where a device has fewer
+tokens than a shard has rows, the lookup turns this around (`embed(moving="rows")`):
+the tokens travel and the shards stay. A device needs one shard of the
 table and of its gradient at a time and [B, chunk, V / n] logits, where gathering the
 table would put [V, D] and its float32 gradient on every device (Gemma 3's
 262,144 x 640: 2.7 GiB of temporaries a device for the two ends, compiled).
@@ -66,45 +68,107 @@ def _varying(x, *like):
 # --- The embedding lookup. ---
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def embed(table, tokens, axes, token_axes=()):
-  """Rows of the split table for the device's tokens int [B, T] -> [B, T, D]."""
-  return _embed_fwd(table, tokens, axes, token_axes)[0]
+def embed(table, tokens, axes, token_axes=(), moving: str | None = None):
+  """Rows of the split table for the device's tokens int [B, T] -> [B, T, D].
+
+  `moving`: what travels the ring. "table": the table's shards rotate past each
+  device's tokens (V / n x D a step). "rows": each device's tokens and their partial
+  embeddings [B, T, D] rotate past the shards instead, collecting a shard's rows at
+  each device, and come home whole. None picks the smaller: the rows while a device
+  has fewer tokens than a shard has rows (reading a document: Gemma 3's shard of
+  32,768 rows on 8 devices is 80 MiB, 512 tokens' rows 1.25 MiB), the table beyond.
+  The two are equal bit for bit: every token gets its one row plus zeros."""
+  if moving is None:
+    moving = "rows" if tokens.size < table.shape[0] else "table"
+  if moving not in ("table", "rows"):
+    raise ValueError(f"moving={moving!r}: 'table', 'rows' or None")
+  lookup = _embed_table if moving == "table" else _embed_rows
+  return lookup(table, tokens, axes, tuple(token_axes))
 
 
-def _embed_fwd(table, tokens, axes, token_axes=()):
-  n, me, send = _ring(axes)
+def _found(table, tokens, owner):
+  """Rows of the table shard of device `owner` for the tokens it holds, 0 for others."""
   rows = table.shape[0]
+  local = tokens - owner * rows
+  inside = (local >= 0) & (local < rows)
+  return jnp.where(inside[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
+
+
+def _scatter(grad, tokens, g, owner):
+  """grad [V / n, D] with the rows of g [..., D] added at the tokens shard `owner` holds."""
+  rows = grad.shape[0]
+  local = (tokens - owner * rows).reshape(-1)
+  index = jnp.where((local >= 0) & (local < rows), local, rows)  # rows: dropped
+  return grad.at[index].add(g.reshape(-1, g.shape[-1]), mode="drop")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _embed_table(table, tokens, axes, token_axes=()):
+  return _embed_table_fwd(table, tokens, axes, token_axes)[0]
+
+
+def _embed_table_fwd(table, tokens, axes, token_axes=()):
+  n, me, send = _ring(axes)
 
   def step(carry, s):
     shard, x = carry
-    local = tokens - _owner(me, s, n) * rows
-    inside = (local >= 0) & (local < rows)
-    found = jnp.take(shard, jnp.clip(local, 0, rows - 1), axis=0)
-    return (send(shard), x + jnp.where(inside[..., None], found, 0).astype(x.dtype)), None
+    return (send(shard), x + _found(shard, tokens, _owner(me, s, n)).astype(x.dtype)), None
 
   x = _varying(jnp.zeros((*tokens.shape, table.shape[1]), table.dtype), table, tokens)
   (_, x), _ = lax.scan(step, (table, x), jnp.arange(n))
   return _same_over(x, axes, token_axes), (table, tokens)
 
 
-def _embed_bwd(axes, token_axes, res, g):
+def _embed_table_bwd(axes, token_axes, res, g):
   table, tokens = res
   n, me, send = _ring(axes)
-  rows = table.shape[0]
-  flat_g = g.reshape(-1, g.shape[-1]).astype(jnp.float32) / _copies(axes, token_axes)
+  g = g.astype(jnp.float32) / _copies(axes, token_axes)
 
   def step(grad, s):
-    local = (tokens - _owner(me, s, n) * rows).reshape(-1)
-    index = jnp.where((local >= 0) & (local < rows), local, rows)  # rows: dropped
-    return send(grad.at[index].add(flat_g, mode="drop")), None
+    return send(_scatter(grad, tokens, g, _owner(me, s, n))), None
 
   grad = _varying(jnp.zeros(table.shape, jnp.float32), table, tokens, g)
   grad, _ = lax.scan(step, grad, jnp.arange(n))
   return _summed_over(grad, axes, token_axes).astype(table.dtype), None
 
 
-embed.defvjp(_embed_fwd, _embed_bwd)
+_embed_table.defvjp(_embed_table_fwd, _embed_table_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _embed_rows(table, tokens, axes, token_axes=()):
+  return _embed_rows_fwd(table, tokens, axes, token_axes)[0]
+
+
+def _embed_rows_fwd(table, tokens, axes, token_axes=()):
+  n, me, send = _ring(axes)
+
+  def step(carry, _):
+    t, x = carry  # another device's tokens and their rows so far
+    return send((t, x + _found(table, t, me).astype(x.dtype))), None
+
+  x = _varying(jnp.zeros((*tokens.shape, table.shape[1]), table.dtype), table, tokens)
+  (_, x), _ = lax.scan(step, (_varying(tokens, table), x), None, length=n)  # n moves: home again
+  return _same_over(x, axes, token_axes), (table, tokens)
+
+
+def _embed_rows_bwd(axes, token_axes, res, g):
+  table, tokens = res
+  n, me, send = _ring(axes)
+  g = g.astype(jnp.float32) / _copies(axes, token_axes)
+
+  def step(carry, _):
+    (t, g), grad = carry  # another device's tokens and their gradient rows
+    return (send((t, g)), _scatter(grad, t, g, me)), None
+
+  grad = _varying(jnp.zeros(table.shape, jnp.float32), table, tokens, g)
+  visitors = (_varying(tokens, table, g), _varying(g, table))
+  ((t, g), grad), _ = lax.scan(step, (visitors, grad), None, length=n - 1)
+  grad = _scatter(grad, t, g, me)  # the last visitor: nothing to send on
+  return _summed_over(grad, axes, token_axes).astype(table.dtype), None
+
+
+_embed_rows.defvjp(_embed_rows_fwd, _embed_rows_bwd)
 
 
 # --- The head's cross-entropy. ---

@@ -186,6 +186,47 @@ def test_vocabulary_rings_equal_the_gathered_table(fsdp):
     assert rel_err(a[...], b[...]) < 1e-5, path
 
 
+@pytest.mark.parametrize("moving", ["table", "rows"])
+@pytest.mark.parametrize(
+  "shape, names, table_axes, token_spec",
+  [
+    ((8,), ("seq",), ("seq",), (None, "seq")),
+    ((2, 4), ("data", "seq"), ("data", "seq"), ("data", "seq")),
+    ((2, 4), ("data", "seq"), ("data", "seq"), (None, "seq")),  # the tokens on 2 devices each
+  ],
+)
+def test_embedding_ring_moving_the_table_or_the_rows(moving, shape, names, table_axes, token_spec):
+  """The embedding lookup over a table split along the vocabulary, with the shards or
+  the tokens' rows traveling the ring: the rows equal NumPy's take from the whole
+  table, and the table's gradient NumPy's scatter-add of the cotangent (float64)."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jax_ring.models import vocab
+
+  mesh = make_mesh(shape, names)
+  rng = np.random.default_rng(7)
+  table = rng.standard_normal((64, 8)).astype(np.float32)
+  tokens = rng.integers(0, 64, (2, 16)).astype(np.int32)
+  cot = rng.standard_normal((2, 16, 8)).astype(np.float32)
+  token_axes = tuple(a for a in token_spec if a is not None)
+  lookup = jax.shard_map(
+    lambda w, t: vocab.embed(w, t, table_axes, token_axes, moving=moving),
+    mesh=mesh,
+    in_specs=(P(table_axes, None), P(*token_spec)),
+    out_specs=P(*token_spec, None),
+  )
+  put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+  rows, pull = jax.vjp(lambda w: lookup(w, put(tokens, *token_spec)), put(table, table_axes, None))
+  (grad,) = pull(put(cot, *token_spec, None))
+  expected_grad = np.zeros((64, 8))
+  np.add.at(expected_grad, tokens.reshape(-1), cot.reshape(-1, 8).astype(np.float64))
+  np.testing.assert_array_equal(np.asarray(rows), table[tokens])
+  np.testing.assert_allclose(np.asarray(grad), expected_grad, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="moving='both'"):
+    vocab.embed(table, tokens, table_axes, token_axes, moving="both")
+
+
 def test_training_loss_in_the_ring_order_equals_natural_order():
   """At 512 tokens a device (the balanced causal layout) the loss runs every layer in
   the ring's token order (tokens, targets and weights permuted once; no relayout per

@@ -220,6 +220,30 @@ def test_memory_per_device_is_linear_and_divided_by_devices():
   assert s8_32k.temp_size_in_bytes <= s1_32k.temp_size_in_bytes / 4, (s8_32k, s1_32k)
 
 
+def test_calls_in_one_program_do_not_each_hold_an_accumulator():
+  """Every layer of a model is a ring call in one program. Each call's running output
+  starts from zeros computed from its queries: from constant zeros, XLA shares one
+  array among the calls and copies it for each at the program's start, all live at
+  once (17 x 16 MiB per device in Gemma 3 270M's prefill at 32K tokens on 8 devices).
+  Compiled, four causal calls hold less than one accumulator more than one call."""
+  mesh = make_mesh((8,), ("seq",))
+  t, h = 2048, 64
+  q = jax.ShapeDtypeStruct((1, t, 4, h), jnp.float32, sharding=NamedSharding(mesh, P(None, "seq")))
+
+  def temp(calls):
+    def layers(x):
+      for i in range(calls):
+        kv = x[:, :, :1] * (i + 1.5)
+        x = jax_ring.ring_attention(x, kv, kv, mesh=mesh, seq_axis="seq", is_causal=True)
+      return x
+
+    return jax.jit(layers).lower(q).compile().memory_analysis().temp_size_in_bytes
+
+  accumulator = t // 8 * 4 * h * 4  # float32, per device
+  one, four = temp(1), temp(4)
+  assert four - one < accumulator, (one, four, accumulator)
+
+
 def test_one_head_per_pass_divides_ring_buffers_by_heads():
   """All 8 heads in one pass hold 8x the ring's buffers of one head per pass: at 8
   devices, one head per pass takes at most 1/4 of the all-at-once temp memory."""
