@@ -1,6 +1,7 @@
 """The wheel: one top-level package (jax_ring, with jax_ring.models), the LICENSE and
 py.typed inside, and it imports from a clean venv."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -68,3 +69,13 @@ def test_missing_model_packages_name_the_command_that_installs_them(monkeypatch)
     monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
     with pytest.raises(ImportError, match=r'pip install -e "\.\[models\]" in the checkout'):
       load()
+
+
+def test_missing_harness_names_the_command_that_installs_it(monkeypatch):
+  """Without lm_eval, the harness adapter's ImportError names the [eval] extra."""
+  monkeypatch.setitem(sys.modules, "lm_eval", None)
+  monkeypatch.setitem(sys.modules, "lm_eval.api", None)
+  monkeypatch.setitem(sys.modules, "lm_eval.api.model", None)
+  monkeypatch.delitem(sys.modules, "jax_ring.models.harness", raising=False)
+  with pytest.raises(ImportError, match=r'pip install -e "\.\[eval\]" in the checkout'):
+    importlib.import_module("jax_ring.models.harness")
