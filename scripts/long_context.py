@@ -50,6 +50,11 @@ def parse_args(argv=None):
   p.add_argument("--out", default="results/long_context", help="folder for report.json and report.png")
   p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
   p.add_argument(
+    "--ruler",
+    default="results/ruler/report.json",
+    help="scripts/ruler.py's report: its RULER scores are printed beside the grid's where it exists",
+  )
+  p.add_argument(
     "--model", default=None, help="a Hugging Face folder or GGUF file (default: the packaged Gemma 3 270M)"
   )
   args = p.parse_args(argv)
@@ -116,6 +121,13 @@ def main(argv=None):
     json.dump(report, f, indent=1)
   long_context.plot(report, os.path.join(args.out, "report.png"))
   print(table(report))
+  if os.path.exists(args.ruler):
+    with open(args.ruler) as f:
+      report["ruler"] = json.load(f)
+    print(f"RULER through lm-evaluation-harness ({args.ruler}) beside the grid:")
+    print(beside_ruler(report, report["ruler"]))
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+      json.dump(report, f, indent=1)
   print("time spent (s):", json.dumps(report["time_s"]))
   print(f"wrote {args.out}/report.json and report.png in {report['seconds']} s")
   print(f"peak resident memory {report['peak_rss_gb']} GiB")
@@ -141,6 +153,30 @@ def table(report: dict) -> str:
       f"| {r['task']} | {r['length']} | {r['reader']} | {r['right']}/{r['asked']} | {r['prefill_s']} | "
       f"{r['tokens_per_s']} | {r['decode_ms']} | {r['temp_mib']} | {dense_mib} | {versus} |"
     )
+  return "\n".join(lines)
+
+
+# scripts/ruler.py's readers under the names the grid gives them.
+RULER_READERS = {"ring": "ring", "local": "local", "last4k": "last"}
+
+
+def beside_ruler(report: dict, ruler: dict) -> str:
+  """Per reader and length: the grid's right answers and RULER's score of each task
+  (blank where one of them did not run)."""
+  tasks = ruler["tasks"]
+  right = {(r["reader"], r["length"]): f"{r['right']}/{r['asked']}" for r in report["runs"]}
+  lengths = sorted({n for _, n in right} | set(ruler["lengths"]))
+  lines = [
+    "| reader | length | the grid's answers | " + " | ".join(f"RULER {t}" for t in tasks) + " |",
+    "|---|---|---|" + "---|" * len(tasks),
+  ]
+  for reader, theirs in RULER_READERS.items():
+    for n in lengths:
+      scores = ruler["scores"].get(theirs, {})
+      cells = [scores.get(t, {}).get(str(n)) for t in tasks]
+      cells = ["" if c is None else f"{c:.2f}" for c in cells]
+      if (reader, n) in right or any(cells):
+        lines.append(f"| {reader} | {n} | {right.get((reader, n), '')} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 

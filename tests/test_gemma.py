@@ -473,6 +473,8 @@ def test_long_context_grid(tmp_path, ring8, dense, tokenizer, capsys):
   ring_mib = [r for r in report["runs"] if r["reader"] == "ring"][0]["temp_mib"]
   assert set(report["dense_temp_mib"]) == {512} and report["dense_temp_mib"][512] > ring_mib
   assert "| passkey | 512 | ring | " in script.table(report)
+  ruler = dict(tasks=["niah_single_1"], lengths=[512], scores={"ring": {"niah_single_1": {"512": 0.5}}})
+  assert "| ring | 512 | 1/1 | 0.50 |" in script.beside_ruler(report, ruler).splitlines()
   long_context.plot(report, tmp_path / "report.png")
   assert (tmp_path / "report.png").stat().st_size > 0
 
