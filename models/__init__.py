@@ -50,6 +50,7 @@ _SUBMODULES = (
   "cli",
   "decoder",
   "finetune",
+  "harness",
   "hf",
   "long_context",
   "needle",

@@ -32,13 +32,34 @@ OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_v
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: Gemma 3 270M)")
-  p.add_argument("--devices", type=int, default=8, help="devices of the ring (simulated on a CPU)")
-  p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-  p.add_argument("--tasks", nargs="+", default=["niah_single_1", "niah_multikey_2"])
-  p.add_argument("--readers", nargs="+", default=["ring", "local", "last"], choices=("ring", "local", "last"))
-  p.add_argument("--limit", type=int, default=3, help="documents per task and length")
-  p.add_argument("--max-gen-toks", type=int, default=32, help="cap on generated tokens (RULER's: 30-128)")
-  p.add_argument("--out", default="results/ruler", help="folder for report.json and report.png")
+  p.add_argument("--devices", type=int, default=8, help="devices of the ring, simulated on a CPU (default 8)")
+  p.add_argument(
+    "--lengths",
+    type=int,
+    nargs="+",
+    default=[4096, 8192, 16384, 32768],
+    help="RULER's lengths (default 4K-32K)",
+  )
+  p.add_argument(
+    "--tasks",
+    nargs="+",
+    default=["niah_single_1", "niah_multikey_2"],
+    help="offline RULER tasks (default niah_single_1 niah_multikey_2)",
+  )
+  p.add_argument(
+    "--readers",
+    nargs="+",
+    default=["ring", "local", "last"],
+    choices=("ring", "local", "last"),
+    help="who answers (default: all three)",
+  )
+  p.add_argument("--limit", type=int, default=3, help="documents per task and length (default 3)")
+  p.add_argument(
+    "--max-gen-toks", type=int, default=32, help="cap on generated tokens; RULER asks 30-128 (default 32)"
+  )
+  p.add_argument(
+    "--out", default="results/ruler", help="folder for report.json and report.png (default results/ruler)"
+  )
   args = p.parse_args(argv)
   unknown = [t for t in args.tasks if t not in OFFLINE_TASKS]
   if unknown:

@@ -479,66 +479,6 @@ def test_long_context_grid(tmp_path, ring8, dense, tokenizer, capsys):
   assert (tmp_path / "report.png").stat().st_size > 0
 
 
-# --- The lm-evaluation-harness adapter (jax_ring.models.harness). ---
-
-
-def test_harness_answers_ruler_as_the_main_jobs_reader(tmp_path, ring8, tokenizer):
-  """lm_eval runs RULER's niah_single_1 at 1024 tokens (its documents sized with the
-  tokenizer saved for it) with the jax_ring model over 8 devices: the harness scores 1
-  exactly when the needle's number is in the answer, and the answer is what the main
-  job's reader (`long_context.Reader`, programs of its own) generates from the prompt."""
-  from lm_eval.evaluator import evaluate
-  from lm_eval.tasks import TaskManager
-
-  from jax_ring.models import harness
-  from jax_ring.models import tokenizer as tokenizer_files
-
-  new = 10
-  lm = harness.RingLM(loaded=(ring8, tokenizer), devices=8, max_gen_toks=new)
-  tokenizer_files.save_tokenizer(tokenizer, tmp_path, context_length=32768)
-  manager = TaskManager(metadata={"max_seq_lengths": [1024], "tokenizer": str(tmp_path)})
-  tasks = manager.load(["niah_single_1"])
-  results = evaluate(lm, tasks, limit=1, bootstrap_iters=0, log_samples=True)
-  (sample,) = results["samples"]["niah_single_1"]
-  answer, (needle,) = sample["resps"][0][0], sample["target"]
-  assert results["results"]["niah_single_1"]["1024,none"] == float(needle in answer)
-  prompt = [tokenizer.bos_id] + tokenizer.encode(sample["arguments"][0][0])
-  assert 800 < len(prompt) <= 1024 - 128 and needle in tokenizer.decode(prompt)
-  reader = long_context.Reader(ring8)
-  program = reader.compile(len(prompt), new + 1, [1])
-  logits, cache, _ = reader.prefill(program, np.asarray(prompt, np.int32))
-  first = int(np.argmax(logits))
-  rest, _, _ = reader.answer(program, cache, [first], new - 1)
-  ids = [first, *rest]
-  ids = ids[: ids.index(tokenizer.eos_id)] if tokenizer.eos_id in ids else ids
-  assert answer == tokenizer.decode(ids)
-
-
-def test_harness_loglikelihoods_equal_the_full_logits(dense, tokenizer):
-  """The adapter's loglikelihood (logits only at the continuation's positions) and
-  loglikelihood_rolling (every token after BOS) equal float64 log-softmaxes of the
-  model's full logits, and "greedy" is whether every continuation token is the argmax."""
-  from lm_eval.api.instance import Instance
-
-  from jax_ring.models import harness
-
-  lm = harness.RingLM(loaded=(dense, tokenizer), reader="dense")
-  context, continuation = "The capital of France is", " Paris, and the capital of Italy is Rome."
-  ((logprob, greedy),) = lm.loglikelihood([Instance("loglikelihood", {}, (context, continuation), 0)])
-  (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (context + continuation,), 0)])
-  whole = [tokenizer.bos_id] + tokenizer.encode(context + continuation)
-  start = 1 + len(tokenizer.encode(context))
-  logits = np.asarray(dense(jnp.asarray([whole]))[0], np.float64)
-  top = logits.max(-1, keepdims=True)
-  logp = logits - (np.log(np.exp(logits - top).sum(-1, keepdims=True)) + top)
-  picked = np.array([logp[i - 1, whole[i]] for i in range(1, len(whole))])
-  assert abs(logprob - picked[start - 1 :].sum()) < 1e-4 * abs(picked[start - 1 :].sum())
-  assert abs(rolling - picked.sum()) < 1e-4 * abs(picked.sum())
-  assert greedy == all(logits[i - 1].argmax() == whole[i] for i in range(start, len(whole)))
-  with pytest.raises(ValueError, match="reader='both'"):
-    harness.RingLM(loaded=(dense, tokenizer), reader="both")
-
-
 def test_documents_hold_their_needles(tokenizer):
   for task in long_context.TASKS:
     doc = long_context.make_document(tokenizer, task, 1000, [0.0, 0.5, 1.0])
