@@ -102,6 +102,16 @@ def _scatter(grad, tokens, g, owner):
   return grad.at[index].add(g.reshape(-1, g.shape[-1]), mode="drop")
 
 
+def _no_rows(table, tokens):
+  """Zero rows [B, T, D] for the tokens, typed like both inputs (a scan carry)."""
+  return _varying(jnp.zeros((*tokens.shape, table.shape[1]), table.dtype), table, tokens)
+
+
+def _no_grad(table, *like):
+  """A zero float32 gradient of the table shard, typed like every input (a scan carry)."""
+  return _varying(jnp.zeros(table.shape, jnp.float32), table, *like)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _embed_table(table, tokens, axes, token_axes=()):
   return _embed_table_fwd(table, tokens, axes, token_axes)[0]
@@ -114,7 +124,7 @@ def _embed_table_fwd(table, tokens, axes, token_axes=()):
     shard, x = carry
     return (send(shard), x + _found(shard, tokens, _owner(me, s, n)).astype(x.dtype)), None
 
-  x = _varying(jnp.zeros((*tokens.shape, table.shape[1]), table.dtype), table, tokens)
+  x = _no_rows(table, tokens)
   (_, x), _ = lax.scan(step, (table, x), jnp.arange(n))
   return _same_over(x, axes, token_axes), (table, tokens)
 
@@ -127,7 +137,7 @@ def _embed_table_bwd(axes, token_axes, res, g):
   def step(grad, s):
     return send(_scatter(grad, tokens, g, _owner(me, s, n))), None
 
-  grad = _varying(jnp.zeros(table.shape, jnp.float32), table, tokens, g)
+  grad = _no_grad(table, tokens, g)
   grad, _ = lax.scan(step, grad, jnp.arange(n))
   return _summed_over(grad, axes, token_axes).astype(table.dtype), None
 
@@ -147,7 +157,7 @@ def _embed_rows_fwd(table, tokens, axes, token_axes=()):
     t, x = carry  # another device's tokens and their rows so far
     return send((t, x + _found(table, t, me).astype(x.dtype))), None
 
-  x = _varying(jnp.zeros((*tokens.shape, table.shape[1]), table.dtype), table, tokens)
+  x = _no_rows(table, tokens)
   (_, x), _ = lax.scan(step, (_varying(tokens, table), x), None, length=n)  # n moves: home again
   return _same_over(x, axes, token_axes), (table, tokens)
 
@@ -161,7 +171,7 @@ def _embed_rows_bwd(axes, token_axes, res, g):
     (t, g), grad = carry  # another device's tokens and their gradient rows
     return (send((t, g)), _scatter(grad, t, g, me)), None
 
-  grad = _varying(jnp.zeros(table.shape, jnp.float32), table, tokens, g)
+  grad = _no_grad(table, tokens, g)
   visitors = (_varying(tokens, table, g), _varying(g, table))
   ((t, g), grad), _ = lax.scan(step, (visitors, grad), None, length=n - 1)
   grad = _scatter(grad, t, g, me)  # the last visitor: nothing to send on
