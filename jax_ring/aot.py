@@ -304,6 +304,8 @@ def report(compiled) -> dict:
     "output_mib": memory.output_size_in_bytes / 2**20,
     "collective_bytes": hlo.collective_bytes(text),
     "outside_loops": _outside_loops(text),
+    # Copies and transposes outside every loop of 64 MiB and more: (op, bytes).
+    "large_copies": hlo.loop_free_copies(text, 64 * 2**20),
     "ring_steps": [o._asdict() | {"overlapped": o.overlapped} for o in hlo.ring_overlap(text)],
     "collectives": [c._asdict() for c in hlo.collectives(text)],
     "launch_grids": launch_grids(text),

@@ -13,7 +13,8 @@ devices of its group.
 
 `loop_free_collectives(compiled)` lists the collectives outside every loop: what a
 program moves besides its ring steps (a model that relays its tokens for each layer's
-attention shows it there).
+attention shows it there). `loop_free_copies(compiled)` lists the copies and
+transposes outside every loop: an array held twice in two layouts shows there.
 
 Used by the tests (the hybrid moves only all-to-all and collective-permute bytes, as
 many as the formula in the README says) and by the benchmarks, for the bytes each
@@ -450,6 +451,47 @@ def loop_free_collectives(compiled) -> list[tuple[str, int]]:
       else:
         for called in _CALLS.findall(line):
           visit(called)
+
+  visit(entry)
+  return found
+
+
+_ROOT_OP = re.compile(r"^\s*ROOT %[\w.\-]+ = .*? (copy|transpose)\(")
+
+
+def loop_free_copies(compiled, min_bytes: int = 0) -> list[tuple[str, int]]:
+  """(op name, result bytes per device) of every copy and transpose outside all while
+  loops (the op itself, or a fusion whose root is one), in program order, of at least
+  `min_bytes`: each holds a second copy of an array in another layout while both live.
+  XLA inserts one where two users of an array want different layouts; one outside the
+  layers' loop that copies a whole stack of layer inputs holds all of them twice.
+
+  `compiled`: a `jax.stages.Compiled` or its `as_text()`."""
+  hlo = compiled if isinstance(compiled, str) else compiled.as_text()
+  comps, entry = _computations(hlo)
+  found: list[tuple[str, int]] = []
+
+  def rooted(name: str) -> str | None:
+    for line in comps.get(name, ()):
+      if m := _ROOT_OP.match(line):
+        return m.group(1)
+    return None
+
+  def visit(name: str) -> None:
+    for line in comps.get(name, ()):
+      op = _instruction(line)
+      if op is None or _WHILE.search(line):
+        continue
+      kind = op[1] if op[1] in ("copy", "transpose") else None
+      if op[1] == "fusion":
+        kind = next(filter(None, map(rooted, _CALLS.findall(line))), None)
+      elif kind is None:
+        for called in _CALLS.findall(line):
+          visit(called)
+      if kind is not None:
+        size = shape_bytes(line.split(" = ", 1)[1].split(f" {op[1]}(", 1)[0])
+        if size >= min_bytes:
+          found.append((kind, size))
 
   visit(entry)
   return found

@@ -108,10 +108,12 @@ class GemmaBlock(nnx.Module):
       config.dim, config.mlp_hidden, activation=gelu_tanh, dtype=dt, param_dtype=pdt, rngs=rngs
     )  # GeGLU
     self.post_mlp_norm = norm()
+    self.placement = nnx.static((mesh, seq_axis, batch_axis))
 
   def __call__(self, x, attend):
     x = x + self.post_attn_norm(attend(self.attn, self.attn_norm(x)))
-    return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
+    mlp = lambda m, h: m[2](m[1](m[0](h)))
+    return x + decoder.feed_forward(mlp, (self.mlp_norm, self.mlp, self.post_mlp_norm), x, self.placement)
 
 
 class Gemma(CausalLM):

@@ -27,6 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ring._ring import _bundled
+from jax_ring._tiles import mesh_platform
+
 
 def _ring(axes):
   n = lax.axis_size(axes)
@@ -245,8 +248,8 @@ def _ce_bwd(axes, chunk, token_axes, transposed, res, g):
   hc, tc, gc = _chunks(h, chunk), _chunks(targets, chunk), _chunks(g.astype(jnp.float32), chunk)
   share = 1.0 / _copies(axes, token_axes)  # of a shard's gradient, from each copy of the tokens
 
-  def step(carry, s):
-    shard, grad, dh = carry
+  def contribution(shard, s, dh):
+    """This device's share of the gradient of the shard it holds at step s, and dh."""
     offset = _owner(me, s, n) * rows
     whole = shard.astype(jnp.float32)
 
@@ -259,12 +262,28 @@ def _ce_bwd(axes, chunk, token_axes, transposed, res, g):
       grad = grad + share * jnp.einsum(f"bcv,bcd->{spec}", dlogits, hh.astype(jnp.float32))
       return grad, dd
 
-    grad, dh = lax.scan(per_chunk, grad, (hc, tc, lse, gc, dh))
-    return (send(shard), send(grad), dh), None
+    return lax.scan(
+      per_chunk, _varying(jnp.zeros(table.shape, jnp.float32), h, table, targets, g), (hc, tc, lse, gc, dh)
+    )
 
-  grad = _varying(jnp.zeros(table.shape, jnp.float32), h, table, targets, g)
+  # A shard's gradient travels one step behind the shard: at step s a device sends on
+  # the gradient of the shard it held at step s - 1 (with its share added) while it
+  # computes its share for the shard it holds now, so no transfer waits for the step's
+  # compute. Both go to the next device: on GPU bundled into one transfer (XLA keeps one
+  # collective in flight there and runs a second synchronously; `jax_ring._ring._send`),
+  # on TPU apart. After the last step each gradient is one device short of home.
+  together = (lambda t: jax.tree.map(send, t)) if mesh_platform() == "tpu" else (lambda t: _bundled(t, send))
+
+  def step(carry, s):
+    shard, pending, dh = carry
+    shard_next, arrived = together((shard, pending))
+    mine, dh = contribution(shard, s, dh)
+    return (shard_next, arrived + mine, dh), None
+
   dh = _varying(jnp.zeros(hc.shape, jnp.float32), h, table, targets, g)
-  (_, grad, dh), _ = lax.scan(step, (table, grad, dh), jnp.arange(n))
+  first, dh = contribution(table, 0, dh)
+  (_, pending, dh), _ = lax.scan(step, (send(table), first, dh), jnp.arange(1, n))
+  grad = send(pending)
   dh = _same_over(_unchunk(dh), axes, token_axes)
   return dh.astype(h.dtype), _summed_over(grad, axes, token_axes).astype(table.dtype), None
 

@@ -207,7 +207,8 @@ def test_training_step_of_a_named_model_on_h100x8():
   FSDP, remat and the vocabulary rings compiles, reports its memory (the peak is
   arguments + outputs - aliased + temporaries, the donated state aliased) and fits;
   every ring step of the attention (the 28 layers scanned: one body), forward and
-  backward, has its transfers under compute; the weights are all-gathered and no
+  backward, and of the loss has its transfers under compute; the layer inputs kept for
+  the backward pass are held once; the weights are all-gathered and no
   collective moves the whole vocabulary table (151,936 x 1,024 float32: 594 MiB)."""
   report = aot("--target=h100x8", "--model=qwen3-0.6b", "--train", "--seq-len=32768")
   m = report["memory"]
@@ -219,8 +220,7 @@ def test_training_step_of_a_named_model_on_h100x8():
   layer = 1024 * 2048 * 2 + 1024 * 1024 * 2 + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128
   params = 28 * layer + 151_936 * 1024 + 1024
   assert abs(m["argument_bytes"] - params * 12 / 8) < 2**20
-  # The attention's ring steps (the vocabulary's rings, "ring loop"s, are left out: their
-  # lookups and small chunks do not cover a shard's transfer).
+  # The attention's ring steps; the vocabulary's rings are "ring loop"s.
   # The scan over layers holds a layer's backward with the ring pass's edges: there the
   # FSDP gathers and reductions run beside compute no transfer needs.
   attention = [s for s in report["ring_steps"] if s["name"].endswith(("ring step", "ring pass edges"))]
@@ -229,10 +229,18 @@ def test_training_step_of_a_named_model_on_h100x8():
   for step in attention:
     assert step["synchronous"] == 0 and step["exposed"] == 0 and step["exposed_bytes"] == 0, step
     assert step["hidden_bytes"] > 0, step
-  assert {s["name"] for s in report["ring_steps"]} - {s["name"] for s in attention} <= {
-    "forward ring loop",
-    "backward ring loop",
-  }
+  vocabulary = [s for s in report["ring_steps"] if s not in attention]
+  assert {s["name"] for s in vocabulary} <= {"forward ring loop", "backward ring loop"}
+  # The loss's rings (a shard's logits per step: GEMMs) have their transfers under them,
+  # the backward's bundled shard and gradient too; the lookup's have no GEMM.
+  loss = [s for s in vocabulary if s["compute"] > 0]
+  assert {s["name"] for s in loss} == {"forward ring loop", "backward ring loop"}, vocabulary
+  for step in loss:
+    assert step["synchronous"] == 0 and step["exposed"] == 0 and step["hidden_bytes"] > 0, step
+  # The layer inputs kept for the backward pass (28 x 4,096 tokens x 1,024, bfloat16) are
+  # held once: no copy outside the layers' loop puts the stack in a second layout.
+  stack = 28 * 4096 * 1024 * 2
+  assert all(size < stack for _, size in report["large_copies"]), report["large_copies"]
   ops = report["collectives"]
   assert sum(c["op"] == "all-gather" for c in ops) >= 2  # a layer's weights, forward and backward (combined)
   assert max(c["bytes"] for c in ops) < 151_936 * 1024 * 4
@@ -256,6 +264,34 @@ ENTRY %main (a: (s32[], f32[8])) -> (s32[], f32[8]) {
   ROOT %w = (s32[], f32[8]) while(%a), condition=%cond, body=%body
 }
 """
+
+
+def test_loop_free_copies_reads_copies_and_transposes_outside_loops():
+  """hlo.loop_free_copies: a transpose fusion and a copy in the entry are listed with
+  their result bytes; a copy inside the loop body and an add fusion are not."""
+  from jax_ring.hlo import loop_free_copies
+
+  fused = (
+    "%fused_t (q: f32[8,4]) -> f32[4,8] {\n  %q = f32[8,4]{1,0} parameter(0)\n"
+    "  ROOT %tr = f32[4,8]{1,0} transpose(%q), dimensions={1,0}\n}\n\n"
+    "%fused_add (r: f32[8]) -> f32[8] {\n  %r = f32[8]{0} parameter(0)\n"
+    "  ROOT %s = f32[8]{0} add(%r, %r)\n}\n\n"
+  )
+  entry = (
+    "  %m = f32[8,4]{1,0} parameter(1)\n"
+    "  %f = f32[4,8]{1,0} fusion(%m), kind=kInput, calls=%fused_t\n"
+    "  %c = f32[8,4]{0,1} copy(%m)\n"
+    "  %g = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_add\n"
+  )
+  text = fused + SCHEDULED.replace(
+    "  ROOT %w = (s32[], f32[8]) while", entry + "  ROOT %w = (s32[], f32[8]) while"
+  )
+  text = text.replace(
+    "  %i = s32[] get-tuple-element(%p), index=0",
+    "  %i = s32[] get-tuple-element(%p), index=0\n  %lc = f32[8]{0} copy(%x)",
+  )
+  assert loop_free_copies(text) == [("transpose", 128), ("copy", 128)]
+  assert loop_free_copies(text, min_bytes=129) == []
 
 
 def test_ring_overlap_reads_the_schedule():
