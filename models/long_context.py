@@ -17,8 +17,9 @@ Readers:
   tokens; the question continues the last device's tokens, so the answer depends on
   those alone, and this reader runs the model on them (`local_equals_last_shard`
   checks the identity against `attention="local"`).
-- "last4k": the model reading only BOS and the document's last 4,095 tokens, what a
-  model with a 4K limit would see.
+- "last4k": the model reading only BOS and the document's last 4,063 tokens, which
+  with the question and answer (32 tokens) is what a model with a 4K limit would see.
+  At 4K it reads the whole document, as dense does: dense's run there is its run.
 - "dense": the same model on one device (`attention="dense"`), the whole document,
   where it runs: the ring's logits and tokens are compared with its. Its prefill and
   decoding run the library's KV-cache attention on a one-device mesh; its forward
@@ -35,7 +36,7 @@ import os
 import re
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,8 @@ DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 TASKS = ("passkey", "needle")
 READERS = ("ring", "local", "last4k", "dense")
-LAST = 4096
+LAST = 4096  # the "last4k" reader's context: BOS, the document's last tokens, the room
+ROOM = 32  # tokens a document leaves free for the question and the answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,18 +166,20 @@ def is_right(expected: str, generated: str) -> bool:
   return match is not None and match.group(0).lower() == expected.lower()
 
 
-class Program(NamedTuple):
+@dataclasses.dataclass
+class Program:
   """A reader's compiled programs for one document length: the prefill into a fresh
-  cache, and the decode steps by token count. `cache`: what an empty cache holds,
-  made anew for each prefill (`Reader.empty_cache`), so that no program keeps a
-  cache alive between documents (32K tokens' take 1.2 GB for Gemma 3 270M)."""
+  cache, and the decode steps by token count (compiled as questions need them). `cache`:
+  what an empty cache holds, made anew for each prefill (`Reader.empty_cache`), so that
+  no program keeps a cache alive between documents (32K tokens' take 1.2 GB for Gemma 3
+  270M)."""
 
   graphdef: Any
   weights: Any
   cache: Any
   prefill: Any
   steps: dict
-  compile_s: float
+  compile_s: float  # the prefill's and every step's so far
   temp_bytes: int  # the prefill's, per device, from the compiler
 
 
@@ -201,8 +205,9 @@ def _as_filled(x):
 
 class Reader:
   """A model that prefills a document into its KV cache once and answers questions by
-  decoding from that cached state: a compiled prefill per length, a decode step that
-  takes a whole question at once or one token. Compiled programs are kept by shape."""
+  decoding from that cached state: a compiled prefill per length and room, decode
+  steps that take a whole question at once or one token. Compiled programs are kept by
+  shape: a reader of the last 4K tokens compiles them once for every length."""
 
   def __init__(self, model):
     self.model = model
@@ -226,27 +231,46 @@ class Reader:
 
     self._prefill, self._step = prefill, step
 
+  def _lowered_prefill(self, length: int, room: int):
+    """(graphdef, weights, cache, the prefill lowered) with caches for length + room."""
+    self.model.init_cache(1, length + room)
+    graphdef, weights, cache = nnx.split(self.model, nnx.Param, nnx.Cache)
+    tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
+    lowered = self._prefill.lower(graphdef, weights, cache, tokens)
+    self.model.init_cache(1, 1)  # the model's own caches: small again
+    return graphdef, weights, cache, lowered
+
   def compile(self, length: int, room: int, questions=()) -> Program:
     """The programs for a document of `length` tokens with caches for `room` more: the
-    prefill and the decode steps of one token and of each length in `questions`
-    (safe to call from another thread)."""
-    key = (length, room, tuple(sorted(set(questions))))
+    prefill and the decode steps of one token and of each length in `questions`, those
+    not compiled yet for this length and room (safe to call from another thread)."""
     with self.lock:
-      if key in self.programs:
-        return self.programs[key]
-      self.model.init_cache(1, length + room)
-      graphdef, weights, cache = nnx.split(self.model, nnx.Param, nnx.Cache)
       start = time.perf_counter()
+      program = self.programs.get((length, room))
+      if program is None:
+        graphdef, weights, cache, lowered = self._lowered_prefill(length, room)
+        prefill = lowered.compile()
+        temp = int(prefill.memory_analysis().temp_size_in_bytes)
+        empty = jax.tree.map(_as_filled, cache)
+        program = Program(graphdef, weights, empty, prefill, {}, 0.0, temp)
+        self.programs[length, room] = program
+      spec = lambda x: x.spec if isinstance(x, Filled) else x
+      cache = jax.tree.map(spec, program.cache, is_leaf=lambda x: isinstance(x, Filled))
       tokens = lambda n: jax.ShapeDtypeStruct((1, n), jnp.int32)
-      prefill = self._prefill.lower(graphdef, weights, cache, tokens(length)).compile()
-      steps = {n: self._step.lower(graphdef, weights, cache, tokens(n)).compile() for n in {1, *questions}}
-      temp = int(prefill.memory_analysis().temp_size_in_bytes)
-      empty = jax.tree.map(_as_filled, cache)
-      self.model.init_cache(1, 1)  # the model's own caches: small again
-      program = Program(graphdef, weights, empty, prefill, steps, time.perf_counter() - start, temp)
-      self.programs[key] = program
-      self.compile_s += program.compile_s
+      for n in sorted({1, *questions} - set(program.steps)):
+        program.steps[n] = self._step.lower(program.graphdef, program.weights, cache, tokens(n)).compile()
+      spent = time.perf_counter() - start
+      program.compile_s += spent
+      self.compile_s += spent
       return program
+
+  def prefill_temp(self, length: int, room: int) -> int:
+    """Per-device temp bytes of the prefill for `length` tokens (compiled, not run)."""
+    with self.lock:
+      start = time.perf_counter()
+      temp = int(self._lowered_prefill(length, room)[3].compile().memory_analysis().temp_size_in_bytes)
+      self.compile_s += time.perf_counter() - start
+      return temp
 
   def drop(self, length: int) -> None:
     """Forgets the programs for `length` tokens (compiled programs hold memory; a
@@ -292,6 +316,12 @@ def question_lengths(tokenizer, doc: Document) -> list[int]:
   return sorted({len(tokenizer.encode(q.prompt)) for q in doc.questions})
 
 
+def room_for(lengths: list[int], new_tokens: int) -> int:
+  """Cache room after a document for its longest question and the answer: ROOM (a
+  nominal length's document fills its cache to the length) unless they need more."""
+  return max(ROOM, lengths[-1] + new_tokens)
+
+
 def read(
   reader: Reader, tokenizer, doc: Document, tokens: np.ndarray, new_tokens: int, program=None, answered=None
 ) -> dict:
@@ -302,7 +332,7 @@ def read(
   `answered(question)` is called after each answer (progress)."""
   lengths = question_lengths(tokenizer, doc)
   if program is None:
-    program = reader.compile(len(tokens), lengths[-1] + new_tokens, lengths)
+    program = reader.compile(len(tokens), room_for(lengths, new_tokens), lengths)
   first, cache, seconds = reader.prefill(program, tokens)
   answers, logits, per_token = [], [first[None]], []
   answering = time.perf_counter()
@@ -342,15 +372,12 @@ def reader_tokens(kind: str, doc: Document, devices: int) -> np.ndarray:
     case "local":
       shard = -(-len(doc.tokens) // devices)
       return doc.tokens[(devices - 1) * shard :]
-    case "last4k":  # BOS, then the document's last LAST - 1 tokens
-      if len(doc.tokens) <= LAST:
+    case "last4k":  # BOS, then the document's last LAST - ROOM - 1 tokens
+      if len(doc.tokens) <= LAST - ROOM:
         return doc.tokens
-      return np.concatenate([doc.tokens[:1], doc.tokens[1 - LAST :]])
+      return np.concatenate([doc.tokens[:1], doc.tokens[1 - (LAST - ROOM) :]])
     case _:
       raise ValueError(f"Unsupported reader={kind!r}; expected one of {READERS}")
-
-
-ROOM = 32  # tokens a document leaves free for the question and the answer
 
 
 def run_grid(
@@ -388,12 +415,17 @@ def run_grid(
     for task in tasks
     for length in lengths
   }
-  # The ring's program for the next document compiles in a thread while the baselines
-  # read this one (compiling its 18 layers takes about as long as a 4K prefill); the
-  # ring's own prefill and decoding never share the machine with a compile.
+  # The ring reads each document last: its program for a length compiles in a thread
+  # while the baselines read that length's documents (compiling its 18 layers takes
+  # about as long as a 4K prefill), the first length's included; the ring's own prefill
+  # and decoding never share the machine with a compile.
   pool = concurrent.futures.ThreadPoolExecutor(1)
   keys = list(documents)
-  kinds_at = lambda length: list(readers) + (["dense"] if length <= dense_max and "ring" in readers else [])
+
+  def kinds_at(length):
+    kinds = list(readers) + (["dense"] if length <= dense_max and "ring" in readers else [])
+    return sorted(kinds, key=("local", "last4k", "dense", "ring").index)
+
   from tqdm import tqdm
 
   questions = sum(
@@ -408,7 +440,7 @@ def run_grid(
       return None
     docs = documents[keys[i]]
     q = question_lengths(tokenizer, docs[0])
-    return pool.submit(readers_of["ring"].compile, len(docs[0].tokens), q[-1] + new_tokens, q)
+    return pool.submit(readers_of["ring"].compile, len(docs[0].tokens), room_for(q, new_tokens), q)
 
   ahead = {keys[0]: compile_ring(0)}
   for task in tasks:
@@ -425,10 +457,18 @@ def run_grid(
           bar.set_postfix_str(f"{kind} at {length}: depth {q.depth:.2f} answered")
           bar.update()
 
-        outs = [
-          read(reader, tokenizer, d, reader_tokens(kind, d, devices), new_tokens, program, answered)
-          for d in docs
-        ]
+        # Dense at a length where the last 4K tokens are the whole document: the same
+        # model on the same tokens, so last4k's reading is dense's (not run twice).
+        shared = kind == "dense" and "last4k" in results
+        shared = shared and all(len(reader_tokens("last4k", d, devices)) == len(d.tokens) for d in docs)
+        if shared:
+          outs = results["last4k"]
+          bar.update(sum(len(d.questions) for d in docs))
+        else:
+          outs = [
+            read(reader, tokenizer, d, reader_tokens(kind, d, devices), new_tokens, program, answered)
+            for d in docs
+          ]
         if kind == "ring":
           i = keys.index((task, length)) + 1
           if i < len(keys):
@@ -453,11 +493,14 @@ def run_grid(
           right=sum(a["right"] for o in outs for a in o["answers"]),
           asked=sum(len(o["answers"]) for o in outs),
         )
+        if shared:
+          run["same_run_as"] = "last4k"
         report["runs"].append(run)
         log(
           f"{task:8s} {length:6d} {kind:7s} {run['right']}/{run['asked']} right  prefill {prefill:6.1f} s "
           f"({run['tokens_per_s']:7.1f} tok/s)  decode {run['decode_ms']:6.1f} ms/token  "
           f"temp {run['temp_mib']:7.1f} MiB/device  "
+          + ("(last4k's run: the same tokens)  " if shared else "")
           + "  ".join(repr(a["generated"]) for o in outs for a in o["answers"])
         )
       # The programs of this length (the ring's, the dense and local readers'): the
@@ -492,6 +535,8 @@ def time_spent(report: dict, readers_of: dict) -> dict:
   spent = {}
   for run in report["runs"]:
     kind = spent.setdefault(run["reader"], {"prefill": 0.0, "answer": 0.0})
+    if "same_run_as" in run:  # another reader's run, counted there
+      continue
     kind["prefill"] += run["prefill_s"]
     kind["answer"] += run["answer_s"]
   compiles = {"ring": readers_of["ring"], "baselines": readers_of["dense"]}
@@ -509,7 +554,7 @@ def dense_memory(report: dict, dense_model, room: int = ROOM) -> dict:
   would need where it does not fit."""
   ran = {r["length"]: r["temp_mib"] for r in report["runs"] if r["reader"] == "dense"}
   reader = Reader(dense_model)
-  compiled = lambda t: round(reader.compile(t - room, room).temp_bytes / 2**20, 1)
+  compiled = lambda t: round(reader.prefill_temp(t - room, room) / 2**20, 1)
   return {int(t): ran[t] if t in ran else compiled(t) for t in report["lengths"]}
 
 

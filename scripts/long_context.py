@@ -143,7 +143,9 @@ def table(report: dict) -> str:
     "| one device's temp MiB | ring vs one device |",
     "|---|---|---|---|---|---|---|---|---|---|",
   ]
-  for r in report["runs"]:
+  readers = ("ring", "local", "last4k", "dense")  # models.long_context.READERS (imports jax)
+  order = lambda r: (report["tasks"].index(r["task"]), r["length"], readers.index(r["reader"]))
+  for r in sorted(report["runs"], key=order):
     e = exact.get((r["task"], r["length"]))
     versus = ""
     if r["reader"] == "ring" and e is not None:

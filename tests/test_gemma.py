@@ -490,3 +490,12 @@ def test_documents_hold_their_needles(tokenizer):
       assert f"The {q.label} is {q.answer}." in text
   assert long_context.is_right("48213", " 48213. Remember") and not long_context.is_right("48213", " 4821")
   assert long_context.is_right("Oslo", " oslo.") and not long_context.is_right("Oslo", " the secret city")
+  # The last-4K reader: BOS and the last 4,063 tokens, which with the 32 tokens of room
+  # fill a 4K context; at 4K that is the whole document (dense's run there is its run).
+  tokens = np.arange(8160, dtype=np.int32)
+  tokens[0] = tokenizer.bos_id
+  last = long_context.reader_tokens("last4k", long_context.Document("passkey", tokens, ()), 8)
+  assert len(last) + long_context.ROOM == 4096 and last[0] == tokenizer.bos_id
+  np.testing.assert_array_equal(last[1:], tokens[-4063:])
+  whole = long_context.Document("passkey", tokens[: 4096 - long_context.ROOM], ())
+  assert len(long_context.reader_tokens("last4k", whole, 8)) == len(whole.tokens)
