@@ -51,29 +51,6 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 
-def _compilation_cache() -> str:
-  """One persistent compilation cache for the run's processes (the pytest-xdist workers
-  are the controller's children): a program another test or worker compiled already
-  (the same model's programs, built again by another module's fixtures) is read back,
-  not compiled again. Removed when the run ends (`pytest_sessionfinish`)."""
-  import tempfile
-
-  run = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
-  return os.path.join(tempfile.gettempdir(), f"jax_ring_test_cache_{run}")
-
-
-if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # a cache of the user's own wins
-  jax.config.update("jax_compilation_cache_dir", _compilation_cache())
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-def pytest_sessionfinish(session):
-  if not os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    import shutil
-
-    shutil.rmtree(_compilation_cache(), ignore_errors=True)
-
-
 def make_mesh(shape, names):
   shape = tuple(shape)
   n = int(np.prod(shape))
