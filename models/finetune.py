@@ -430,18 +430,24 @@ def compile_train_step(
   dtype: str = "bfloat16",
   param_dtype: str = "float32",
   chunk: int = 1024,
+  layers: int | None = None,
 ):
   """One whole AdamW step of the named model (`models.config(name)`) with `fsdp=True`,
   per-layer `remat` and the chunked loss, over `mesh`'s "seq" axis, compiled with
   abstract weights (nothing allocated): the `Compiled` program. Weights and AdamW
   moments in `param_dtype`, computed in `dtype`; the ring's kernel is the target's
-  default."""
+  default. `layers`: the model with that many of its blocks (a quicker compile of the
+  same step's shapes; None: all)."""
   from . import checkpoints
 
   # Training past the released context (as long-context fine-tuning does): the model
   # takes sequences up to seq_len, with its rotary settings as released.
   cfg = checkpoints.config(name)
-  cfg = dataclasses.replace(cfg, context_length=max(cfg.context_length, seq_len))
+  if layers is not None and (not isinstance(layers, int) or layers < 1):
+    raise ValueError(f"layers={layers!r}: a positive number of blocks, or None for all")
+  cfg = dataclasses.replace(
+    cfg, context_length=max(cfg.context_length, seq_len), num_layers=layers or cfg.num_layers
+  )
   auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
   with jax.set_mesh(auto):
     model = nnx.eval_shape(

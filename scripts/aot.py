@@ -105,7 +105,12 @@ def parse_args(argv=None):
   )
   p.add_argument("--param-dtype", default="float32", help="--train: weights and AdamW moments")
   p.add_argument("--chunk", type=int, default=1024, help="--train: tokens per chunk of the loss")
-  p.add_argument("--layers", type=int, default=2, help="--model: transformer blocks")
+  p.add_argument(
+    "--layers",
+    type=int,
+    default=None,
+    help="--model: transformer blocks (the DecoderLM: default 2; --model NAME --train: default all of its)",
+  )
   p.add_argument(
     "--natural-order",
     action="store_true",
@@ -137,7 +142,7 @@ def compile_model(mesh, args, seq_len: int):
   config = models.LMConfig(
     vocab_size=args.vocab,
     dim=args.heads * args.head_dim,
-    num_layers=args.layers,
+    num_layers=args.layers or 2,
     num_heads=args.heads,
     num_kv_heads=args.kv_heads,
     mlp_hidden=args.mlp_hidden,
@@ -177,6 +182,7 @@ def compile_for(mesh, args, seq_len: int):
       dtype=args.dtype,
       param_dtype=args.param_dtype,
       chunk=args.chunk,
+      layers=args.layers,
     )
   if args.model:
     return compile_model(mesh, args, seq_len)

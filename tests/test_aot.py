@@ -246,6 +246,24 @@ def test_training_step_of_a_named_model_on_h100x8():
   assert max(c["bytes"] for c in ops) < 151_936 * 1024 * 4
 
 
+def test_llama_8b_step_holds_its_weights_and_moments_split_8_ways():
+  """--model llama-3.1-8b --train with one block (--layers 1) at 8K tokens on 8 x H100:
+  the step's per-device arguments are the float32 weights and both AdamW moments / 8
+  (the untied embedding and head, 128,256 x 4,096 each, split too) plus the batch; it
+  fits, and the loss's ring has its transfers under its GEMMs."""
+  report = aot("--target=h100x8", "--model=llama-3.1-8b", "--train", "--layers=1", "--seq-len=8192")
+  m = report["memory"]
+  # q and o (4,096 x 4,096), k and v (4,096 x 1,024), the MLP (3 x 4,096 x 14,336), two
+  # norms; the embedding and the head (128,256 x 4,096 each) and the final norm.
+  layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+  params = layer + 2 * 128_256 * 4096 + 4096
+  batch = 8192 // 8 * (4 + 4 + 4)  # tokens, targets, weights: a device's eighth
+  assert abs(m["argument_bytes"] - params * 12 / 8 - batch) < 2**16, (m["argument_bytes"], params * 12 / 8)
+  assert report["fits"] is True
+  loss = [s for s in report["ring_steps"] if s["name"].endswith("ring loop") and s["compute"] > 0]
+  assert loss and all(s["exposed"] == 0 and s["synchronous"] == 0 for s in loss), loss
+
+
 SCHEDULED = """
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %p = (s32[], f32[8]) parameter(0)
