@@ -137,7 +137,12 @@ def _send(tree, cfg: RingConfig, shift: int):
   compute, and there a bundle left the Pallas forward's transfer with nothing under it
   (v6e), so on TPU each array is its own permute."""
   perm = ring_permutation(cfg.ring_size, shift, cfg.axis_size)
-  send = lambda x: lax.ppermute(x, cfg.axis_name, perm)
+  return sent_together(tree, lambda x: lax.ppermute(x, cfg.axis_name, perm))
+
+
+def sent_together(tree, send):
+  """send(x) for every array of `tree` going the same way: bundled into one transfer on
+  CPU and GPU (`_bundled`), one permute each on TPU (see `_send`)."""
   if mesh_platform() == "tpu":
     return jax.tree.map(send, tree)
   return _bundled(tree, send)

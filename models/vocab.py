@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ring._ring import _bundled
-from jax_ring._tiles import mesh_platform
+from jax_ring._ring import sent_together
 
 
 def _ring(axes):
@@ -262,21 +261,19 @@ def _ce_bwd(axes, chunk, token_axes, transposed, res, g):
       grad = grad + share * jnp.einsum(f"bcv,bcd->{spec}", dlogits, hh.astype(jnp.float32))
       return grad, dd
 
-    return lax.scan(
-      per_chunk, _varying(jnp.zeros(table.shape, jnp.float32), h, table, targets, g), (hc, tc, lse, gc, dh)
-    )
+    return lax.scan(per_chunk, _no_grad(table, h, targets, g), (hc, tc, lse, gc, dh))
 
   # A shard's gradient travels one step behind the shard: at step s a device sends on
   # the gradient of the shard it held at step s - 1 (with its share added) while it
   # computes its share for the shard it holds now, so no transfer waits for the step's
   # compute. Both go to the next device: on GPU bundled into one transfer (XLA keeps one
-  # collective in flight there and runs a second synchronously; `jax_ring._ring._send`),
-  # on TPU apart. After the last step each gradient is one device short of home.
-  together = (lambda t: jax.tree.map(send, t)) if mesh_platform() == "tpu" else (lambda t: _bundled(t, send))
+  # collective in flight there and runs a second synchronously), on TPU apart
+  # (`_ring.sent_together`, as the attention's ring sends). After the last step each
+  # gradient is one device short of home.
 
   def step(carry, s):
     shard, pending, dh = carry
-    shard_next, arrived = together((shard, pending))
+    shard_next, arrived = sent_together((shard, pending), send)
     mine, dh = contribution(shard, s, dh)
     return (shard_next, arrived + mine, dh), None
 
