@@ -157,6 +157,13 @@ def make_document(tokenizer, task: str, length: int, depths, seed: int = 0) -> D
   return Document(task, np.asarray(out, np.int32), qs)
 
 
+def is_complete(expected: str, generated: str) -> bool:
+  """Whether `generated` holds its first word (number, for a number) whole: something
+  that cannot continue it follows it, so no further token changes `is_right`."""
+  pattern = r"\d+\D" if expected.isdigit() else r"[A-Za-z]+[^A-Za-z]"
+  return re.search(pattern, generated) is not None
+
+
 def is_right(expected: str, generated: str) -> bool:
   """The answer is the first word (a number: the first number) the model generates."""
   if expected.isdigit():
@@ -168,18 +175,19 @@ def is_right(expected: str, generated: str) -> bool:
 
 @dataclasses.dataclass
 class Program:
-  """A reader's compiled programs for one document length: the prefill into a fresh
-  cache, and the decode steps by token count (compiled as questions need them). `cache`:
-  what an empty cache holds, made anew for each prefill (`Reader.empty_cache`), so that
-  no program keeps a cache alive between documents (32K tokens' take 1.2 GB for Gemma 3
-  270M)."""
+  """A reader's compiled programs for one document length and cache capacity: the
+  prefill into a fresh cache, and the decode steps by token count (compiled as
+  questions need them, shared by every length read into caches of that capacity).
+  `cache`: what an empty cache holds, made anew for each prefill (`Reader.empty_cache`),
+  so that no program keeps a cache alive between documents (32K tokens' take 1.2 GB for
+  Gemma 3 270M)."""
 
   graphdef: Any
   weights: Any
   cache: Any
   prefill: Any
   steps: dict
-  compile_s: float  # the prefill's and every step's so far
+  compile_s: float  # the prefill's and the steps it compiled so far
   temp_bytes: int  # the prefill's, per device, from the compiler
 
 
@@ -205,13 +213,14 @@ def _as_filled(x):
 
 class Reader:
   """A model that prefills a document into its KV cache once and answers questions by
-  decoding from that cached state: a compiled prefill per length and room, decode
-  steps that take a whole question at once or one token. Compiled programs are kept by
-  shape: a reader of the last 4K tokens compiles them once for every length."""
+  decoding from that cached state: a compiled prefill per document length and cache
+  capacity, and decode steps (a whole question at once, or one token) per capacity,
+  which every length read into caches of that capacity shares."""
 
   def __init__(self, model):
     self.model = model
     self.programs: dict[tuple, Program] = {}
+    self.steps: dict[int, dict] = {}  # per capacity: the decode steps by token count
     self.compile_s = 0.0  # every program's, dropped ones included
     self.lock = threading.Lock()
 
@@ -231,29 +240,33 @@ class Reader:
 
     self._prefill, self._step = prefill, step
 
-  def _lowered_prefill(self, length: int, room: int):
-    """(graphdef, weights, cache, the prefill lowered) with caches for length + room."""
-    self.model.init_cache(1, length + room)
+  def _lowered_prefill(self, length: int, capacity: int):
+    """(graphdef, weights, cache, the prefill lowered) with caches for `capacity` tokens."""
+    if capacity < length + 1:
+      raise ValueError(f"capacity={capacity} must exceed the document's length={length} (room to decode)")
+    self.model.init_cache(1, capacity)
     graphdef, weights, cache = nnx.split(self.model, nnx.Param, nnx.Cache)
     tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
     lowered = self._prefill.lower(graphdef, weights, cache, tokens)
     self.model.init_cache(1, 1)  # the model's own caches: small again
     return graphdef, weights, cache, lowered
 
-  def compile(self, length: int, room: int, questions=()) -> Program:
-    """The programs for a document of `length` tokens with caches for `room` more: the
-    prefill and the decode steps of one token and of each length in `questions`, those
-    not compiled yet for this length and room (safe to call from another thread)."""
+  def compile(self, length: int, capacity: int, questions=()) -> Program:
+    """The programs for a document of `length` tokens read into caches of `capacity`
+    tokens (the document, the longest question and the answer): the prefill, and the
+    decode steps of one token and of each length in `questions` that no earlier program
+    of this capacity compiled (safe to call from another thread)."""
     with self.lock:
       start = time.perf_counter()
-      program = self.programs.get((length, room))
+      program = self.programs.get((length, capacity))
       if program is None:
-        graphdef, weights, cache, lowered = self._lowered_prefill(length, room)
+        graphdef, weights, cache, lowered = self._lowered_prefill(length, capacity)
         prefill = lowered.compile()
         temp = int(prefill.memory_analysis().temp_size_in_bytes)
         empty = jax.tree.map(_as_filled, cache)
-        program = Program(graphdef, weights, empty, prefill, {}, 0.0, temp)
-        self.programs[length, room] = program
+        steps = self.steps.setdefault(capacity, {})
+        program = Program(graphdef, weights, empty, prefill, steps, 0.0, temp)
+        self.programs[length, capacity] = program
       spec = lambda x: x.spec if isinstance(x, Filled) else x
       cache = jax.tree.map(spec, program.cache, is_leaf=lambda x: isinstance(x, Filled))
       tokens = lambda n: jax.ShapeDtypeStruct((1, n), jnp.int32)
@@ -264,17 +277,20 @@ class Reader:
       self.compile_s += spent
       return program
 
-  def prefill_temp(self, length: int, room: int) -> int:
-    """Per-device temp bytes of the prefill for `length` tokens (compiled, not run)."""
+  def prefill_temp(self, length: int, capacity: int) -> int:
+    """Per-device temp bytes of the prefill for `length` tokens into caches of
+    `capacity` (compiled, not run)."""
     with self.lock:
       start = time.perf_counter()
-      temp = int(self._lowered_prefill(length, room)[3].compile().memory_analysis().temp_size_in_bytes)
+      lowered = self._lowered_prefill(length, capacity)[3]
+      temp = int(lowered.compile().memory_analysis().temp_size_in_bytes)
       self.compile_s += time.perf_counter() - start
       return temp
 
   def drop(self, length: int) -> None:
-    """Forgets the programs for `length` tokens (compiled programs hold memory; a
-    length read once needs its programs no more)."""
+    """Forgets the prefills for `length` tokens (compiled programs hold memory; a
+    length read once needs its prefill no more). The decode steps stay: other lengths
+    share them."""
     with self.lock:
       for key in [k for k in self.programs if k[0] == length]:
         del self.programs[key]
@@ -294,22 +310,22 @@ class Reader:
     return logits, cache, time.perf_counter() - start
 
   @staticmethod
-  def answer(program: Program, cache, question: list[int], new_tokens: int):
-    """The question (teacher-forced, one call), then `new_tokens` greedy tokens, from
-    `cache`: (generated ids, logits [1 + new_tokens, V], seconds per generated token)."""
+  def answer(program: Program, cache, question: list[int], new_tokens: int, done=None):
+    """The question (teacher-forced, one call), then greedy tokens from `cache`, at most
+    `new_tokens` of them, fewer where `done(ids)` says the tokens so far hold the answer:
+    (generated ids, logits [len(ids), V] (the row that gave each id), seconds per decode
+    step, or nan where the question's call gave the whole answer)."""
     steps, weights = program.steps, program.weights
     cache = jax.tree.map(jnp.copy, cache)
     last, nxt, cache = steps[len(question)](weights, cache, jnp.asarray([question], jnp.int32))
-    logits, out = [last], []
-    jax.block_until_ready(nxt)
+    logits, out = [last], [int(nxt[0, 0])]
     start = time.perf_counter()
-    for _ in range(new_tokens):
-      out.append(nxt)
+    while len(out) < new_tokens and not (done is not None and done(out)):
       last, nxt, cache = steps[1](weights, cache, nxt)
       logits.append(last)
-    jax.block_until_ready(logits[-1])
-    per_token = (time.perf_counter() - start) / new_tokens
-    return [int(t[0, 0]) for t in out], np.stack([np.asarray(x) for x in logits])[:-1], per_token
+      out.append(int(nxt[0, 0]))
+    per_token = (time.perf_counter() - start) / (len(out) - 1) if len(out) > 1 else float("nan")
+    return out, np.stack([np.asarray(x) for x in logits]), per_token
 
 
 def question_lengths(tokenizer, doc: Document) -> list[int]:
@@ -326,18 +342,21 @@ def read(
   reader: Reader, tokenizer, doc: Document, tokens: np.ndarray, new_tokens: int, program=None, answered=None
 ) -> dict:
   """Prefill `tokens` (the document, or the part of it this reader sees) once, then
-  answer every question of `doc` from that state. Logits: at the prefill's last token,
-  then per question after its last token and after each generated token but the last.
-  `program`: the reader's compiled programs for these tokens (compiled here if None);
-  `answered(question)` is called after each answer (progress)."""
+  answer every question of `doc` from that state, each up to `new_tokens` tokens and
+  no further than its first word (or number) needs (`is_complete`). "logits": the
+  prefill's at its last token [1, V], then per question the row that gave each
+  generated token. `program`: the reader's compiled programs for these tokens
+  (compiled here, with caches just large enough, if None); `answered(question)` is
+  called after each answer (progress)."""
   lengths = question_lengths(tokenizer, doc)
   if program is None:
-    program = reader.compile(len(tokens), room_for(lengths, new_tokens), lengths)
+    program = reader.compile(len(tokens), len(tokens) + room_for(lengths, new_tokens), lengths)
   first, cache, seconds = reader.prefill(program, tokens)
   answers, logits, per_token = [], [first[None]], []
   answering = time.perf_counter()
   for q in doc.questions:
-    ids, step_logits, per = reader.answer(program, cache, tokenizer.encode(q.prompt), new_tokens)
+    done = lambda ids, q=q: is_complete(q.answer, tokenizer.decode(ids))
+    ids, step_logits, per = reader.answer(program, cache, tokenizer.encode(q.prompt), new_tokens, done)
     text = tokenizer.decode(ids)
     answers.append(
       dict(
@@ -352,16 +371,23 @@ def read(
     per_token.append(per)
     if answered is not None:
       answered(q)
+  timed = [t for t in per_token if not np.isnan(t)]
   return dict(
     answers=answers,
-    logits=np.concatenate(logits),
+    logits=logits,
     tokens=len(tokens),
     prefill_s=seconds,
     answer_s=time.perf_counter() - answering,
-    decode_ms=1e3 * float(np.median(per_token)),
+    decode_ms=1e3 * float(np.median(timed)) if timed else float("nan"),
     compile_s=program.compile_s,
     temp_bytes=program.temp_bytes,
   )
+
+
+def logit_diff(a: list, b: list) -> float:
+  """The largest |a - b| over two readings' logits (`read`), each answer's rows compared
+  as far as both generated."""
+  return max(float(np.abs(x[: len(y)] - y[: len(x)]).max()) for x, y in zip(a, b))
 
 
 def reader_tokens(kind: str, doc: Document, devices: int) -> np.ndarray:
@@ -435,12 +461,30 @@ def run_grid(
   if progress:
     log = bar.write
 
+  # Caches of one capacity per reader, the longest document it reads and the room: the
+  # decode steps then compile once for every length (the local and last-4K readers share
+  # the dense model's; dense, where it reads longer documents than they, has its own).
+  every = [d for docs in documents.values() for d in docs]
+  room = max(room_for(question_lengths(tokenizer, d), new_tokens) for d in every)
+  longest = lambda kinds: max(
+    len(reader_tokens(k, d, devices))
+    for (_, length), docs in documents.items()
+    for k in kinds_at(length)
+    if k in kinds
+    for d in docs
+  )
+  capacity = {k: longest([k]) + room for k in ("ring", "dense") if any(k in kinds_at(n) for n in lengths)}
+  if {"local", "last4k"} & set(readers):
+    capacity["local"] = capacity["last4k"] = longest({"local", "last4k"} & set(readers)) + room
+
+  asked = lambda docs: sorted({n for d in docs for n in question_lengths(tokenizer, d)})
+
   def compile_ring(i):
     if "ring" not in readers or i >= len(keys):
       return None
     docs = documents[keys[i]]
-    q = question_lengths(tokenizer, docs[0])
-    return pool.submit(readers_of["ring"].compile, len(docs[0].tokens), room_for(q, new_tokens), q)
+    q = asked(docs)
+    return pool.submit(readers_of["ring"].compile, len(docs[0].tokens), capacity["ring"], q)
 
   ahead = {keys[0]: compile_ring(0)}
   for task in tasks:
@@ -451,7 +495,12 @@ def run_grid(
       for kind in kinds:
         reader = readers_of[kind]
         bar.set_postfix_str(f"{kind} at {length}: prefill")
-        program = ahead[task, length].result() if kind == "ring" else None
+        if kind == "ring":
+          program = ahead[task, length].result()
+        else:
+          tokens = {len(reader_tokens(kind, d, devices)) for d in docs}
+          q = asked(docs)
+          program = None if len(tokens) > 1 else reader.compile(tokens.pop(), capacity[kind], q)
 
         def answered(q, kind=kind, length=length):
           bar.set_postfix_str(f"{kind} at {length}: depth {q.depth:.2f} answered")
@@ -510,8 +559,8 @@ def run_grid(
       ahead.pop((task, length), None)
       if "dense" in results:
         ring, dense = results["ring"], results["dense"]
-        diff = max(float(np.abs(r["logits"] - d["logits"]).max()) for r, d in zip(ring, dense))
-        scale = max(float(np.abs(d["logits"]).max()) for d in dense)
+        diff = max(logit_diff(r["logits"], d["logits"]) for r, d in zip(ring, dense))
+        scale = max(float(np.abs(x).max()) for d in dense for x in d["logits"])
         pairs = [(a, b) for r, d in zip(ring, dense) for a, b in zip(r["answers"], d["answers"])]
         same = all(a["generated"] == b["generated"] for a, b in pairs)
         report["exact"].append(
@@ -554,7 +603,7 @@ def dense_memory(report: dict, dense_model, room: int = ROOM) -> dict:
   would need where it does not fit."""
   ran = {r["length"]: r["temp_mib"] for r in report["runs"] if r["reader"] == "dense"}
   reader = Reader(dense_model)
-  compiled = lambda t: round(reader.prefill_temp(t - room, room) / 2**20, 1)
+  compiled = lambda t: round(reader.prefill_temp(t - room, t) / 2**20, 1)
   return {int(t): ran[t] if t in ran else compiled(t) for t in report["lengths"]}
 
 

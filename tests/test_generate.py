@@ -203,3 +203,51 @@ def test_decoding_needs_a_cache_and_a_decodable_kind():
 
   with pytest.raises(ValueError, match=r"Flat.prefill returned shape \(27, 5\) for prompts \(3, 9\)"):
     generate(Flat(), PROMPTS, max_new_tokens=2)
+
+
+def test_reader_shares_decode_steps_across_lengths_and_stops_at_the_answer():
+  """The main job's reader (`long_context.Reader`, a small Llama): documents of two
+  lengths read into caches of one capacity share one set of decode steps; a larger cache
+  than the document needs answers the same as a just-large-enough one, and as the full
+  forward over the document, question and answer; `done` stops decoding where it says."""
+  from jax_ring import models
+  from jax_ring.models import long_context
+
+  config = models.LlamaConfig(
+    vocab_size=64,
+    dim=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_hidden=64,
+    context_length=128,
+  )
+  model = models.build(config, attention="dense", rngs=nnx.Rngs(0))
+  reader = long_context.Reader(model)
+  rng = np.random.default_rng(5)
+  doc, question, new = rng.integers(0, 64, 30).astype(np.int32), [7, 8, 9, 10, 11], 4
+  wide = reader.compile(len(doc), 64, [len(question)])
+  other = reader.compile(40, 64, [len(question)])
+  assert other.steps is wide.steps and sorted(wide.steps) == [1, len(question)]
+  assert other.prefill is not wide.prefill
+  snug = reader.compile(len(doc), len(doc) + len(question) + new - 1, [len(question)])
+  assert snug.steps is not wide.steps
+  answers = {}
+  for name, program in (("wide", wide), ("snug", snug)):
+    _, cache, _ = reader.prefill(program, doc)
+    answers[name] = reader.answer(program, cache, question, new)
+  (ids, logits, _), (snug_ids, snug_logits, _) = answers["wide"], answers["snug"]
+  assert len(ids) == new and ids == snug_ids
+  np.testing.assert_allclose(logits, snug_logits, rtol=1e-5, atol=1e-5)
+  # The full forward: the logits at the question's last token and at each generated one
+  # but the last (the rows that gave the ids).
+  whole = np.concatenate([doc, question, ids[:-1]])[None]
+  full = np.asarray(model(jnp.asarray(whole))[0], np.float64)[len(doc) + len(question) - 1 :]
+  assert rel_err(logits, full) < 1e-5
+  assert ids == [int(i) for i in np.argmax(full, axis=-1)]
+  _, cache, _ = reader.prefill(wide, doc)
+  short, short_logits, _ = reader.answer(wide, cache, question, new, done=lambda got: len(got) == 2)
+  assert short == ids[:2] and short_logits.shape[0] == 2
+  assert long_context.is_complete("48213", " 48213.") and not long_context.is_complete("48213", " 4821")
+  assert long_context.is_complete("Oslo", " the secret") and not long_context.is_complete("Oslo", " Oslo")

@@ -60,7 +60,7 @@ def test_harness_answers_ruler_as_the_main_jobs_reader(tmp_path, ring8, dense):
   prompt = [tokenizer.bos_id] + tokenizer.encode(sample["arguments"][0][0])
   assert 300 < len(prompt) <= 512 - 128 and needle in tokenizer.decode(prompt)
   reader = long_context.Reader(dense[0])
-  program = reader.compile(len(prompt), new + 1, [1])
+  program = reader.compile(len(prompt), len(prompt) + new + 1, [1])
   logits, cache, _ = reader.prefill(program, np.asarray(prompt, np.int32))
   first = int(np.argmax(logits))
   rest, _, _ = reader.answer(program, cache, [first], new - 1)

@@ -108,7 +108,7 @@ def main(argv=None):
   if args.decode_length:
     reader = long_context.Reader(ring_model)
     context = args.decode_length - room
-    program = reader.compile(context, room)
+    program = reader.compile(context, args.decode_length)
     _, cache, _ = reader.prefill(program, rng.integers(1000, 200_000, context).astype(np.int32))
     _, _, per_token = reader.answer(program, cache, [2], args.decode_tokens)
     lines.append(f"Ring decode at a {args.decode_length}-token context: {1e3 * per_token:.0f} ms/token.")
