@@ -5,7 +5,7 @@ hidden at five depths; beside it, shard-local attention and the model reading on
 last 4K tokens, and, where it runs, dense attention on one device, whose logits the
 ring's must equal (models.long_context).
 
-Default grid (7.5 minutes on a 2-core CPU): the pass-key task at 4K, 8K, 16K and 32K
+Default grid (6 minutes on a 2-core CPU): the pass-key task at 4K, 8K, 16K and 32K
 tokens, one document per length holding the five needles (each a different kind of
 fact), dense at 4K. --full: the needle in Shakespeare too, one needle per document,
 dense up to 16K (many times the default's work). --quick: 512 and 1024 tokens, two
