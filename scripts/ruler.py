@@ -104,7 +104,6 @@ def main(argv=None) -> dict:
 
   runtime.simulate_devices(args.devices)
   from lm_eval.evaluator import evaluate
-  from lm_eval.tasks import TaskManager
 
   from jax_ring.models import harness
   from jax_ring.models import tokenizer as tokenizer_files
@@ -135,8 +134,8 @@ def main(argv=None) -> dict:
   print(f"loaded {any_lm.path} for {args.readers} in {report['load_s']} s", flush=True)
   for length in args.lengths:
     t0 = time.perf_counter()
-    manager = TaskManager(metadata={"max_seq_lengths": [length], "tokenizer": str(out / "tokenizer")})
-    tasks = manager.load(args.tasks)
+    metadata = {"max_seq_lengths": [length], "tokenizer": str(out / "tokenizer")}
+    tasks = harness.ruler_tasks(args.tasks, metadata)
     report["prepare_s"][str(length)] = round(time.perf_counter() - t0, 1)
     for reader, lm in lms.items():
       t0 = time.perf_counter()

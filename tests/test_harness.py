@@ -42,7 +42,6 @@ def test_harness_answers_ruler_as_the_main_jobs_reader(tmp_path, ring8, dense):
   with the model on one device (the main job's dense reader: its programs compile in
   a third of the ring's time, and the ring equals it by the Gemma tests)."""
   from lm_eval.evaluator import evaluate
-  from lm_eval.tasks import TaskManager
 
   from jax_ring.models import harness
   from jax_ring.models import tokenizer as tokenizer_files
@@ -51,8 +50,7 @@ def test_harness_answers_ruler_as_the_main_jobs_reader(tmp_path, ring8, dense):
   new = 10
   lm = harness.RingLM(loaded=(ring8, tokenizer), devices=8, max_gen_toks=new)
   tokenizer_files.save_tokenizer(tokenizer, tmp_path, context_length=32768)
-  manager = TaskManager(metadata={"max_seq_lengths": [512], "tokenizer": str(tmp_path)})
-  tasks = manager.load(["niah_single_1"])
+  tasks = harness.ruler_tasks(["niah_single_1"], {"max_seq_lengths": [512], "tokenizer": str(tmp_path)})
   results = evaluate(lm, tasks, limit=1, bootstrap_iters=0, log_samples=True)
   (sample,) = results["samples"]["niah_single_1"]
   answer, (needle,) = sample["resps"][0][0], sample["target"]
