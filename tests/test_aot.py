@@ -105,6 +105,7 @@ def test_v5e_8x8_needs_ring_mesh():
   _all_overlapped(aot("--target=v5e:8x8", "--kernel=xla", *SHAPE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["v5e:16x16", "v6e:2x4"])  # v5p: the Mosaic test below
 def test_ring_mesh_overlaps_every_ring_step_on_other_slices(target):
   """ring_mesh on the other slices with the XLA tiles (4K tokens a chip on the
@@ -116,6 +117,7 @@ def test_ring_mesh_overlaps_every_ring_step_on_other_slices(target):
   _all_overlapped(aot(f"--target={target}", "--kernel=xla", f"--seq-len={per_chip * devices}", *SHAPE[1:]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["v5p:4x4x4", "v6e:2x4"])
 def test_mosaic_kernels_overlap_and_split_over_tensorcores(target):
   """The Pallas (Mosaic) kernels on v5p and v6e: every ring step's compute under its
@@ -202,6 +204,7 @@ def test_max_length_bisects_compiled_memory():
   assert used(aot(*options, f"--seq-len={longest + 131072}")) > 0.8
 
 
+@pytest.mark.slow
 def test_training_step_of_a_named_model_on_h100x8():
   """--model qwen3-0.6b --train at 32K tokens on 8 x H100: one whole AdamW step with
   FSDP, remat and the vocabulary rings compiles, reports its memory (the peak is

@@ -320,6 +320,7 @@ def test_chunked_cross_entropy_holds_no_full_logits():
   assert temp(chunked) < logits / 2
 
 
+@pytest.mark.slow
 def test_feed_forward_in_chunks_equals_it_whole(monkeypatch):
   """A block's feed-forward run over each device's tokens in chunks (`FF_TOKENS` 4: 2
   or 4 chunks of 4 tokens a device) gives the AdamW step the whole one gives (FSDP,

@@ -62,6 +62,7 @@ def no_noise(out: str) -> str:
   return "\n".join(line for line in out.splitlines() if "[Gloo]" not in line)
 
 
+@pytest.mark.slow
 def test_attention_across_two_processes():
   code, out = run("--timeout=220", "--", "tests/multihost_worker.py")
   assert code == 0, no_noise(out)[-4000:]
@@ -182,6 +183,7 @@ def _checkpoints(folder) -> list[int]:
   return sorted(int(p.name) for p in Path(folder).iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow
 def test_training_across_processes_layouts_and_a_killed_process(tmp_path):
   common = [*TRAIN, f"--steps={STEPS}", f"--ckpt-every={EVERY}", "--ckpt-keep=0", "--resume"]
   # One process x 8 devices: the uninterrupted run, and a checkpoint at step 5.
