@@ -164,11 +164,3 @@ def _release_compiled_programs():
   a run), and the two workers, with the processes some tests start, share 24 GB."""
   yield
   jax.clear_caches()
-
-
-def pytest_collection_modifyitems(items):
-  """Tests marked slow (20 s and more here) start first, the rest in their order: one
-  collected last would leave a worker running it alone at the end of the suite while
-  the other idles. (pytest-xdist's loadgroup sends the real model's group, its largest
-  unit, first anyway.)"""
-  items.sort(key=lambda item: item.get_closest_marker("slow") is None)

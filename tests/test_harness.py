@@ -11,7 +11,7 @@ from conftest import make_mesh
 from jax_ring import models
 from jax_ring.models import long_context
 
-pytestmark = pytest.mark.slow  # started first (conftest): the RULER test takes about a minute
+pytestmark = pytest.mark.slow  # the RULER test takes about a minute
 
 
 @pytest.fixture(scope="module")
