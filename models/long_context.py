@@ -157,19 +157,20 @@ def make_document(tokenizer, task: str, length: int, depths, seed: int = 0) -> D
   return Document(task, np.asarray(out, np.int32), qs)
 
 
+def _word(expected: str) -> tuple[str, str]:
+  """(what an answer's first word is, what ends it): digits for a number, else letters."""
+  return (r"\d+", r"\D") if expected.isdigit() else (r"[A-Za-z]+", r"[^A-Za-z]")
+
+
 def is_complete(expected: str, generated: str) -> bool:
   """Whether `generated` holds its first word (number, for a number) whole: something
   that cannot continue it follows it, so no further token changes `is_right`."""
-  pattern = r"\d+\D" if expected.isdigit() else r"[A-Za-z]+[^A-Za-z]"
-  return re.search(pattern, generated) is not None
+  return re.search("".join(_word(expected)), generated) is not None
 
 
 def is_right(expected: str, generated: str) -> bool:
   """The answer is the first word (a number: the first number) the model generates."""
-  if expected.isdigit():
-    match = re.search(r"\d+", generated)
-    return match is not None and match.group(0) == expected
-  match = re.search(r"[A-Za-z]+", generated)
+  match = re.search(_word(expected)[0], generated)
   return match is not None and match.group(0).lower() == expected.lower()
 
 
@@ -461,21 +462,16 @@ def run_grid(
   if progress:
     log = bar.write
 
-  # Caches of one capacity per reader, the longest document it reads and the room: the
-  # decode steps then compile once for every length (the local and last-4K readers share
-  # the dense model's; dense, where it reads longer documents than they, has its own).
+  # Caches of one capacity per reader (the ring's model, the dense model's for the
+  # local, last-4K and dense readers): the longest document it reads and the room, so
+  # that its decode steps compile once for every length.
   every = [d for docs in documents.values() for d in docs]
   room = max(room_for(question_lengths(tokenizer, d), new_tokens) for d in every)
-  longest = lambda kinds: max(
-    len(reader_tokens(k, d, devices))
-    for (_, length), docs in documents.items()
-    for k in kinds_at(length)
-    if k in kinds
-    for d in docs
-  )
-  capacity = {k: longest([k]) + room for k in ("ring", "dense") if any(k in kinds_at(n) for n in lengths)}
-  if {"local", "last4k"} & set(readers):
-    capacity["local"] = capacity["last4k"] = longest({"local", "last4k"} & set(readers)) + room
+  capacity = {}
+  for (_, length), docs in documents.items():
+    for kind in kinds_at(length):
+      r = readers_of[kind]
+      capacity[r] = max(capacity.get(r, 0), len(reader_tokens(kind, docs[0], devices)) + room)
 
   asked = lambda docs: sorted({n for d in docs for n in question_lengths(tokenizer, d)})
 
@@ -484,7 +480,7 @@ def run_grid(
       return None
     docs = documents[keys[i]]
     q = asked(docs)
-    return pool.submit(readers_of["ring"].compile, len(docs[0].tokens), capacity["ring"], q)
+    return pool.submit(readers_of["ring"].compile, len(docs[0].tokens), capacity[readers_of["ring"]], q)
 
   ahead = {keys[0]: compile_ring(0)}
   for task in tasks:
@@ -497,10 +493,9 @@ def run_grid(
         bar.set_postfix_str(f"{kind} at {length}: prefill")
         if kind == "ring":
           program = ahead[task, length].result()
-        else:
-          tokens = {len(reader_tokens(kind, d, devices)) for d in docs}
-          q = asked(docs)
-          program = None if len(tokens) > 1 else reader.compile(tokens.pop(), capacity[kind], q)
+        else:  # a length's documents all have its number of tokens (make_document)
+          n = len(reader_tokens(kind, docs[0], devices))
+          program = reader.compile(n, capacity[reader], asked(docs))
 
         def answered(q, kind=kind, length=length):
           bar.set_postfix_str(f"{kind} at {length}: depth {q.depth:.2f} answered")
