@@ -8,6 +8,7 @@ __version__ = "0.2.0"
 
 from jax_ring import hlo, layouts
 from jax_ring._attention import ring_attention, ring_attention_shard
+from jax_ring._choice import KernelChoice, choose_kernel
 from jax_ring._decode import (
   KVCache,
   decode_attention,
@@ -19,7 +20,6 @@ from jax_ring._decode import (
 from jax_ring._dilated import dilated_attention
 from jax_ring._merge import merge_attention
 from jax_ring._mods import alibi_slopes
-from jax_ring._pallas import KernelChoice, choose_kernel
 from jax_ring._policy import PRESETS, Policy, policy_for
 from jax_ring._reference import reference_attention, reference_dilated_attention
 from jax_ring._tiles import BlockSizes

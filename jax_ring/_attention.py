@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_ring import _mosaic, _pallas, _ulysses, _validation, layouts
+from jax_ring import _choice, _mosaic, _pallas, _ulysses, _validation, layouts
 from jax_ring._kernel import MaskSpec
 from jax_ring._mesh import (
   call_on_mesh,
@@ -27,7 +27,7 @@ from jax_ring._mesh import (
 )
 from jax_ring._mods import NO_MODS, ScoreArgs, ScoreMods, first_index, with_sinks
 from jax_ring._policy import Policy, get_policy
-from jax_ring._ring import RingConfig, ring, schedule
+from jax_ring._ring import RingConfig, cudnn_problem, ring, schedule
 from jax_ring._tiles import (
   BlockSizes,
   check_block_sizes,
@@ -176,8 +176,10 @@ def ring_attention_shard(
   args = None
   if mods.active:
     args = ScoreArgs(slopes, seed, jnp.asarray(head0, jnp.int32), jnp.asarray(batch0, jnp.int32))
-  policy = get_policy(policy, traced_device())
-  choice = _pallas.choose_kernel(kernel, mesh_platform(), query.shape[-1], policy)
+  device = traced_device()
+  policy = get_policy(policy, device)
+  kind = getattr(device, "device_kind", None)
+  choice = _choice.choose_kernel(kernel, mesh_platform(), query.shape[-1], policy, device_kind=kind)
   if choice.interpret:
     _pallas.check_vma_off(query, "ring_attention_shard")
   with jax.named_scope("jax_ring.ring_attention_shard"):
@@ -207,6 +209,7 @@ def ring_attention_shard(
       valid_lengths=_valid_lengths,
       mods=mods,
       args=args,
+      lse_out=return_residual or sinks is not None,
     )
     if sinks is not None:
       out, lse = with_sinks(out, lse, sinks)
@@ -237,9 +240,10 @@ def _ring_shard(
   block_sizes,
   unbatched,
   valid_lengths,
-  kernel: _pallas.KernelChoice,
+  kernel: _choice.KernelChoice,
   mods: ScoreMods = NO_MODS,
   args: ScoreArgs | None = None,
+  lse_out: bool = False,
 ):
   """The ring on checked rank-4 shards: positions (None: the layout's) to masks, the
   tiles padded, and (output, lse) of the T local queries."""
@@ -258,26 +262,45 @@ def _ring_shard(
     q_pos = jnp.where(q_pos < valid_lengths[0], q_pos, -1)
     k_pos = jnp.where(k_pos < valid_lengths[1], k_pos, -1)
   q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, q_pos, k_pos)
-  use_pallas = kernel.kernel == "pallas"
+  use = kernel.kernel
+  auto = kernel.auto
+  if use == "cudnn":
+    why = cudnn_problem(
+      is_causal=is_causal,
+      window=window,
+      has_padding=has_padding,
+      segments=q_seg is not None or kv_seg is not None,
+      layout=layout,
+      custom=custom,
+      t=t,
+      s=s,
+      mods=mods,
+      lse_out=lse_out,
+    )
+    if why is not None:
+      use, auto = _from_cudnn(kernel, why, query.shape[3], policy), True
+  use_pallas = use == "pallas"
   why = mods.pallas_problem()
   if use_pallas and why is not None:
-    if not kernel.auto:
+    if not auto:
       raise ValueError(f"kernel='pallas': {why}; use kernel='auto' or 'xla'")
-    _pallas.log_fallback(why)
+    _choice.log_fallback(why)
     use_pallas = False
-  if use_pallas:
+  if use == "cudnn":  # one block of the whole shard: cuDNN tiles it itself
+    padded_t, padded_s, bq, bk = t, s, t, s
+  elif use_pallas:
     bq = block_sizes.block_q or _pallas.block_for(t)
     bk = block_sizes.block_kv or _pallas.block_for(s)
     padded_t, padded_s = -(-t // bq) * bq, -(-s // bk) * bk
     problem = _pallas.blocks_problem(padded_t, padded_s, query.shape[3], bq, bk)
     if problem is None and mesh_platform() == "tpu":
       problem = _mosaic.blocks_problem(padded_t, padded_s, bq, bk)
-    if problem is not None and not kernel.auto:
+    if problem is not None and not auto:
       raise ValueError(f"kernel='pallas': {problem}")
     if problem is not None:
-      _pallas.log_fallback(problem)
+      _choice.log_fallback(problem)
       use_pallas = False
-  if not use_pallas:
+  if use != "cudnn" and not use_pallas:
     tile_layout = None if custom else layout
     padded_t, bq, _ = local_blocks(t, block_sizes, layout=tile_layout)
     padded_s, _, bk = local_blocks(s, block_sizes, layout=tile_layout)
@@ -294,13 +317,14 @@ def _ring_shard(
   back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
   groups = block_sizes.head_groups(key.shape[2], max(padded_t, padded_s))
   rows = b * query.shape[2] // groups
+  kernel_name = "cudnn" if use == "cudnn" else "pallas" if use_pallas else "xla"
   quadrants = None
-  if not use_pallas and is_causal and window is None and layout == "zigzag" and t == s:
+  if kernel_name == "xla" and is_causal and window is None and layout == "zigzag" and t == s:
     plain = not (has_padding or mods.active or q_seg is not None or kv_seg is not None)
     quadrants = quadrant_tiles(t, rows, block_sizes) if plain else None
   if quadrants is not None:
     bq, bk = quadrants
-  elif not use_pallas:  # the XLA tiles hold whole score tiles in memory; the kernel's stay on chip
+  elif kernel_name == "xla":  # the XLA tiles hold whole score tiles in memory; the kernels' stay on chip
     bq, bk = fit_tile_budget(bq, bk, rows, block_sizes)
   cfg = RingConfig(
     axis_name=axis_name,
@@ -313,12 +337,26 @@ def _ring_shard(
     steps_back=back,
     steps_fwd=fwd,
     head_groups=groups,
-    kernel="pallas" if use_pallas else "xla",
+    kernel=kernel_name,
     mods=mods,
     quadrants=quadrants is not None,
   )
   out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg, args)
   return out[:, :t], lse[:, :t]
+
+
+def _from_cudnn(kernel: _choice.KernelChoice, why: str, head_dim: int, policy) -> str:
+  """The kernel a call runs where cuDNN cannot take it: the Pallas kernel on a GPU that
+  supports it, else the XLA tiles; logged ("auto") or warned (kernel="cudnn")."""
+  platform = mesh_platform()
+  pallas_why = _pallas.unsupported(platform, head_dim, policy)
+  use = "pallas" if pallas_why is None and platform != "cpu" else "xla"
+  name = "the Pallas kernel" if use == "pallas" else "the XLA tiles"
+  if kernel.asked == "cudnn":
+    _choice.warn_fallback(why, name)
+  else:
+    _choice.log_fallback(why, name)
+  return use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -592,14 +630,20 @@ def ring_attention(
       the layout. N (per head_axis shard) must divide by u; K/V heads are split, or
       repeated as little as needed when u does not divide K. Put it on the faster
       interconnect (inside a host): see the README's "Ulysses hybrid".
-    kernel: the block kernel each ring step runs: "auto" (the XLA tiles on CPU, the
-      Pallas kernel on a GPU or TPU where it supports the call, else the XLA tiles;
-      the reason is logged at INFO on the "jax_ring" logger and returned by
-      `jax_ring.choose_kernel`), "xla", or "pallas" (interpret mode on a CPU mesh; a
-      ValueError where unsupported: head_dim not a power of two in [16, 256], a
-      compute dtype other than float32 / bfloat16 / float16, `block_sizes` that are
-      not powers of two >= 16). With the Pallas kernel, local lengths are padded to
-      its block (a power of two, 16 to 128, unless `block_sizes` gives one).
+    kernel: the block kernel each ring step runs: "auto" (the XLA tiles on CPU; on
+      an NVIDIA GPU cuDNN's fused attention where it takes the call, else the Pallas
+      kernel where it supports it, as on a TPU, else the XLA tiles; each reason is
+      logged at INFO on the "jax_ring" logger and returned by `jax_ring.choose_kernel`),
+      "xla", "pallas" (interpret mode on a CPU mesh; a ValueError where unsupported:
+      head_dim not a power of two in [16, 256], a compute dtype other than float32 /
+      bfloat16 / float16, `block_sizes` that are not powers of two >= 16), or "cudnn"
+      (each ring step one call of cuDNN's fused attention, bfloat16 or float16 inputs,
+      statistics and merges in float32; a ValueError off NVIDIA GPUs; on one, what
+      cuDNN cannot take falls back to the Pallas kernel with a warning that says why:
+      segment ids, windows, padding, score modifiers, a returned lse or sinks, causal
+      attention outside the contiguous and zigzag layouts, float32 inputs, head dims
+      not a multiple of 8 up to 256). With the Pallas kernel, local lengths are padded
+      to its block (a power of two, 16 to 128, unless `block_sizes` gives one).
     logit_soft_cap: float c: scaled logits s become c * tanh(s / c) (Gemma 2: 50.0).
     sinks: float [N]: per query head, the logit of a virtual key of value 0 that joins
       every row's softmax (gpt-oss's attention sinks); differentiable. With
@@ -686,7 +730,8 @@ def ring_attention(
   policy = get_policy(policy, mesh.devices.flat[0])
   # Checked here, for the mesh's platform (a ValueError before anything is traced);
   # each shard's call chooses again, "auto" falling back where its blocks do not suit.
-  _pallas.choose_kernel(kernel, mesh.devices.flat[0].platform, query.shape[-1], policy)
+  first = mesh.devices.flat[0]
+  _choice.choose_kernel(kernel, first.platform, query.shape[-1], policy, device_kind=first.device_kind)
   gc = GlobalConfig(
     mesh,
     seq_axis,

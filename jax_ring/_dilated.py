@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_ring import _pallas, _validation
+from jax_ring import _choice, _pallas, _validation
 from jax_ring._kernel import MaskSpec, expose_floored
 from jax_ring._mesh import call_on_mesh, constrain, output_spec, pad_seq, place_on_mesh, usable_mesh
 from jax_ring._policy import Policy, get_policy
@@ -494,7 +494,7 @@ def dilated_attention(
     _validation.notice_mesh(mesh, "dilated_attention", seq_axis, (seq_axis, batch_axis), t)
     policy = get_policy(policy, mesh.devices.flat[0])
   platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
-  choice = _pallas.choose_kernel(kernel, platform, h, policy)
+  choice = _choice.choose_kernel(kernel, platform, h, policy, kernels=("auto", "xla", "pallas"))
   shard, patterns = plan(t, devices, lengths, rates)
   cfg = DilatedConfig(
     axis_name=None if mesh is None else seq_axis,

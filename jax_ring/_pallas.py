@@ -19,15 +19,15 @@ The kernels run on CPU in interpret mode (`interpret=True`), which is how they a
 tested here; `jax.export` with `platforms=("cuda",)` lowers them to Triton without a GPU.
 
 Also here: what the TPU kernels (`_mosaic`) share (`mask_of`, `hidden`, `scores`,
-`dot`, `out_shape`) and which kernel a call runs (`choose_kernel`); the ring calls
-the kernels through `_ring._run_kernel`, per platform.
+`dot`, `out_shape`) and why the kernels cannot take a call (`unsupported`, used by
+`_choice.choose_kernel`); the ring calls the kernels through `_ring._run_kernel`, per
+platform.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,6 @@ from jax.sharding import ManualAxisType
 
 from jax_ring._kernel import MaskSpec, finalize, floor_scores
 from jax_ring._kernel import block_bounds as _tile_bounds
-from jax_ring._policy import get_policy
 
 # Triton wants power-of-two tiles of at least 16 rows for its dot.
 MIN_BLOCK = 16
@@ -46,30 +45,10 @@ MIN_BLOCK = 16
 # program, the size the Pallas GPU attention in jax uses).
 MAX_BLOCK = 128
 MAX_HEAD_DIM = 256
-KERNELS = ("auto", "xla", "pallas")
 # Platforms with a Pallas kernel here: GPUs run this module's (Triton) kernels, TPUs
 # `_mosaic`'s; "cpu" interprets them (asked for by name only).
 _PALLAS_PLATFORMS = ("gpu", "cuda", "rocm", "tpu", "cpu")
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-_log = logging.getLogger("jax_ring")
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelChoice:
-  """Which block kernel a ring attention call runs, and why.
-
-  Attributes:
-    kernel: "xla" (the XLA tiles of `_kernel`) or "pallas" (this module's kernels).
-    reason: one sentence: why this kernel, and for "auto" falling back to "xla" on an
-      accelerator, what the Pallas kernel does not support.
-    interpret: the Pallas kernel runs in interpret mode (a CPU mesh).
-  """
-
-  kernel: str
-  reason: str
-  interpret: bool = False
-  auto: bool = False  # chosen by "auto": a call whose blocks the kernel cannot take falls back
 
 
 def check_vma_off(x, caller: str) -> None:
@@ -101,42 +80,6 @@ def unsupported(platform: str, head_dim: int, policy) -> str | None:
   if policy.accum_dtype != jnp.float32:
     return f"accumulation dtype {policy.accum_dtype}: the Pallas kernel accumulates in float32"
   return None
-
-
-def log_fallback(why: str) -> None:
-  _log.info("jax_ring: kernel='auto' runs the XLA tiles: %s", why)
-
-
-def choose_kernel(kernel: str, platform: str, head_dim: int, policy=None) -> KernelChoice:
-  """The kernel a call runs: `kernel` is "auto", "xla" or "pallas"; `policy` a Policy,
-  a preset name, or None (the preset of a device of `platform`: float32 on CPU,
-  bfloat16 on GPU and TPU).
-
-  "auto" picks the XLA tiles on CPU (the Pallas kernel runs there only interpreted)
-  and the Pallas kernel on a GPU or TPU when `unsupported` finds nothing, else the XLA tiles,
-  logging the reason at INFO on the "jax_ring" logger (and, later, where the call's
-  `BlockSizes` do not suit the kernel). "pallas" raises a ValueError naming what is
-  unsupported; on CPU it runs in interpret mode."""
-  if not isinstance(kernel, str) or kernel not in KERNELS:
-    raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
-  if kernel == "xla":
-    return KernelChoice("xla", "kernel='xla' was asked for")
-  if policy is None:
-    policy = "float32" if platform == "cpu" else "bfloat16"
-  why = unsupported(platform, head_dim, get_policy(policy))
-  if kernel == "pallas":
-    if why is not None:
-      raise ValueError(f"kernel='pallas': {why}")
-    interpret = platform == "cpu"
-    return KernelChoice(
-      "pallas", "kernel='pallas' was asked for" + (" (interpret mode on CPU)" if interpret else ""), interpret
-    )
-  if platform == "cpu":
-    return KernelChoice("xla", "auto on CPU: the XLA tiles (the Pallas kernel would run interpreted)")
-  if why is not None:
-    log_fallback(why)
-    return KernelChoice("xla", f"auto: {why}")
-  return KernelChoice("pallas", f"auto on {platform}: the Pallas kernel supports this call", auto=True)
 
 
 def blocks_problem(tq: int, tk: int, head_dim: int, block_q: int, block_k: int) -> str | None:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_ring import _mosaic, _pallas
+from jax_ring import _cudnn, _mosaic, _pallas
 from jax_ring._kernel import (
   Bounds,
   KVBlocks,
@@ -422,6 +422,8 @@ def ring_forward_state(cfg: RingConfig, x: Inputs):
   """(out, lse) in accumulation dtype, blocked: [nq, B, K, G, bq, H], [nq, B, K, G, bq]."""
   if cfg.kernel == "pallas":
     return _pallas_forward_state(cfg, x)
+  if cfg.kernel == "cudnn":
+    return _cudnn_forward_state(cfg, x)
   pol = cfg.policy
   # From the queries, not constant zeros: Gemma 3 270M's prefill at 32K tokens on 8
   # devices held 17 copies of a constant accumulator from its start, 16 MiB each.
@@ -439,14 +441,18 @@ def ring_forward_state(cfg: RingConfig, x: Inputs):
   return finalize(*_forward_passes(cfg, compute, _traveling(x.kv), (o, m, l)))
 
 
-def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
+def ring_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta, out=None):
   """dq, dk, dv (blocked, accumulation dtype) given the blocked dO, lse and delta.
 
   delta is sum(dO * O) over the head dim, minus the cotangent of lse if lse is an
   output too (d lse_i / d s_ij = p_ij enters the score gradient like -delta does).
+  `out`: the blocked output O, which the cuDNN kernel takes in delta's place (it
+  computes sum(dO * O) itself, so its calls never have an lse cotangent: `cudnn_problem`).
   """
   if cfg.kernel == "pallas":
     return _pallas_backward_state(cfg, x, do, lse, delta)
+  if cfg.kernel == "cudnn":
+    return _cudnn_backward_state(cfg, x, do, lse, out)
   pol = cfg.policy
   # [nq, B, K, G, bq, H] -> [nq, B, K, H, G, bq]: the layout the dK and dV products take.
   heads_first = lambda x: jnp.moveaxis(x, -1, -3)
@@ -728,6 +734,189 @@ def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   return _q_blocked(dq, x.q) * scale, _kv_blocked(dk, cfg.block_kv), _kv_blocked(dv, cfg.block_kv)
 
 
+def cudnn_problem(*, is_causal, window, has_padding, segments, layout, custom, t, s, mods, lse_out):
+  """Why cuDNN cannot run this call's ring steps (None: it can). cuDNN's masks are
+  "whole" and "causal" on rows (`_cudnn`): each step must be one rectangle of its
+  queries and keys under one of them (`_CUDNN_KINDS`), which the contiguous and zigzag
+  layouts give for causal attention and every layout gives for full attention."""
+  if segments:
+    return "segment ids: cuDNN's masks here are causal or none"
+  if has_padding:
+    return (
+      "padding (a length the layout does not divide, or per-row lengths): cuDNN's masks take no positions"
+    )
+  if window is not None:
+    return "local_window_size: cuDNN's sliding window counts from each block's own first key"
+  if mods.active:
+    return f"cuDNN does not apply {', '.join(mods.names())} (the XLA tiles do)"
+  if lse_out:
+    return "the lse is an output (return_residual or sinks): cuDNN's backward takes no cotangent for it"
+  if is_causal and (custom or layout not in ("contiguous", "zigzag")):
+    how = "custom positions" if custom else f"the {layout} layout"
+    return (
+      f"causal attention with {how}: only the contiguous and zigzag layouts make each step one cuDNN call"
+    )
+  if is_causal and t != s:
+    return f"causal attention with key length {s} != query length {t}"
+  return None
+
+
+# A cuDNN ring step is one call on one rectangle of the step's (queries, keys), chosen
+# from the positions (`_cudnn_kind`): the kinds, with the query rows, key rows and mask
+# of their call ("whole": every query sees every key; "causal": query row i sees key
+# row j <= i, cuDNN's CAUSAL aligned at the top left). Queries and keys are in
+# ascending positions within a shard in the contiguous and zigzag layouts
+# (`cudnn_problem`), which makes "causal" on rows the causal mask on positions.
+_CUDNN_KINDS = (
+  ("hidden", None, None, None),
+  ("whole", "all", "all", False),
+  ("keys_first", "all", "first", False),  # zigzag: the shard's keys are earlier, by one chunk
+  ("queries_second", "second", "all", False),  # zigzag: the shard's keys are later, by one chunk
+  ("causal", "all", "all", True),  # the own shard (its queries' positions are its keys')
+  ("causal_second", "second", "all", True),  # the later half of the own keys (OwnHalves)
+)
+
+
+def _rows(x, which: str, axis: int = 2):
+  """All rows of x along `axis`, its first half or its second half."""
+  n = x.shape[axis]
+  match which:
+    case "all":
+      return x
+    case "first":
+      return lax.slice_in_dim(x, 0, n // 2, axis=axis)
+    case "second":
+      return lax.slice_in_dim(x, n // 2, n, axis=axis)
+  raise ValueError(f"Unsupported rows {which!r}")
+
+
+def _put_rows(x, which: str, new, axis: int = 2):
+  """x with `_rows(x, which)` replaced by `new`."""
+  if which == "all":
+    return new
+  start = 0 if which == "first" else x.shape[axis] - new.shape[axis]
+  return lax.dynamic_update_slice_in_dim(x, new, start, axis=axis)
+
+
+def _cudnn_kind(cfg: RingConfig, q_pos, k_pos):
+  """The index in `_CUDNN_KINDS` of the one call a step runs, from the positions of
+  its queries [T] and keys [S]: each kind's condition is that its rectangle is exactly
+  what the causal mask lets through. None matching (which the admitted layouts never
+  give) is len(_CUDNN_KINDS): the step's output is NaN, never a wrong number. Full
+  attention is always "whole" (a Python int)."""
+  if not cfg.mask.is_causal:
+    return 1
+  t, s = q_pos.shape[0], k_pos.shape[0]
+  lo, hi = jnp.min, jnp.max
+  half = lambda x, which: _rows(x, which, axis=0)
+  conditions = [
+    hi(q_pos) < lo(k_pos),
+    lo(q_pos) >= hi(k_pos),
+    (lo(q_pos) >= hi(half(k_pos, "first"))) & (hi(q_pos) < lo(half(k_pos, "second")))
+    if s % 2 == 0
+    else False,
+    (hi(half(q_pos, "first")) < lo(k_pos)) & (lo(half(q_pos, "second")) >= hi(k_pos))
+    if t % 2 == 0
+    else False,
+  ]
+  if s <= t:
+    later = q_pos[s:]
+    conditions.append(jnp.all(q_pos[:s] == k_pos) & (True if s == t else lo(later) >= hi(k_pos)))
+  else:
+    conditions.append(False)
+  if 2 * s == t:
+    conditions.append(jnp.all(half(q_pos, "second") == k_pos) & (hi(half(q_pos, "first")) < lo(k_pos)))
+  else:
+    conditions.append(False)
+  kind = jnp.int32(len(_CUDNN_KINDS))
+  for i in reversed(range(len(conditions))):
+    kind = jnp.where(conditions[i], i, kind)
+  return kind
+
+
+def _cudnn_branches(t: int, s: int):
+  """The kinds a step of t queries against s keys may be (the others' rectangles do
+  not exist at these lengths): (index, kind) pairs, for `lax.switch`."""
+  usable = []
+  for i, (name, rows_q, rows_k, _) in enumerate(_CUDNN_KINDS):
+    if (rows_q == "second" and t % 2) or (rows_k == "first" and s % 2):
+      continue
+    if name == "causal" and s > t or name == "causal_second" and 2 * s != t:
+      continue
+    usable.append(i)
+  return usable
+
+
+def _cudnn_step(cfg: RingConfig, kind, run, hidden, *args):
+  """run(kind's call) through `lax.switch` over the kinds a step can be, `hidden(*args)`
+  for no call, and NaNs where no kind matched."""
+  if isinstance(kind, int):
+    return run(_CUDNN_KINDS[kind], *args)
+  t, s = args[0].shape[2], args[1].shape[2]
+  usable = _cudnn_branches(t, s)
+  branches = [hidden if i == 0 else functools.partial(run, _CUDNN_KINDS[i]) for i in usable]
+  branches.append(lambda *a: jax.tree.map(lambda x: x * jnp.nan, hidden(*a)))
+  index = jnp.full((len(_CUDNN_KINDS) + 1,), len(usable), jnp.int32)
+  index = index.at[jnp.asarray(usable)].set(jnp.arange(len(usable), dtype=jnp.int32))
+  return lax.switch(index[kind], branches, *args)
+
+
+def _cudnn_forward_state(cfg: RingConfig, x: Inputs):
+  """ring_forward_state with cuDNN's fused attention: each step one call (`_CUDNN_KINDS`),
+  its (out, lse) in float32 merged exactly into the running pair's rows it covers."""
+  q, q_pos, _, kv = _pallas_args(x)
+  out = zeros_from(q, jnp.float32, x.kv.k)
+  lse = jnp.full_like(out, -jnp.inf, shape=q.shape[:-1])
+
+  def run(kind, q, k, v, out, lse):
+    _, rows_q, rows_k, causal = kind
+    o, l = _cudnn.forward(_rows(q, rows_q), _rows(k, rows_k), _rows(v, rows_k), causal=causal)
+    mo, ml = merge_local([_rows(out, rows_q), o], [_rows(lse, rows_q), l])
+    return _put_rows(out, rows_q, mo), _put_rows(lse, rows_q, ml)
+
+  def compute(kv, acc):
+    kv = _as_compute(kv, cfg.policy)
+    kind = _cudnn_kind(cfg, q_pos, kv.pos)
+    return _cudnn_step(cfg, kind, run, lambda q, k, v, out, lse: (out, lse), q, kv.k, kv.v, *acc)
+
+  out, lse = _forward_passes(cfg, compute, kv, (out, lse))
+  return _q_blocked(out, x.q), _q_blocked(lse, x.q)
+
+
+def _cudnn_backward_state(cfg: RingConfig, x: Inputs, do, lse, out):
+  """ring_backward_state with cuDNN's fused attention: each step's call's backward from
+  the global output and lse, its dq, dk and dv added in float32 to the rows it covers."""
+  q, q_pos, _, kv = _pallas_args(x)
+  do, lse, out = _q_natural(do), _q_natural(lse), _q_natural(out)
+  dq = zeros_varying_like(q.shape, jnp.float32, x.q, x.kv.k)
+  zeros_kv = lambda: (
+    zeros_varying_like(kv.k.shape, jnp.float32, x.q, x.kv.k),
+    zeros_varying_like(kv.v.shape, jnp.float32, x.q, x.kv.v),
+  )
+
+  def run(kind, q, k, v, dq, dk, dv):
+    _, rows_q, rows_k, causal = kind
+    qs = lambda a: _rows(a, rows_q)
+    gq, gk, gv = _cudnn.backward(
+      qs(q), _rows(k, rows_k), _rows(v, rows_k), qs(out), qs(do), qs(lse), causal=causal
+    )
+    add = lambda acc, rows, g: _put_rows(acc, rows, _rows(acc, rows) + g)
+    return add(dq, rows_q, gq), add(dk, rows_k, gk), add(dv, rows_k, gv)
+
+  def compute(kv, dkv, dq):
+    kv = _as_compute(kv, cfg.policy)
+    kind = _cudnn_kind(cfg, q_pos, kv.pos)
+    hidden = lambda q, k, v, dq, dk, dv: (dq, dk, dv)
+    dq, dk, dv = _cudnn_step(cfg, kind, run, hidden, q, kv.k, kv.v, dq, *dkv)
+    return dq, (dk, dv)
+
+  cut = lambda kv, i: KVBlocks(_half(kv.k, i, 2), _half(kv.v, i, 2), _half(kv.pos, i, 0), None)
+  own = own_halves(cfg, kv, cut, zeros_kv, 2, kv.k.shape[2], 1)
+  (dk, dv), dq = _backward_passes(cfg, compute, kv, zeros_kv, dq, own)
+  scale = jnp.asarray(cfg.scale, jnp.float32)
+  return _q_blocked(dq, x.q) * scale, _kv_blocked(dk, cfg.block_kv), _kv_blocked(dv, cfg.block_kv)
+
+
 def _head_groups(cfg: RingConfig, q, k):
   """(number of groups, query heads per group, kv heads per group)."""
   groups = cfg.head_groups
@@ -819,7 +1008,10 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
     nq, b, kh, grp, bq, h = x.q.shape
     do = block_q(_heads(g_out, j, wq).astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
     rows = lambda r: block_rows(_heads(r, j, wq).reshape(b, -1, kh, grp), bq)
-    gq, gk, gv = ring_backward_state(cfg, x, do, rows(res.lse), rows(delta_all))
+    out = None
+    if cfg.kernel == "cudnn":
+      out = block_q(_heads(res.out, j, wq).astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
+    gq, gk, gv = ring_backward_state(cfg, x, do, rows(res.lse), rows(delta_all), out)
     new = [unblock_q(gq[..., :h] if cfg.mods.alibi else gq).reshape(q.shape), unblock_kv(gk), unblock_kv(gv)]
     widths = [wq, wk, wk]
     if cfg.mods.alibi:  # the rows' shares of d loss / d slope, summed over the rows

@@ -338,8 +338,8 @@ class RingAttention(_Cached, _Projected):
       run the ring over `seq_axis` alone, with the KV cache replicated over it.
     is_causal, local_window_size, layout, policy, block_sizes: as in
       `jax_ring.ring_attention`.
-    attention_kernel: `jax_ring.ring_attention`'s `kernel` ("auto", "xla" or
-      "pallas") for training and prompt calls (named apart from Flax's `kernel`, the
+    attention_kernel: `jax_ring.ring_attention`'s `kernel` ("auto", "xla", "pallas"
+      or "cudnn") for training and prompt calls (named apart from Flax's `kernel`, the
       projection weights).
     logit_soft_cap: c: logits become c * tanh(s / c) (Gemma 2: 50.0).
     sinks: True: a learned attention sink per query head (an `nnx.Param` [N], zeros at

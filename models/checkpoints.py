@@ -123,17 +123,20 @@ def build(
   remat: str = "none",
   dtype=None,
   param_dtype="float32",
+  attention_kernel: str = "auto",
   rngs=None,
 ):
   """A model of config `cfg` (`config(name)` or an architecture's config) with random
   weights, placed as `load` places them. Under `nnx.eval_shape` it allocates nothing
   (for compiling ahead of time; `shardings(model)` gives where the weights would be).
-  `attention`, `mesh`, `seq_axis`, `batch_axis`, `fsdp`, `remat`: as in `load`; `dtype`
-  the compute dtype (None: float32), `param_dtype` the weights'."""
+  `attention`, `mesh`, `seq_axis`, `batch_axis`, `fsdp`, `remat`, `attention_kernel`:
+  as in `load`; `dtype` the compute dtype (None: float32), `param_dtype` the weights'."""
   module = _module_of(cfg)
   dtype = _check_options(attention, fsdp, dtype)
   param_dtype = decoder.float_dtype(param_dtype, "param_dtype").name
-  cfg = dataclasses.replace(cfg, attention=attention, dtype=dtype, param_dtype=param_dtype)
+  cfg = dataclasses.replace(
+    cfg, attention=attention, dtype=dtype, param_dtype=param_dtype, attention_kernel=attention_kernel
+  )
   mesh = _default_mesh(mesh, attention, seq_axis)
   model = module.MODEL(
     cfg,
@@ -165,6 +168,7 @@ def load(
   remat: str = "none",
   dtype=None,
   cache_dir=None,
+  attention_kernel: str = "auto",
 ):
   """A pretrained model and its tokenizer: (model, tokenizer).
 
@@ -185,6 +189,8 @@ def load(
       "attention" (its input, attention's output and log-sum-exp).
     dtype: compute and parameter dtype (None: float32).
     cache_dir: where a GGUF file's dequantized tensors are kept (`gguf.cache_root`).
+    attention_kernel: the ring's block kernel, `jax_ring.ring_attention`'s `kernel`
+      ("auto": cuDNN on NVIDIA GPUs, Pallas on TPUs, the XLA tiles on CPU).
 
   Every config or metadata key that changes the computation is applied or refused with
   a ValueError naming it. Tensors are read one at a time, memory-mapped, straight to
@@ -196,7 +202,9 @@ def load(
   if not isinstance(path, (str, os.PathLike)):
     raise TypeError(f"path={path!r} must be a str or os.PathLike naming a GGUF file or a folder")
   path = Path(path)
-  overrides = dict(attention=attention, dtype=dtype, param_dtype=dtype or "float32")
+  overrides = dict(
+    attention=attention, dtype=dtype, param_dtype=dtype or "float32", attention_kernel=attention_kernel
+  )
   if path.is_dir():
     module, cfg, source, table, tokenizer = _open_folder(path, overrides)
   else:
@@ -396,6 +404,13 @@ def _place(module, cfg, source, table, placement, *, where):
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def config_json(cfg) -> dict:
+  """The config.json of a model of config `cfg` (its `architectures`, `model_type` and
+  hyper-parameters, as transformers writes them), without the file's dtype or tokens."""
+  module = _module_of(cfg)
+  return {"architectures": [module.ARCHITECTURE], "model_type": module.MODEL_TYPES[0]} | module.hf_config(cfg)
+
+
 def save(model, folder, *, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
   """`model` in Hugging Face's layout under `folder`: config.json (with `architectures`
   and `model_type`), model.safetensors or shards of at most `max_shard_bytes` (5 GB)
@@ -424,10 +439,8 @@ def save(model, folder, *, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTE
       lambda v=value, h=how: np.ascontiguousarray(_write(np.asarray(jax.device_get(v)), h)),
     )
   hf.write_shards(folder, tensors, max_shard_bytes)
-  dtype = str(state["embed.embedding"][...].dtype)
-  values = {"architectures": [module.ARCHITECTURE], "model_type": module.MODEL_TYPES[0]}
-  values |= module.hf_config(cfg)
-  values["torch_dtype"] = dtype
+  values = config_json(cfg)
+  values["torch_dtype"] = str(state["embed.embedding"][...].dtype)
   if tokenizer is not None:
     values |= dict(
       bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id

@@ -27,6 +27,7 @@ from . import vocab
 from .transformer import GatedMLP
 
 ATTENTION_KINDS = ("ring", "dense", "local")
+KERNELS = ("auto", "xla", "pallas", "cudnn")
 # What each block keeps for the backward pass (`CausalLM`'s `remat`): "none" keeps every
 # activation; "full" its input alone (the rest recomputed); "attention" its input and
 # attention's output and log-sum-exp (jax_ring names them), so the ring's forward is not
@@ -123,6 +124,8 @@ def check_config(config, mesh, seq_axis, extra_ints=()) -> None:
     raise ValueError(f"{cls}.param_dtype=None: expected a float dtype such as 'float32'")
   if config.attention not in ATTENTION_KINDS:
     raise ValueError(f"attention={config.attention!r} is not one of {ATTENTION_KINDS}")
+  if config.attention_kernel not in KERNELS:
+    raise ValueError(f"attention_kernel={config.attention_kernel!r} is not one of {KERNELS}")
   if config.attention != "dense" and not isinstance(mesh, jax.sharding.Mesh):
     raise ValueError(f"attention={config.attention!r} needs mesh= a jax.sharding.Mesh; got {mesh!r}")
   if isinstance(mesh, jax.sharding.Mesh) and seq_axis not in mesh.axis_names:
@@ -172,6 +175,7 @@ def make_attention(config, *, mesh, seq_axis, rngs, batch_axis=None, **options) 
     seq_axis=seq_axis,
     batch_axis=batch_axis if config.attention != "dense" else None,
     is_causal=True,
+    attention_kernel=config.attention_kernel,
     dtype=dt,
     param_dtype=pdt,
     rngs=rngs,

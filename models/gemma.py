@@ -62,6 +62,7 @@ class GemmaConfig:
   context_length: int = 32768
   tie_embeddings: bool = True
   attention: str = "ring"
+  attention_kernel: str = "auto"  # the ring's block kernel (`jax_ring.ring_attention`'s `kernel`)
   dtype: str | None = None  # compute dtype (None: float32)
   param_dtype: str = "float32"
 

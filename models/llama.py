@@ -40,6 +40,7 @@ class LlamaConfig:
   context_length: int = 131072
   tie_embeddings: bool = False
   attention: str = "ring"
+  attention_kernel: str = "auto"  # the ring's block kernel (`jax_ring.ring_attention`'s `kernel`)
   dtype: str | None = None
   param_dtype: str = "float32"
 

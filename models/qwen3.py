@@ -36,6 +36,7 @@ class Qwen3Config:
   context_length: int = 40960
   tie_embeddings: bool = False
   attention: str = "ring"
+  attention_kernel: str = "auto"  # the ring's block kernel (`jax_ring.ring_attention`'s `kernel`)
   dtype: str | None = None
   param_dtype: str = "float32"
 

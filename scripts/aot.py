@@ -86,7 +86,9 @@ def parse_args(argv=None):
   p.add_argument("--kv-heads", type=int, default=8, help="kv heads K (Llama-3-8B: 8)")
   p.add_argument("--head-dim", type=int, default=128, help="head dim H")
   p.add_argument("--dtype", default="bfloat16", help="input dtype")
-  p.add_argument("--kernel", default="auto", choices=["auto", "xla", "pallas"], help="the block kernel")
+  p.add_argument(
+    "--kernel", default="auto", choices=["auto", "xla", "pallas", "cudnn"], help="the block kernel"
+  )
   p.add_argument("--no-causal", action="store_true", help="full attention instead of causal")
   p.add_argument("--forward-only", action="store_true", help="compile the forward pass alone")
   p.add_argument("--make-mesh", action="store_true", help="jax.make_mesh's device order, not ring_mesh's")
@@ -213,7 +215,9 @@ def main(argv=None):
     return 2
   result = {"target": args.target, "kernel": args.kernel, "model": args.model}
   device = mesh.devices.flat[0]
-  choice = choose_kernel(args.kernel, device.platform, args.head_dim, policy_for(device))
+  choice = choose_kernel(
+    args.kernel, device.platform, args.head_dim, policy_for(device), device_kind=device.device_kind
+  )
   result["kernel_resolved"], result["kernel_reason"] = choice.kernel, choice.reason
   if args.max_length:
     budget = (args.budget_gib * 2**30) if args.budget_gib else target.memory_bytes

@@ -1,5 +1,7 @@
 """scripts/bench/bench.py --quick runs end to end on tiny sizes and writes its tables and plots."""
 
+from pathlib import Path
+
 import bench
 import pytest
 from _harness import write_section
@@ -134,3 +136,52 @@ def test_dilated_benchmark_rates_against_the_ring(tmp_path):
   assert gflops > 0 and rss > 0
   assert ratio == pytest.approx(temp / args, rel=0.1)  # of the rounded MiB
   assert bench_dilated.useful_flops(4096, 2, 16, (256, 512), (1, 2)) == 3.5 * 4 * 4096 * (256 + 128) * 2 * 16
+
+
+def test_train_gpu_benchmark_counts_the_flops_of_the_step():
+  """MFU's numerator: 6 x matmul parameters x T + 6 x T^2 x N x H x layers. Llama-3.2-1B
+  has 1,235,814,400 parameters (Meta's model card), of which its 33 RMSNorm scales
+  (67,584) are no matmul and its tied embedding is the head's."""
+  import bench_train_gpu
+
+  from jax_ring import models
+
+  matmul = 1_235_814_400 - 67_584
+  t = 16384
+  expected = 6 * matmul * t + 6 * t * t * 32 * 64 * 16
+  assert bench_train_gpu.flops_per_step(models.config("llama-3.2-1b"), t) == expected
+
+
+@pytest.mark.slow  # 15-25 s: two processes that each compile a training step
+def test_train_gpu_benchmark_writes_its_rows(tmp_path):
+  """The GPU training benchmark on this CPU at its tiny size: a process per row (jax_ring
+  with each remat of "auto", the fastest marked), the PyTorch peer's row saying why it
+  cannot run where torch is not installed, and the JSON the docs' table is made from."""
+  import json
+  import subprocess
+  import sys
+
+  out = tmp_path / "rows.json"
+  cmd = [sys.executable, "scripts/bench/bench_train_gpu.py", "--tiny", "--lengths=32", "--steps=1", "--torch"]
+  cmd.append("--timeout=300")  # each row's process, SIGKILLed past it
+  root = Path(__file__).resolve().parents[1]
+  done = subprocess.run([*cmd, f"--json={out}"], capture_output=True, text=True, timeout=600, cwd=root)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = json.loads(out.read_text())
+  rows = report["rows"]
+  assert [(r["impl"], r.get("remat")) for r in rows] == [
+    ("jax_ring", "attention"),
+    ("jax_ring", "full"),
+    ("torch+transformers", None),
+  ]
+  for row in rows[:2]:
+    assert set(row) >= {"impl", "tokens", "step_s", "tokens_per_s", "mfu", "peak_bytes"}
+    assert row["tokens"] == 32 and row["step_s"] > 0 and row["mfu"] > 0
+    assert row["tokens_per_s"] == 32 / row["step_s"]
+  assert sum(bool(r.get("best")) for r in rows) == 1
+  try:
+    import torch  # noqa: F401
+
+    assert rows[2]["step_s"] > 0
+  except ImportError:
+    assert "not importable" in rows[2]["error"] and rows[2]["step_s"] is None

@@ -430,9 +430,12 @@ FLOAT32 = jax_ring.Policy()
 
 
 def test_auto_picks_xla_on_cpu_and_pallas_on_gpu():
+  """The Pallas kernel on GPUs where cuDNN is passed over (a ROCm GPU; float32 inputs;
+  on NVIDIA GPUs it comes first: tests/test_cudnn.py)."""
   assert choose_kernel("auto", "cpu", 64, FLOAT32).kernel == "xla"
-  gpu = choose_kernel("auto", "gpu", 64, jax_ring.PRESETS["bfloat16"])
+  gpu = choose_kernel("auto", "rocm", 64, jax_ring.PRESETS["bfloat16"])
   assert gpu.kernel == "pallas" and not gpu.interpret
+  assert choose_kernel("auto", "gpu", 64, FLOAT32).kernel == "pallas"
   cpu = choose_kernel("pallas", "cpu", 64, FLOAT32)
   assert cpu.kernel == "pallas" and cpu.interpret
   assert choose_kernel("auto", "tpu", 128, FLOAT32).kernel == "pallas"
@@ -443,8 +446,10 @@ def test_auto_picks_xla_on_cpu_and_pallas_on_gpu():
 def test_choose_kernel_takes_none_and_preset_names(policy):
   """As every other `policy=` does (the kernels guide's call: policy None)."""
   assert choose_kernel("auto", "cpu", 64, policy).kernel == "xla"
-  assert choose_kernel("auto", "gpu", 64, policy).kernel == "pallas"
-  assert choose_kernel("auto", "gpu", 24, policy).kernel == "xla"
+  assert choose_kernel("auto", "rocm", 64, policy).kernel == "pallas"
+  assert choose_kernel("auto", "rocm", 24, policy).kernel == "xla"
+  # cuDNN takes bf16 inputs and head dims that are multiples of 8, 24 among them.
+  assert choose_kernel("auto", "gpu", 24, policy).kernel == ("xla" if policy == "float32" else "cudnn")
   assert choose_kernel("auto", "cpu", 64).kernel == "xla"
   with pytest.raises(ValueError, match="compute dtype float64"):
     choose_kernel("pallas", "gpu", 64, "float64")
@@ -471,7 +476,8 @@ def test_auto_falls_back_with_the_reason_and_pallas_refuses(platform, head_dim, 
 def test_unknown_kernel_names_the_argument():
   mesh = make_mesh((2,), ("seq",))
   q, k, v = qkv(1, 32, 2, 2, 16)
-  with pytest.raises(ValueError, match=r"kernel='triton' must be one of \('auto', 'xla', 'pallas'\)"):
+  names = r"\('auto', 'xla', 'pallas', 'cudnn'\)"
+  with pytest.raises(ValueError, match=rf"kernel='triton' must be one of {names}"):
     ring_attention(q, k, v, mesh=mesh, kernel="triton")
   with pytest.raises(ValueError, match="head_dim=8"):
     ring_attention(*qkv(1, 32, 2, 2, 8), mesh=mesh, kernel="pallas")

@@ -3,13 +3,15 @@
 Two parts, both on the first device (a ring of one: one step, but the same kernels,
 passes, merges and custom VJP as on a ring of many):
 
-- `--check`: outputs and gradients of `ring_attention` (Pallas/Triton kernel and the
-  XLA tiles, float32 and bfloat16 policies, full, causal, causal with a window, causal
-  with segment ids, GQA, a length that is no multiple of a block, several passes)
-  against `reference_attention` in float64 on the same device, as ||x - ref|| /
-  ||ref||; beside them the error of `jax.nn.dot_product_attention` on the same inputs
-  and dtype where it takes the mask. Fails (exit 1) past the bounds in BOUNDS.
-- `--time`: median forward and forward+backward times of the ring (each kernel) and of
+- `--check`: outputs and gradients of `ring_attention` (cuDNN's fused attention per
+  ring step on NVIDIA GPUs, the Pallas/Triton kernel and the XLA tiles: `--check-kernels`;
+  where cuDNN cannot take a case, its row names the kernel that ran instead), float32
+  and bfloat16 policies, full, causal, causal with a window, causal with segment ids,
+  GQA, a length that is no multiple of a block, several passes) against
+  `reference_attention` in float64 on the same device, as ||x - ref|| / ||ref||; beside
+  them the error of `jax.nn.dot_product_attention` on the same inputs and dtype where it
+  takes the mask. Fails (exit 1) past the bounds in BOUNDS.
+- `--time`: median forward and forward+backward times of the ring (each of `--kernels`) and of
   `jax.nn.dot_product_attention(implementation="cudnn")`, at the shape of Llama-3-8B's
   attention (32 query heads, 8 kv heads, head dim 128, bfloat16), with TFLOP/s and
   their fraction of a bfloat16 8192^3 matmul timed in the same run. FLOPs: 4*B*N*T^2*H
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -100,7 +103,9 @@ def check(args) -> tuple[list[str], bool]:
     "|---|---|---|---|---|---|---|---|",
   ]
   ok = True
-  kernels = ("pallas", "xla")
+  kernels = args.check_kernels.split(",")
+  if dev.platform != "gpu" or "NVIDIA" not in dev.device_kind.upper():
+    kernels = [k for k in kernels if k != "cudnn"]
   for name, b, t, n, kh, h, mask, blocks, nn_kw in _cases(args.smoke):
     keys = jax.random.split(jax.random.PRNGKey(t + n), 4)
     q64, k64, v64 = (
@@ -155,13 +160,19 @@ def check(args) -> tuple[list[str], bool]:
           )
 
         start = time.perf_counter()
-        o, grads = jax.jit(_with_vjp(ring))(q, k, v, g)
+        with warnings.catch_warnings(record=True) as fell_back:
+          warnings.simplefilter("always")
+          o, grads = jax.jit(_with_vjp(ring))(q, k, v, g)
         errs = [_rel(o, ref)] + [_rel(x, r) for x, r in zip(grads, ref_grads)]
         bound = BOUNDS[policy]
         good = all(e <= bound for e in errs)  # NaN fails
         ok &= good
+        ran = kernel
+        for w in fell_back:  # kernel="cudnn" where cuDNN cannot take the call
+          if "kernel='cudnn' runs" in str(w.message):
+            ran = f"cudnn -> {str(w.message).split(' runs ')[1].split(' instead')[0]}"
         lines.append(
-          f"| {name} | {kernel} | {policy} | "
+          f"| {name} | {ran} | {policy} | "
           + " | ".join(f"{e:.1e}" for e in errs)
           + f" | {nn_err} |"
           + ("" if good else f" **over {bound:.0e}**")
@@ -248,7 +259,10 @@ def parse_args(argv=None):
   p.add_argument("--heads", type=int, default=32, help="query heads")
   p.add_argument("--kv-heads", type=int, default=8, help="kv heads")
   p.add_argument("--head-dim", type=int, default=128, help="head dim")
-  p.add_argument("--kernels", default="pallas,xla", help="ring kernels to time")
+  p.add_argument("--kernels", default="cudnn,pallas", help="ring kernels to time")
+  p.add_argument(
+    "--check-kernels", default="cudnn,pallas,xla", help="ring kernels to check (cudnn: NVIDIA GPUs only)"
+  )
   p.add_argument("--repeats", type=int, default=20, help="timed runs after a warm-up (median kept)")
   p.add_argument("--out", default=None, help="Markdown file to hold the tables")
   return p.parse_args(argv)
