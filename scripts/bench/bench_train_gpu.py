@@ -86,9 +86,10 @@ def model_config(name: str, tiny: bool):
 
   cfg = models.config(name)
   if tiny:
-    cfg = dataclasses.replace(
-      cfg, num_layers=2, dim=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_hidden=256
+    tiny = dict(
+      num_layers=2, dim=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_hidden=256, vocab_size=512
     )
+    cfg = dataclasses.replace(cfg, **tiny)
   return cfg
 
 
