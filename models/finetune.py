@@ -300,21 +300,42 @@ def document_batch(tokenizer, length: int, step: int, *, batch: int = 1, seed: i
   for row in range(batch):
     rng = np.random.default_rng([seed, step, row])
     depths = sorted(rng.uniform(0.02, 0.98, 5).tolist())
+    pick = int(rng.integers(5))
+    room = _answer_room(tokenizer)
+    if length - room < 16:
+      raise ValueError(
+        f"length={length} leaves no room for a document before its question and answer ({room} tokens)"
+      )
     doc = long_context.make_document(
-      tokenizer, "passkey", length - long_context.ROOM, depths, seed=seed * 1_000_003 + step * 97 + row
+      tokenizer, "passkey", length - room, depths, seed=seed * 1_000_003 + step * 97 + row
     )
-    q = doc.questions[int(rng.integers(len(doc.questions)))]
+    q = doc.questions[pick]
     prompt = tokenizer.encode(q.prompt)
     answer = tokenizer.encode(" " + q.answer + ".")
     ids = list(doc.tokens) + prompt + answer
-    ids = ids[:length] + [tokenizer.pad_id or 0] * max(0, length - len(ids))
+    ids = ids + [tokenizer.pad_id or 0] * (length - len(ids))
     scored = np.zeros(length, np.float32)
     start = len(doc.tokens) + len(prompt)
-    scored[start - 1 : min(start - 1 + len(answer), length - 1)] = 1.0  # position i predicts token i + 1
+    scored[start - 1 : start - 1 + len(answer)] = 1.0  # position i predicts token i + 1
     rows.append((ids, scored))
   ids = np.asarray([r[0] for r in rows], np.int32)
   targets = np.concatenate([ids[:, 1:], np.zeros((batch, 1), np.int32)], axis=1)
   return ids, targets, np.asarray([r[1] for r in rows])
+
+
+def _answer_room(tokenizer) -> int:
+  """The most tokens a question of `document_batch` and its answer take with this
+  tokenizer (the main job's ROOM at least): each fact's prompt with its longest answer
+  (a pass key's five digits bounded by its characters, plus one for a space piece). A
+  fine-grained vocabulary needs more than ROOM; cut off, an answer would carry no loss."""
+  from . import long_context
+
+  most = long_context.ROOM
+  for label, pool in long_context.FACTS[:5]:
+    _, prompt = long_context._needle("passkey", label, "")
+    answers = [len(" 12345.") + 1] if pool is None else [len(tokenizer.encode(f" {a}.")) for a in pool]
+    most = max(most, len(tokenizer.encode(prompt)) + max(answers))
+  return most
 
 
 def text_batch(ids: np.ndarray, length: int, step: int, *, batch: int = 1, seed: int = 0):

@@ -225,10 +225,7 @@ def config_from_hf(cfg, **overrides) -> GemmaConfig:
   cfg.expect("attn_logit_softcapping", None)
   cfg.expect("use_bidirectional_attention", False)
   layers = cfg.int("num_hidden_layers")
-  global_every = cfg.get("sliding_window_pattern", 6)
-  types = cfg.get("layer_types")
-  if types is not None:
-    global_every = hf_global_every(types, layers)
+  global_every = layer_period(cfg, layers)
   full, full_scaling = cfg.rope("full_attention")
   local, local_scaling = cfg.rope("sliding_attention", default_theta=cfg.get("rope_local_base_freq", 10000.0))
   if local_scaling is not None:
@@ -255,6 +252,29 @@ def config_from_hf(cfg, **overrides) -> GemmaConfig:
     context_length=cfg.int("max_position_embeddings"),
     **overrides,
   )
+
+
+def layer_period(cfg, layers: int) -> int:
+  """Every k-th layer is global: k as transformers reads it. `layer_types` (4.53 and
+  later) where given, else `sliding_window_pattern` (6 where absent). transformers 4.54
+  and later also write `_sliding_window_pattern`, an attribute set from
+  `sliding_window_pattern` (6 where absent) that no version reads back: it is read and
+  left, as transformers leaves it. A `sliding_window_pattern` that disagrees with
+  `layer_types` (which transformers would follow) is refused: the file says two things."""
+  cfg.get("_sliding_window_pattern")
+  pattern = cfg.get("sliding_window_pattern")
+  if pattern is not None and (isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1):
+    raise ValueError(f"{cfg.where}: sliding_window_pattern={pattern!r} must be a positive int")
+  types = cfg.get("layer_types")
+  if types is None:
+    return 6 if pattern is None else pattern
+  period = hf_global_every(types, layers)
+  if pattern is not None and pattern != period:
+    raise ValueError(
+      f"{cfg.where}: sliding_window_pattern={pattern} disagrees with layer_types={types!r} (a global "
+      f"layer every {period}); the checkpoint is refused"
+    )
+  return period
 
 
 def hf_global_every(types, layers: int) -> int:
@@ -291,13 +311,22 @@ def hf_config(config: GemmaConfig) -> dict:
     sliding_window=config.window,
     sliding_window_pattern=config.global_every,
     layer_types=types,
-    query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
+    query_pre_attn_scalar=_as_int("query_pre_attn_scalar", config.query_pre_attn_scalar or config.head_dim),
     attention_bias=False,
     attention_dropout=0.0,
     final_logit_softcapping=None,
     attn_logit_softcapping=None,
     tie_word_embeddings=True,
   )
+
+
+def _as_int(name: str, value) -> int:
+  """A field transformers declares an int (its strict config classes refuse 256.0)."""
+  if float(value) != int(value):
+    raise ValueError(
+      f"GemmaConfig.{name}={value!r}: config.json holds an int here (transformers declares it so)"
+    )
+  return int(value)
 
 
 def config_from_gguf(gguf_file, **overrides) -> GemmaConfig:

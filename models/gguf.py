@@ -281,7 +281,8 @@ class Tokenizer:
   (`tokenizer.ggml.model`) runs it.
 
   encode(text) -> list[int] (no BOS); decode(ids) -> str; bos_id, eos_id, pad_id;
-  pieces: the vocabulary's strings."""
+  add_bos (the model reads BOS first) and prefix() ([bos_id] or []); pieces: the
+  vocabulary's strings."""
 
   def __init__(self, gguf_file: GGUFFile):
     model = gguf_file.field("tokenizer.ggml.model")
@@ -303,6 +304,8 @@ class Tokenizer:
     self.bos_id = int(gguf_file.field("tokenizer.ggml.bos_token_id", 1))
     self.eos_id = int(gguf_file.field("tokenizer.ggml.eos_token_id", 2))
     self.pad_id = int(gguf_file.field("tokenizer.ggml.padding_token_id", 0))
+    # llama.cpp's default for a SentencePiece vocabulary: BOS before every text.
+    self.add_bos = bool(gguf_file.field("tokenizer.ggml.add_bos_token", True))
     unk_id = int(gguf_file.field("tokenizer.ggml.unknown_token_id", 0))
     proto = sp_pb2.ModelProto()
     self.scores, self.types, self.unk_id = list(scores), list(types), unk_id
@@ -329,6 +332,10 @@ class Tokenizer:
   @property
   def vocab_size(self) -> int:
     return len(self.pieces)
+
+  def prefix(self) -> list[int]:
+    """[bos_id] where the model reads BOS before a text (`add_bos`), else []."""
+    return [self.bos_id] if self.add_bos else []
 
   def encode(self, text: str) -> list[int]:
     if not isinstance(text, str):

@@ -136,7 +136,7 @@ class RingLM(TemplateLM):
 
   def _prompt(self, text: str) -> list[int]:
     """BOS (where the model has one) and the text's tokens."""
-    return ([] if self.tok.bos_id is None else [self.tok.bos_id]) + self.tok.encode(text)
+    return self.tok.prefix() + self.tok.encode(text)
 
   def _view(self, tokens: list[int]) -> list[int]:
     """What the reader reads of a prompt."""

@@ -122,9 +122,10 @@ def _haystack(tokenizer, task: str, count: int, rng) -> list[int]:
 
 
 def make_document(tokenizer, task: str, length: int, depths, seed: int = 0) -> Document:
-  """A document of exactly `length` tokens (BOS first) with a needle at each depth in
-  [0, 1], each with its own label and a random answer (5 digits for the pass key, 7 for
-  the magic number), placed at the sentence boundary nearest to its depth."""
+  """A document of exactly `length` tokens (BOS first, where the model reads one) with a
+  needle at each depth in [0, 1], each with its own label and a random answer (5 digits
+  for the pass key, 7 for the magic number), placed at the sentence boundary nearest to
+  its depth."""
   depths = sorted(float(d) for d in depths)
   if not depths or not all(0.0 <= d <= 1.0 for d in depths):
     raise ValueError(f"depths={depths} must be numbers in [0, 1]")
@@ -137,14 +138,15 @@ def make_document(tokenizer, task: str, length: int, depths, seed: int = 0) -> D
     sentence, question = _needle(task, label, answer)
     needles.append(tokenizer.encode(sentence))
     questions.append((label, answer, question))
-  room = length - 1 - sum(len(n) for n in needles)
+  first = tokenizer.prefix()  # BOS, where the model reads one (Qwen reads none)
+  room = length - len(first) - sum(len(n) for n in needles)
   if room < 16:
     raise ValueError(f"length={length} leaves no room for a haystack around {len(needles)} needles")
   hay = _haystack(tokenizer, task, room, rng)
   text = tokenizer.pieces.__getitem__ if hasattr(tokenizer, "pieces") else lambda t: tokenizer.decode([t])
   ends = {i + 1 for i, t in enumerate(hay) if text(t).endswith((".", "\n"))}
   ends = np.array(sorted(ends | {0, room}))
-  out, cut, placed = ([] if tokenizer.bos_id is None else [tokenizer.bos_id]), 0, []  # Qwen has no BOS
+  out, cut, placed = first, 0, []
   for needle, depth in zip(needles, depths):
     at = int(ends[np.argmin(np.abs(ends - depth * room))])
     at = max(at, cut)

@@ -3,7 +3,8 @@ Face's `tokenizers` package), a GGUF file's byte-level BPE vocabulary (Llama 3, 
 `tokenizer.ggml.model` "gpt2") and its SentencePiece one (Gemma: "llama").
 
 Each gives `encode(text) -> list[int]` (no BOS), `decode(ids) -> str`, `bos_id`,
-`eos_id`, `pad_id`, `vocab_size`, `special_ids` (the control tokens a chat template
+`eos_id`, `pad_id`, `add_bos` (whether the model reads BOS before a text) and
+`prefix()` ([bos_id] or []), `vocab_size`, `special_ids` (the control tokens a chat template
 uses, by their text) and `to_tokenizers()`, the same tokenizer as a
 `tokenizers.Tokenizer` (what `models.save` writes as tokenizer.json).
 """
@@ -60,9 +61,10 @@ class HFTokenizer:
   """A `tokenizers.Tokenizer` with the model's special ids. From a tokenizer.json
   (`from_folder`) or a GGUF byte-level BPE vocabulary (`from_gguf`)."""
 
-  def __init__(self, tokenizer, *, bos_id=None, eos_id=None, pad_id=None):
+  def __init__(self, tokenizer, *, bos_id=None, eos_id=None, pad_id=None, add_bos: bool = False):
     self._tok = tokenizer
     self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+    self.add_bos = bool(add_bos) and bos_id is not None
     self.special_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
 
   @property
@@ -72,6 +74,12 @@ class HFTokenizer:
   def encode(self, text: str) -> list[int]:
     _check_text(text)
     return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+  def prefix(self) -> list[int]:
+    """What the model reads before a text: [bos_id] where it was trained with BOS
+    (`add_bos`: Llama 3, Gemma), else nothing (Qwen, whose config names a BOS it never
+    reads)."""
+    return [self.bos_id] if self.add_bos else []
 
   def decode(self, ids) -> str:
     return self._tok.decode(_ids(ids), skip_special_tokens=False)
@@ -92,7 +100,8 @@ class HFTokenizer:
     ids = {}
     for name in ("bos", "eos", "pad"):
       ids[name] = _special_id(tok, folder, name)
-    return cls(tok, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"])
+    add_bos = _adds_bos(tok, folder, ids["bos"])
+    return cls(tok, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"], add_bos=add_bos)
 
   @classmethod
   def from_gguf(cls, gguf_file) -> HFTokenizer:
@@ -126,7 +135,9 @@ class HFTokenizer:
     tok.decoder = decoders.ByteLevel()
     add_pieces(tok, pieces, types)
     field = lambda key: gguf_file.field(f"tokenizer.ggml.{key}_token_id")
-    return cls(tok, bos_id=field("bos"), eos_id=field("eos"), pad_id=field("padding"))
+    # llama.cpp adds BOS to a BPE vocabulary's text only where the file says so.
+    add_bos = bool(gguf_file.field("tokenizer.ggml.add_bos_token", False))
+    return cls(tok, bos_id=field("bos"), eos_id=field("eos"), pad_id=field("padding"), add_bos=add_bos)
 
 
 def add_pieces(tok, pieces, types) -> None:
@@ -162,6 +173,21 @@ def _special_id(tok, folder: Path, name: str):
       if isinstance(value, int):
         return value
   return None
+
+
+def _adds_bos(tok, folder: Path, bos_id) -> bool:
+  """Whether the folder's tokenizer puts BOS before a text, as transformers encodes it:
+  tokenizer_config.json's `add_bos_token` where it says (Llama 2's and Gemma's
+  tokenizer classes read it), else tokenizer.json's post-processor (Llama 3's template)."""
+  if bos_id is None:
+    return False
+  tc = folder / "tokenizer_config.json"
+  if tc.is_file():
+    flag = json.loads(tc.read_text()).get("add_bos_token")
+    if isinstance(flag, bool):
+      return flag
+  ids = tok.encode("a", add_special_tokens=True).ids
+  return bool(ids) and ids[0] == bos_id
 
 
 def sentencepiece_to_tokenizers(pieces, scores, types, *, unk_id: int, add_space_prefix: bool):
@@ -200,13 +226,26 @@ def sentencepiece_to_tokenizers(pieces, scores, types, *, unk_id: int, add_space
 
 def save_tokenizer(tokenizer, folder: Path, *, context_length: int) -> None:
   """tokenizer.json and tokenizer_config.json (as transformers writes them, so that
-  `AutoTokenizer.from_pretrained(folder)` reads them) of any tokenizer here."""
-  tok = tokenizer.to_tokenizers()
-  tok.save(str(folder / "tokenizer.json"))
+  `AutoTokenizer.from_pretrained(folder)` reads them) of any tokenizer here. Where the
+  model reads BOS before a text (`add_bos`), tokenizer.json's post-processor adds it, as
+  Llama 3's and Gemma's own files do: transformers' encoding of a text with its special
+  tokens is what the model was trained on."""
+  from tokenizers import Tokenizer, processors
+
+  tok = Tokenizer.from_str(tokenizer.to_tokenizers().to_str())  # a copy: the caller's stays as it is
   name = lambda i: None if i is None else tok.id_to_token(int(i))
+  add_bos = bool(getattr(tokenizer, "add_bos", False))
+  if add_bos:
+    bos = name(tokenizer.bos_id)
+    tok.post_processor = processors.TemplateProcessing(
+      single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, int(tokenizer.bos_id))]
+    )
+  tok.save(str(folder / "tokenizer.json"))
   decoder = tok.get_added_tokens_decoder()
   config = {
     "tokenizer_class": "PreTrainedTokenizerFast",
+    "add_bos_token": add_bos,
+    "add_eos_token": False,
     "bos_token": name(tokenizer.bos_id),
     "eos_token": name(tokenizer.eos_id),
     "pad_token": name(tokenizer.pad_id),

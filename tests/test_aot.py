@@ -257,6 +257,10 @@ def test_training_step_of_a_named_model_on_h100x8():
   ops = report["collectives"]
   assert sum(c["op"] == "all-gather" for c in ops) >= 2  # a layer's weights, forward and backward (combined)
   assert max(c["bytes"] for c in ops) < 151_936 * 1024 * 4
+  # The weights' gradients go back to their shards by reduce-scatter (a layer's, in
+  # bfloat16, at once); the only all-reduces are the loss's scalar sums.
+  assert max(c["bytes"] for c in ops if c["op"] == "reduce-scatter") >= 2 * (layer - 2 * 1024 - 2 * 128)
+  assert all(c["bytes"] <= 64 for c in ops if c["op"] == "all-reduce"), ops
 
 
 def test_llama_8b_step_holds_its_weights_and_moments_split_8_ways():
