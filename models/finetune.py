@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -72,11 +73,12 @@ def chunked_cross_entropy(
 
   def local(h, targets, weights, table):
     b, t, d = h.shape
-    n = -(-t // chunk)
-    pad = n * chunk - t
+    chunk_here = min(chunk, t)
+    n = -(-t // chunk_here)
+    pad = n * chunk_here - t
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
     targets, weights = (jnp.pad(a, ((0, 0), (0, pad))) for a in (targets, weights))
-    split = lambda a: jnp.moveaxis(a.reshape(b, n, chunk, *a.shape[2:]), 1, 0)
+    split = lambda a: jnp.moveaxis(a.reshape(b, n, chunk_here, *a.shape[2:]), 1, 0)
 
     @jax.checkpoint
     def body(_, xs):
@@ -89,7 +91,7 @@ def chunked_cross_entropy(
 
     _, (sums, best) = jax.lax.scan(body, None, (split(h), split(targets), split(weights)))
     if predictions:
-      best = jnp.moveaxis(best, 0, 1).reshape(b, n * chunk)[:, :t]
+      best = jnp.moveaxis(best, 0, 1).reshape(b, n * chunk_here)[:, :t]
     return jnp.sum(sums), jnp.sum(weights), best
 
   if mesh is None:
@@ -105,10 +107,11 @@ def chunked_cross_entropy(
     axes = seq_axes if batch_axis is None else (batch_axis, *seq_axes)
 
     def ring(h, targets, weights, table):
-      pad = -h.shape[1] % chunk
+      chunk_here = min(chunk, h.shape[1])  # a device's tokens, not padded up to a longer chunk
+      pad = -h.shape[1] % chunk_here
       h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
       targets, weights = (jnp.pad(a, ((0, 0), (0, pad))) for a in (targets, weights))
-      ce = vocab.cross_entropy(h, table, targets, table_axes, chunk, axes, transposed)
+      ce = vocab.cross_entropy(h, table, targets, table_axes, chunk_here, axes, transposed)
       return jnp.sum(ce * weights), jnp.sum(weights), None
 
     def summed(h, targets, weights, table):
@@ -197,6 +200,18 @@ def per_device_bytes(tree) -> int:
   return total
 
 
+def unsplit_bytes(model) -> int:
+  """Bytes a device holds of the weights FSDP cannot split (no dimension the device
+  count divides: `decoder.fsdp_spec`); 0 without FSDP or where every weight splits."""
+  mesh = model.placement[0]
+  if not getattr(model, "fsdp", False) or mesh is None:
+    return 0
+  from .decoder import fsdp_spec
+
+  flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+  return sum(v[...].nbytes for _, v in flat if v[...].ndim and fsdp_spec(v.shape, mesh) == P())
+
+
 def cross_entropy(model, tokens, targets, weights, *, chunk: int = 512):
   """A loaded model's objective for `Trainer`: (`loss`, no other statistics)."""
   return loss(model, tokens, targets, weights, chunk=chunk), {}
@@ -226,9 +241,20 @@ class Trainer:
       out_shardings=(shardings(self.params), shardings(self.opt_state), None, None),
     )
     self._evaluate = jax.jit(functools.partial(_evaluate, self.graphdef, objective, chunk))
+    self._programs = {}
+
+  def _program(self, tokens, targets, weights):
+    """The step compiled once per batch shape and placement, for `step`, `memory` and
+    `compiled` alike (a jitted call would compile the program `compiled` made again:
+    twice the compile's host memory, 0.6 GiB for Gemma 3 270M on 8 devices)."""
+    key = tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in (tokens, targets, weights))
+    if key not in self._programs:
+      lowered = self._step.lower(self.params, self.rest, self.opt_state, tokens, targets, weights)
+      self._programs[key] = lowered.compile()
+    return self._programs[key]
 
   def step(self, tokens, targets, weights):
-    self.params, self.opt_state, value, stats = self._step(
+    self.params, self.opt_state, value, stats = self._program(tokens, targets, weights)(
       self.params, self.rest, self.opt_state, tokens, targets, weights
     )
     return value, stats
@@ -238,7 +264,7 @@ class Trainer:
 
   def compiled(self, tokens, targets, weights):
     """The step compiled for these shapes (`memory_analysis()`, `as_text()`)."""
-    return self._step.lower(self.params, self.rest, self.opt_state, tokens, targets, weights).compile()
+    return self._program(tokens, targets, weights)
 
   def model(self):
     return nnx.merge(self.graphdef, self.params, self.rest)
@@ -332,10 +358,22 @@ def _answer_room(tokenizer) -> int:
 
   most = long_context.ROOM
   for label, pool in long_context.FACTS[:5]:
-    _, prompt = long_context._needle("passkey", label, "")
+    _, prompt = long_context.needle_text("passkey", label, "")
     answers = [len(" 12345.") + 1] if pool is None else [len(tokenizer.encode(f" {a}.")) for a in pool]
     most = max(most, len(tokenizer.encode(prompt)) + max(answers))
   return most
+
+
+def _least_length(tokenizer) -> int:
+  """The shortest `document_batch` length with this tokenizer: BOS, the five facts with
+  their longest answers, 16 tokens of filler, the question and its answer."""
+  from . import long_context
+
+  needles = 0
+  for label, pool in long_context.FACTS[:5]:
+    answers = ["12345"] if pool is None else pool
+    needles += max(len(tokenizer.encode(long_context.needle_text("passkey", label, a)[0])) for a in answers)
+  return len(tokenizer.prefix()) + needles + 16 + _answer_room(tokenizer)
 
 
 def text_batch(ids: np.ndarray, length: int, step: int, *, batch: int = 1, seed: int = 0):
@@ -379,20 +417,121 @@ class FinetuneConfig:
   save_every: int = 0  # orbax state for resuming every this many steps (0: at the end only)
 
 
+BASE = "base.json"  # beside report.json: what the state in state/ was fine-tuned from
+
+
+def base_record(model, path=None) -> dict:
+  """What a fine-tuning run starts from: the base model's path, and fingerprints of its
+  config (config.json's hyper-parameters) and of its original weights: of the weight
+  files at `path` (each file's size and 64 blocks of 1 MiB spread over it: a second
+  or so for any size), else of the loaded parameters (each one's shape, sum and sum of
+  squares to 4 digits)."""
+  digest = lambda text: hashlib.sha256(text.encode()).hexdigest()[:16]
+  config = digest(json.dumps(checkpoints.config_json(model.config), sort_keys=True))
+  if path is not None:
+    return dict(path=str(path), config=config, weights=_files_digest(path))
+  flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+  squared = lambda x: jnp.sum(jnp.square(x.astype(jnp.float32)))
+  moments = jax.jit(lambda xs: [(jnp.sum(x.astype(jnp.float32)), squared(x)) for x in xs])
+  sums = jax.device_get(moments([v[...] for _, v in flat]))
+  values = [
+    f"{'.'.join(map(str, key))}:{tuple(v.shape)}:{float(a):.4e}:{float(b):.4e}"
+    for (key, v), (a, b) in zip(flat, sums)
+  ]
+  return dict(path=None, config=config, weights=digest("\n".join(values)))
+
+
+def _files_digest(path, blocks: int = 64, block: int = 2**20) -> str:
+  """A hash of the weight files at `path` (a GGUF file, or a folder's safetensors)."""
+  path = os.fspath(path)
+  files = (
+    [path]
+    if os.path.isfile(path)
+    else sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+  )
+  h = hashlib.sha256()
+  for name in files:
+    size = os.path.getsize(name)
+    h.update(f"{os.path.basename(name)}:{size}".encode())
+    with open(name, "rb") as f:
+      for i in range(blocks):
+        f.seek(max(0, size - block) * i // max(blocks - 1, 1))
+        h.update(f.read(block))
+  return h.hexdigest()[:16]
+
+
+def check_resume(out: str, record: dict) -> None:
+  """ValueError (one line, naming both models) unless the state under `out` was
+  fine-tuned from the model `record` describes (`base_record`)."""
+  found = os.path.join(out, BASE)
+  if not os.path.exists(found):
+    raise ValueError(
+      f"{out}/state/ holds a fine-tuning state with no {BASE} saying which model it came from; "
+      f"not resuming it for {record['path']} (remove {out}/state/ or pass another --out)"
+    )
+  with open(found) as f:
+    before = json.load(f)
+  what = [k for k in ("config", "weights") if before.get(k) != record[k]]
+  if what:
+    raise ValueError(
+      f"{out}/state/ was fine-tuned from {before.get('path')}, whose {' and '.join(what)} differ from "
+      f"{record['path']}'s: not resuming it (remove {out}/state/ or pass another --out)"
+    )
+
+
+def check_run(model, tokenizer, config: FinetuneConfig, ids=None) -> None:
+  """ValueError naming the setting before a run writes anything: steps, lengths the
+  model's context or the data cannot take."""
+  if config.steps < 1:
+    raise ValueError(f"steps={config.steps}: at least 1 step")
+  if config.batch < 1:
+    raise ValueError(f"batch={config.batch}: at least 1 sequence a step")
+  context = model.config.context_length
+  if config.length > context:
+    raise ValueError(f"length={config.length} exceeds the model's context length {context}")
+  if ids is None:
+    least = _least_length(tokenizer)
+    if config.length < least:
+      raise ValueError(
+        f"length={config.length}: the documents need at least {least} tokens with this tokenizer "
+        "(a document, then its question and answer)"
+      )
+  elif len(ids) < config.length + 2:
+    raise ValueError(
+      f"the text has {len(ids)} tokens; length={config.length} needs at least {config.length + 2}"
+    )
+
+
 def finetune(
-  model, tokenizer, config: FinetuneConfig, out: str, *, text: str | None = None, progress=True
+  model,
+  tokenizer,
+  config: FinetuneConfig,
+  out: str,
+  *,
+  text: str | None = None,
+  progress=True,
+  base: str | None = None,
 ) -> dict:
   """Fine-tunes `model` on the main job's documents (or on `text`), writing
   `out/report.json` ("steps": [{"loss", "seconds"}], "memory": per device param_bytes,
-  optimizer_bytes and the step's temp_bytes), `out/state/` (orbax: weights, optimizer
-  state, step; a later call resumes from it) and `out/checkpoint/` (`models.save`'s
-  layout, with the tokenizer). Returns the report."""
+  optimizer_bytes and the step's temp_bytes), `out/base.json` (`base_record`: the base
+  model's path `base` and fingerprints of its config and weights), `out/state/` (orbax:
+  weights, optimizer state, step; a later call resumes from it, only for the same base
+  model: `check_resume`) and `out/checkpoint/` (`models.save`'s layout, with the
+  tokenizer). Bad settings are ValueErrors before anything is written (`check_run`).
+  Returns the report."""
   from .training import Checkpoints
 
+  ids = None if text is None else np.asarray(tokenizer.encode(text), np.int32)
+  check_run(model, tokenizer, config, ids)
+  record = base_record(model, base)
+  if os.path.isdir(os.path.join(out, "state")) and os.listdir(os.path.join(out, "state")):
+    check_resume(out, record)
   os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, BASE), "w") as f:
+    json.dump(record, f, indent=1)
   tx = make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
   trainer = Trainer(model, tx, chunk=config.chunk)
-  ids = None if text is None else np.asarray(tokenizer.encode(text), np.int32)
 
   def batch(step):
     if ids is None:

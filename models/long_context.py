@@ -66,7 +66,7 @@ class Document:
   questions: tuple[Question, ...]
 
 
-def _needle(task: str, label: str, answer: str) -> tuple[str, str]:
+def needle_text(task: str, label: str, answer: str) -> tuple[str, str]:
   """(needle sentence, question) of a task."""
   match task:
     case "passkey":
@@ -135,7 +135,7 @@ def make_document(tokenizer, task: str, length: int, depths, seed: int = 0) -> D
   needles, questions = [], []
   for label, pool in FACTS[: len(depths)]:
     answer = str(int(rng.integers(10_000, 100_000))) if pool is None else str(pool[rng.integers(len(pool))])
-    sentence, question = _needle(task, label, answer)
+    sentence, question = needle_text(task, label, answer)
     needles.append(tokenizer.encode(sentence))
     questions.append((label, answer, question))
   first = tokenizer.prefix()  # BOS, where the model reads one (Qwen reads none)

@@ -54,15 +54,38 @@ def with_collective_timeouts(flags: str) -> str:
   return flags.strip()
 
 
+# XLA's CPU client runs each device's part of a program on a thread of one pool of
+# max(cores, devices) threads, and a part that reaches a collective holds its thread
+# until every device's part has arrived. Several programs with collectives in flight at
+# once (independent programs dispatched back to back: a model run op by op, or work
+# from several Python threads) can fill the pool with parts of different programs, each
+# waiting for devices whose parts have no thread left: a deadlock ("Expected 8 threads
+# to join the rendezvous, but only 3 of them arrived"), on a loaded 2-core machine
+# most easily. The client keeps at most 32 programs in flight per device
+# (`max_inflight_computations_per_device` in openxla/xla's cpu_client_options.h), so a
+# pool of 32 threads a device can never run dry. XLA sizes its pool from the NPROC
+# environment variable (`DefaultThreadPoolSize`), read when the client starts.
+INFLIGHT_PER_DEVICE = 32
+
+
+def safe_cpu_pool(count: int) -> None:
+  """Sizes XLA's CPU client pool for `count` simulated devices so that programs with
+  collectives cannot deadlock it (see INFLIGHT_PER_DEVICE): NPROC = 32 x count, unless
+  NPROC is set already. Before the first JAX computation."""
+  os.environ.setdefault("NPROC", str(INFLIGHT_PER_DEVICE * max(1, int(count))))
+
+
 def simulate_devices(count: int) -> None:
   """Asks XLA for `count` host-platform (CPU) devices, with its CPU collective timeouts
-  raised (`with_collective_timeouts`); call before the first JAX computation (importing
-  jax is fine). A flag already in XLA_FLAGS wins; on a machine with accelerators the
-  CPU devices are simply not the default."""
+  raised (`with_collective_timeouts`) and a client pool that collectives cannot
+  deadlock (`safe_cpu_pool`); call before the first JAX computation (importing jax is
+  fine). A flag already in XLA_FLAGS wins; on a machine with accelerators the CPU
+  devices are simply not the default."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "--xla_force_host_platform_device_count" not in flags:
     flags = f"{flags} --xla_force_host_platform_device_count={count}"
   os.environ["XLA_FLAGS"] = with_collective_timeouts(flags)
+  safe_cpu_pool(count)
 
 
 def add_flags(parser: argparse.ArgumentParser, devices: int = 8) -> None:

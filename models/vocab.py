@@ -165,19 +165,19 @@ def _embed_rows_fwd(table, tokens, axes, token_axes=()):
 
 
 def _embed_rows_bwd(axes, token_axes, res, g):
+  """Every device's tokens and gradient rows gathered (T x D each, small beside a
+  shard: the reason this way was picked), then one scatter-add into this device's
+  shard. Made from zeros at the end, the scatter is what XLA adds in place into the
+  head's gradient of a tied table (add(x, scatter(0, ...)) -> scatter(x, ...)): no second
+  shard-sized gradient (Gemma 3's: 80 MiB a device on 8)."""
   table, tokens = res
-  n, me, send = _ring(axes)
+  n, me, _ = _ring(axes)
   g = g.astype(jnp.float32) / _copies(axes, token_axes)
-
-  def step(carry, _):
-    (t, g), grad = carry  # another device's tokens and their gradient rows
-    return (send((t, g)), _scatter(grad, t, g, me)), None
-
-  grad = _no_grad(table, tokens, g)
-  visitors = (_varying(tokens, table, g), _varying(g, table))
-  ((t, g), grad), _ = lax.scan(step, (visitors, grad), None, length=n - 1)
-  grad = _scatter(grad, t, g, me)  # the last visitor: nothing to send on
-  return _summed_over(grad, axes, token_axes).astype(table.dtype), None
+  with jax.named_scope("embedding_rows"):  # (tests tell these from weight gathers by the name)
+    seen = lax.all_gather(_varying(tokens, table), axes, tiled=True)
+    rows = lax.all_gather(_varying(g, table), axes, tiled=True)
+  grad = _scatter(jnp.zeros(table.shape, jnp.float32), seen, rows, me)
+  return _summed_over(_varying(grad, table, tokens, g), axes, token_axes).astype(table.dtype), None
 
 
 _embed_rows.defvjp(_embed_rows_fwd, _embed_rows_bwd)
@@ -197,11 +197,28 @@ def _unchunk(x):
   return jnp.moveaxis(x, 0, 1).reshape(b, k * c, *x.shape[3:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def cross_entropy(h, table, targets, axes, chunk, token_axes=(), transposed=False):
+def cross_entropy(h, table, targets, axes, chunk, token_axes=(), transposed=False, moving: str | None = None):
   """Per-token cross-entropy float32 [B, T] of the logits h [B, T, D] @ (the whole
   table).T against int targets [B, T]; T a multiple of `chunk`. `transposed`: the
-  table's shard is [D, V / n] (an untied head's kernel), used as it lies."""
+  table's shard is [D, V / n] (an untied head's kernel), used as it lies.
+
+  `moving`: what travels the ring. "table": the table's shards (V / n x D a step), and
+  in the backward each shard's float32 gradient one step behind it. "rows": each
+  device's hidden states with their running softmax statistics (B T x D a step), and in
+  the backward with their gradient; every shard and its gradient stay home. None picks
+  the smaller: the rows while a device has fewer tokens than a shard has rows (Gemma
+  3's 262,144-row table on 8 devices at 128 tokens a device: 1 MiB of rows a step, where
+  the table's shard and its gradient were 80 MiB each, and five of them alive at once)."""
+  if moving is None:
+    moving = "rows" if targets.size < table.shape[1 if transposed else 0] else "table"
+  if moving not in ("table", "rows"):
+    raise ValueError(f"moving={moving!r}: 'table', 'rows' or None")
+  ring = _ce_table if moving == "table" else _ce_rows
+  return ring(h, table, targets, axes, chunk, tuple(token_axes), transposed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ce_table(h, table, targets, axes, chunk, token_axes=(), transposed=False):
   return _ce_fwd(h, table, targets, axes, chunk, token_axes, transposed)[0]
 
 
@@ -285,4 +302,88 @@ def _ce_bwd(axes, chunk, token_axes, transposed, res, g):
   return dh.astype(h.dtype), _summed_over(grad, axes, token_axes).astype(table.dtype), None
 
 
-cross_entropy.defvjp(_ce_fwd, _ce_bwd)
+_ce_table.defvjp(_ce_fwd, _ce_bwd)
+
+
+def _shard_logits(hh, shard, spec):
+  return jnp.einsum(f"bcd,{spec}->bcv", hh, shard.astype(hh.dtype), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ce_rows(h, table, targets, axes, chunk, token_axes=(), transposed=False):
+  return _ce_rows_fwd(h, table, targets, axes, chunk, token_axes, transposed)[0]
+
+
+def _ce_rows_fwd(h, table, targets, axes, chunk, token_axes=(), transposed=False):
+  """Each device's hidden states and targets visit every device with their running
+  (max, sum, target logit), which the shard there updates; n moves bring them home."""
+  n, me, send = _ring(axes)
+  rows = table.shape[1 if transposed else 0]
+  spec = _spec(transposed)
+  offset = me * rows
+
+  def update(hc, tc, m, l, picked):
+    def per_chunk(_, xs):
+      hh, tt, mm, ll, pp = xs
+      logits = _shard_logits(hh, table, spec)
+      new = jnp.maximum(mm, logits.max(-1))
+      ll = ll * jnp.exp(mm - new) + jnp.exp(logits - new[..., None]).sum(-1)
+      local = tt - offset
+      inside = (local >= 0) & (local < rows)
+      at = jnp.take_along_axis(logits, jnp.clip(local, 0, rows - 1)[..., None], axis=-1)[..., 0]
+      return None, (new, ll, pp + jnp.where(inside, at, 0.0))
+
+    return lax.scan(per_chunk, None, (hc, tc, m, l, picked))[1]
+
+  def step(carry, _):
+    hc, tc, m, l, picked = carry  # another device's tokens, with what the shards so far gave
+    return send((hc, tc, *update(hc, tc, m, l, picked))), None
+
+  hc, tc = _chunks(h, chunk), _chunks(targets, chunk)
+  stats = _varying(jnp.zeros(tc.shape, jnp.float32), h, table, targets)
+  start = (_varying(hc, table, targets), _varying(tc, h, table), stats - jnp.inf, stats, stats)
+  (_, _, m, l, picked), _ = lax.scan(step, start, None, length=n)
+  lse = m + jnp.log(l)
+  return _same_over(_unchunk(lse - picked), axes, token_axes), (h, table, targets, lse)
+
+
+def _ce_rows_bwd(axes, chunk, token_axes, transposed, res, g):
+  """The visitors travel again with their lse, cotangent and the dh the shards so far
+  gave; each device adds its shard's share to their dh and their share to its own
+  shard's gradient, which never moves."""
+  h, table, targets, lse = res
+  n, me, send = _ring(axes)
+  rows = table.shape[1 if transposed else 0]
+  spec = _spec(transposed)
+  offset = me * rows
+  share = 1.0 / _copies(axes, token_axes)
+  whole = table.astype(jnp.float32)
+
+  def visit(grad, hc, tc, lc, gc, dh):
+    def per_chunk(grad, xs):
+      hh, tt, ll, gg, dd = xs
+      logits = _shard_logits(hh, table, spec)
+      onehot = jnp.arange(rows) == (tt - offset)[..., None]
+      dlogits = gg[..., None] * (jnp.exp(logits - ll[..., None]) - onehot)
+      dd = dd + jnp.einsum(f"bcv,{spec}->bcd", dlogits, whole)
+      grad = grad + share * jnp.einsum(f"bcv,bcd->{spec}", dlogits, hh.astype(jnp.float32))
+      return grad, dd
+
+    return lax.scan(per_chunk, grad, (hc, tc, lc, gc, dh))
+
+  def step(carry, _):
+    (hc, tc, lc, gc, dh), grad = carry
+    grad, dh = visit(grad, hc, tc, lc, gc, dh)
+    return (send((hc, tc, lc, gc, dh)), grad), None
+
+  hc, tc = _chunks(h, chunk), _chunks(targets, chunk)
+  lc, gc = lse, _chunks(g.astype(jnp.float32), chunk)  # lse is kept in chunks
+  dh = _varying(jnp.zeros(hc.shape, jnp.float32), h, table, targets, g)
+  like = (h, table, targets, g)
+  visitors = tuple(_varying(x, *like) for x in (hc, tc, lc, gc)) + (dh,)
+  (visitors, grad), _ = lax.scan(step, (visitors, _no_grad(table, *like)), None, length=n)
+  dh = _same_over(_unchunk(visitors[-1]), axes, token_axes)
+  return dh.astype(h.dtype), _summed_over(grad, axes, token_axes).astype(table.dtype), None
+
+
+_ce_rows.defvjp(_ce_rows_fwd, _ce_rows_bwd)

@@ -55,8 +55,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
+  for name in ("steps", "devices", "length", "batch"):
+    if getattr(args, name) < 1:
+      raise SystemExit(f"finetune.py: --{name} {getattr(args, name)}: must be at least 1")
   runtime.simulate_devices(args.devices)
   import jax
+  from flax import nnx
 
   from jax_ring import models
   from jax_ring.models import finetune
@@ -83,7 +87,19 @@ def main(argv=None):
     seed=args.seed,
     save_every=args.save_every,
   )
-  report = finetune.finetune(model, tokenizer, config, args.out, text=text)
+  if args.fsdp and args.devices > 1:
+    whole = finetune.unsplit_bytes(model)
+    if whole:
+      total = finetune.per_device_bytes(nnx.state(model, nnx.Param)) * args.devices
+      print(
+        f"finetune.py: warning: --devices {args.devices} divides no dimension of some weights, which FSDP "
+        f"keeps whole on every device: {whole / 2**20:.0f} MiB a device of {total / 2**20:.0f} MiB "
+        "(their AdamW moments too); a device count that divides the model's widths (2, 4, 8) splits them all"
+      )
+  try:
+    report = finetune.finetune(model, tokenizer, config, args.out, text=text, base=args.path)
+  except ValueError as e:
+    raise SystemExit(f"finetune.py: {e}") from None
   memory = report["memory"]
   steps = report["steps"]
   print(

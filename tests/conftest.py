@@ -15,9 +15,10 @@ if "xla_backend_optimization_level" not in flags:
   flags = f"{flags} --xla_backend_optimization_level=0"
 # XLA's CPU collective timeouts raised, as every script's simulated devices have them:
 # a collective waiting on a device whose thread a compile starves is not a failure here.
-from jax_ring.models.runtime import with_collective_timeouts  # noqa: E402
+from jax_ring.models.runtime import safe_cpu_pool, with_collective_timeouts  # noqa: E402
 
 os.environ["XLA_FLAGS"] = with_collective_timeouts(flags.strip())
+safe_cpu_pool(8)  # XLA's CPU pool sized so that collectives cannot deadlock it (runtime.py)
 
 
 def _compile_faster(flags: str) -> str:

@@ -8,6 +8,7 @@ checkpoint that loads, and resumes."""
 import dataclasses
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -125,7 +126,9 @@ def test_fsdp_step_gathers_weights_and_reduces_gradients():
   assert max(reductions) >= SMALL.dim * SMALL.mlp_hidden * 4, reductions
   table = SMALL.vocab_size * SMALL.dim * 4
   assert max(c.bytes for c in sharded if c.op == "all-gather") < table
-  assert not [c for c in replicated if c.op == "all-gather" and c.bytes >= SMALL.dim * SMALL.mlp_hidden * 4]
+  # (The lookup's backward gathers every device's gradient rows, [B, T, D]: no weight.)
+  weights = [c for c in replicated if c.op == "all-gather" and "embedding_rows" not in c.source]
+  assert not [c for c in weights if c.bytes >= SMALL.dim * SMALL.mlp_hidden * 4], weights
 
 
 def test_fsdp_generates_the_replicated_tokens_without_gathering_weights():
@@ -228,6 +231,58 @@ def test_embedding_ring_moving_the_table_or_the_rows(moving, shape, names, table
   np.testing.assert_allclose(np.asarray(grad), expected_grad, rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match="moving='both'"):
     vocab.embed(table, tokens, table_axes, token_axes, moving="both")
+
+
+@pytest.mark.parametrize("moving", ["table", "rows"])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize(
+  "shape, names, table_axes, token_spec",
+  [((8,), ("seq",), ("seq",), (None, "seq")), ((2, 4), ("data", "seq"), ("data", "seq"), (None, "seq"))],
+)
+def test_loss_ring_moving_the_table_or_the_rows(moving, transposed, shape, names, table_axes, token_spec):
+  """The head's cross-entropy over a table split along the vocabulary, with the shards
+  (and their gradients) or the tokens' hidden states (and theirs) traveling the ring:
+  per-token values, dh and the table's gradient against float64 NumPy."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jax_ring.models import vocab
+
+  mesh = make_mesh(shape, names)
+  rng = np.random.default_rng(8)
+  table = rng.standard_normal((64, 8)).astype(np.float32)
+  h = rng.standard_normal((2, 16, 8)).astype(np.float32)
+  targets = rng.integers(0, 64, (2, 16)).astype(np.int32)
+  cot = rng.standard_normal((2, 16)).astype(np.float32)
+  token_axes = tuple(a for a in token_spec if a is not None)
+  table_spec = P(None, table_axes) if transposed else P(table_axes, None)
+  loss = jax.shard_map(
+    lambda h, w, t: vocab.cross_entropy(h, w, t, table_axes, 1, token_axes, transposed, moving=moving),
+    mesh=mesh,
+    in_specs=(P(*token_spec, None), table_spec, P(*token_spec)),
+    out_specs=P(*token_spec),
+  )
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  stored = table.T if transposed else table
+  args = (put(h, P(*token_spec, None)), put(stored, table_spec))
+  ce, pull = jax.vjp(lambda h, w: loss(h, w, put(targets, P(*token_spec))), *args)
+  dh, dtable = pull(put(cot, P(*token_spec)))
+  logits = h.astype(np.float64) @ table.astype(np.float64).T
+  top = logits.max(-1, keepdims=True)
+  p = np.exp(logits - top)
+  p /= p.sum(-1, keepdims=True)
+  expected = (
+    np.log(np.exp(logits - top).sum(-1))
+    + top[..., 0]
+    - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+  )
+  dlogits = cot[..., None] * (p - np.eye(64)[targets])
+  np.testing.assert_allclose(np.asarray(ce), expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dh), dlogits @ table, rtol=1e-5, atol=1e-5)
+  expected_table = np.einsum("btv,btd->vd", dlogits, h)
+  np.testing.assert_allclose(
+    np.asarray(dtable), expected_table.T if transposed else expected_table, rtol=1e-5, atol=1e-5
+  )
 
 
 def test_training_loss_in_the_ring_order_equals_natural_order():
@@ -438,9 +493,68 @@ def test_finetune_script_reports_checkpoints_and_resumes(tmp_path):
   assert report["memory"]["optimizer_bytes"] > 2 * report["memory"]["param_bytes"]
   tuned, _ = models.load(out / "checkpoint", attention="dense")
   assert rel_err(tuned.embed.embedding[...], model.embed.embedding[...]) > 1e-4  # trained
+  # The first resumed step's loss is the saved weights' loss on step 6's batch (its
+  # update comes after): a run that did not restore would start from the base model.
+  batch = finetune.text_batch(
+    np.asarray(HFTokenizer.from_folder(tmp_path / "model").encode(text.read_text()), np.int32), 64, 6
+  )
+  evaluate = lambda m: float(finetune.loss(m, *(jnp.asarray(a) for a in batch), chunk=64))
+  expected, untrained = evaluate(tuned), evaluate(model)
   script.main(common + ["--steps", "8", "--lr", "3e-3", "--fsdp"])
   again = json.loads((out / "report.json").read_text())["steps"]
   assert len(again) == 8 and [s["loss"] for s in again[:6]] == losses
+  assert abs(again[6]["loss"] - expected) < 1e-5 * expected and abs(untrained - expected) > 1e-3 * expected
+  # Another model of the same shapes, into the same folder: refused in one line, naming both.
+  other = models.build(SMALL, attention="dense", rngs=nnx.Rngs(9))
+  models.save(other, tmp_path / "other", tokenizer=HFTokenizer(tok, bos_id=1, eos_id=2, pad_id=0))
+  with pytest.raises(SystemExit, match=r"was fine-tuned from .*model, whose weights differ from .*other"):
+    script.main([str(tmp_path / "other"), *common[1:], "--steps", "9"])
+  # Other shapes: refused the same way, before orbax sees them.
+  wide = models.build(dataclasses.replace(SMALL, mlp_hidden=96), attention="dense")
+  models.save(wide, tmp_path / "wide", tokenizer=HFTokenizer(tok, bos_id=1, eos_id=2, pad_id=0))
+  with pytest.raises(SystemExit, match="whose config and weights differ") as refused:
+    script.main([str(tmp_path / "wide"), *common[1:], "--steps", "9"])
+  assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+  "options, says",
+  [
+    (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--devices", "0"], "--devices 0: must be at least 1"),
+    (["--length", "100000"], "length=100000 exceeds the model's context length 512"),
+    (["--length", "300", "--text", None], "the text has 200 tokens; length=300"),
+  ],
+)
+def test_finetune_script_refuses_bad_settings_before_writing(tmp_path, options, says):
+  """A clear error naming the setting and nothing written (no state/, no report)."""
+  import finetune as script
+  import tokenizers
+
+  from jax_ring.models.tokenizer import HFTokenizer
+
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  models.save(
+    models.build(SMALL, attention="dense"), tmp_path / "m", tokenizer=HFTokenizer(tok, bos_id=1, eos_id=2)
+  )
+  text = tmp_path / "t.txt"
+  text.write_text(" ".join(f"w{i % 50}" for i in range(200)))
+  options = [str(text) if o is None else o for o in options]
+  with pytest.raises(SystemExit, match=re.escape(says)):
+    script.main([str(tmp_path / "m"), "--devices", "2", "--out", str(tmp_path / "run"), *options])
+  assert not (tmp_path / "run").exists()
+
+
+def test_fsdp_on_a_device_count_that_splits_nothing_says_so(capsys):
+  """--devices 3 leaves weights whole under FSDP (no width divides by 3): the script
+  says how much, per device, and what to pass instead."""
+  mesh = make_mesh((3,), ("seq",))
+  model = _model(SMALL, mesh, True)
+  whole = finetune.unsplit_bytes(model)
+  layer = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.blocks[0], nnx.Param)))
+  assert whole >= layer  # every block's weights
+  assert finetune.unsplit_bytes(_model(SMALL, make_mesh((4,), ("seq",)), True)) == 0
 
 
 def test_document_batch_scores_exactly_the_answer():
@@ -464,3 +578,36 @@ def test_document_batch_scores_exactly_the_answer():
       end = scored[-1] + 2
       assert end == 400 or np.all(ids[row, end:] == 0)
       assert answer[1:-1] in tok.decode(ids[row, : scored[0] + 1])  # a fact the document holds
+
+
+@pytest.mark.slow  # 45 s: the scanned and the unrolled model's gradients, compiled
+def test_blocks_that_repeat_with_a_period_train_as_a_scan():
+  """Gemma 3's blocks repeat with a period (windowed, then global): with FSDP and remat
+  its training call runs them as a scan over whole periods (the backward then holds one
+  period's gradients at a time), and its loss and gradients equal the unrolled model's
+  (no FSDP, no remat) on 4 devices."""
+  config = models.GemmaConfig(
+    vocab_size=256,
+    dim=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_hidden=128,
+    window=8,
+    global_every=2,
+    context_length=512,
+  )
+  mesh = make_mesh((4,), ("seq",))
+  scanned = models.build(config, mesh=mesh, fsdp=True, remat="attention", rngs=nnx.Rngs(3))
+  unrolled = models.build(config, mesh=mesh, rngs=nnx.Rngs(3))
+  graphdefs = [nnx.split(b, nnx.Param, ...)[0] for b in scanned.blocks]
+  assert decoder._period(graphdefs) == 2
+  batch = finetune.place_batch(scanned, *_batch(batch=1, length=64))
+  jaxpr = str(jax.make_jaxpr(lambda m: finetune.loss(m, *batch, chunk=16))(scanned))
+  assert "length=2" in jaxpr  # the scan over the two periods
+  value, grads = nnx.value_and_grad(lambda m: finetune.loss(m, *batch, chunk=16))(scanned)
+  expected, expected_grads = nnx.value_and_grad(lambda m: finetune.loss(m, *batch, chunk=16))(unrolled)
+  assert abs(float(value) - float(expected)) < 1e-6 * abs(float(expected))
+  for (path, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected_grads)):
+    assert rel_err(a[...], b[...]) < 1e-5, path
