@@ -22,7 +22,8 @@ from jax_ring._merge import merge_attention
 from jax_ring._mods import alibi_slopes
 from jax_ring._policy import PRESETS, Policy, policy_for
 from jax_ring._reference import reference_attention, reference_dilated_attention
-from jax_ring._tiles import BlockSizes
+from jax_ring._ring import sent_together
+from jax_ring._tiles import BlockSizes, mesh_platform
 from jax_ring._topology import ring_mesh
 from jax_ring._work import work_report
 
@@ -54,10 +55,12 @@ __all__ = [
   "hlo",
   "layouts",
   "merge_attention",
+  "mesh_platform",
   "nn",
   "policy_for",
   "reference_attention",
   "reference_dilated_attention",
+  "sent_together",
   "ring_attention",
   "ring_attention_shard",
   "ring_mesh",

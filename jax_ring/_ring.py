@@ -141,8 +141,11 @@ def _send(tree, cfg: RingConfig, shift: int):
 
 
 def sent_together(tree, send):
-  """send(x) for every array of `tree` going the same way: bundled into one transfer on
-  CPU and GPU (`_bundled`), one permute each on TPU (see `_send`)."""
+  """send(x) for every array of `tree` going the same way, as the ring sends its own:
+  bundled into one transfer on CPU and GPU (`_bundled`: XLA keeps about one collective
+  in flight on a GPU and runs a second synchronously), one permute each on TPU (whose
+  scheduler overlaps several; see `_send`). `send`: e.g. `lambda x: lax.ppermute(x,
+  axis, perm)`, inside `shard_map`."""
   if mesh_platform() == "tpu":
     return jax.tree.map(send, tree)
   return _bundled(tree, send)

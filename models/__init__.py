@@ -1,4 +1,4 @@
-"""Small transformer models built only on jax_ring's public API.
+"""Transformer models built on jax_ring's public API.
 
 `from jax_ring import models` gives the models and `generate` at once; the modules
 with heavier dependencies load on first use: `models.runtime` (process set-up),

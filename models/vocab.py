@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ring._ring import sent_together
+from jax_ring import mesh_platform, sent_together
 
 
 def _ring(axes):
@@ -206,11 +206,15 @@ def cross_entropy(h, table, targets, axes, chunk, token_axes=(), transposed=Fals
   in the backward each shard's float32 gradient one step behind it. "rows": each
   device's hidden states with their running softmax statistics (B T x D a step), and in
   the backward with their gradient; every shard and its gradient stay home. None picks
-  the smaller: the rows while a device has fewer tokens than a shard has rows (Gemma
-  3's 262,144-row table on 8 devices at 128 tokens a device: 1 MiB of rows a step, where
-  the table's shard and its gradient were 80 MiB each, and five of them alive at once)."""
+  the rows on a CPU mesh where a device has fewer tokens than a shard has rows (Gemma 3's
+  262,144-row table on 8 simulated devices at 128 tokens a device: 1 MiB of rows a step,
+  where the table's shard and its gradient were 80 MiB each, and five of them alive at
+  once), else the table: on GPUs and TPUs each shard's transfer runs under the step's
+  GEMM (compiled for 8 x H100: tests/test_aot.py), where the rows, which the step
+  updates, would wait for it."""
   if moving is None:
-    moving = "rows" if targets.size < table.shape[1 if transposed else 0] else "table"
+    fewer = targets.size < table.shape[1 if transposed else 0]
+    moving = "rows" if fewer and mesh_platform() == "cpu" else "table"
   if moving not in ("table", "rows"):
     raise ValueError(f"moving={moving!r}: 'table', 'rows' or None")
   ring = _ce_table if moving == "table" else _ce_rows

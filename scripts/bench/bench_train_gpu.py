@@ -55,7 +55,9 @@ def parse_args(argv=None):
     choices=["auto", "full", "attention", "none"],
     help="jax_ring's remat (default: %(default)s)",
   )
-  p.add_argument("--torch", action="store_true", help="also PyTorch + transformers' step, where importable")
+  p.add_argument(
+    "--torch", action="store_true", help="also PyTorch + transformers' step, where importable (default: off)"
+  )
   p.add_argument("--steps", type=int, default=3, help="timed steps after the first (default: %(default)s)")
   p.add_argument(
     "--kernel",
@@ -63,11 +65,13 @@ def parse_args(argv=None):
     choices=["auto", "cudnn", "pallas", "xla"],
     help="the ring's kernel in jax_ring's step (default: %(default)s: cuDNN on NVIDIA GPUs)",
   )
-  p.add_argument("--tiny", action="store_true", help="2 small layers: a run on a CPU")
+  p.add_argument(
+    "--tiny", action="store_true", help="2 small layers: a run on a CPU (default: the named model's size)"
+  )
   p.add_argument(
     "--timeout", type=float, default=1800, help="seconds per row's process (default: %(default)s)"
   )
-  p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
+  p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON (default: none)")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "jax:REMAT:T" or "torch:T"
   args = p.parse_args(argv)
   try:
