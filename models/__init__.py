@@ -1,22 +1,32 @@
-"""Transformer models built on jax_ring's public API.
+"""Transformer models over jax_ring's ring attention: the families a user loads from
+Hugging Face folders and GGUF files, the small models trained from scratch, their
+training step, generation and long-context evaluation.
+
+    architectures/  one module per family (decoder.CausalLM and the blocks it stacks),
+                    each ending in an `Architecture` record listed in the registry
+    formats/        safetensors, config.json, GGUF, tokenizer.json: files to arrays
+    checkpoints.py  models.config / build / load / save: formats -> architectures
+    generate.py     the generation engine (prefill, then one token at a time)
+    train/          the training step (every model), fine-tuning, training from scratch
+    eval/           the long-context evaluators and lm-evaluation-harness's model
 
 `from jax_ring import models` gives the models and `generate` at once; the modules
-with heavier dependencies load on first use: `models.runtime` (process set-up),
-`models.training` (optax, orbax: the `[train]` extra), `models.long_context` (the
-main job) and the rest of the package's modules.
+with heavier dependencies load on first use (`models.runtime`, `models.train.scratch`,
+`models.eval.long_context`, ...). The package is built on jax_ring's public API.
 """
 
 import importlib
 
+from . import _moved
+from .architectures.gemma import Gemma, GemmaConfig
+from .architectures.llama import Llama, LlamaConfig
+from .architectures.longnet import LongNet, LongNetConfig
+from .architectures.qwen3 import Qwen3, Qwen3Config
+from .architectures.scratch import ATTENTION_KINDS, DecoderLM, LMConfig
 from .checkpoints import build, config, load, load_gguf, save, shardings
-from .gemma import Gemma, GemmaConfig
+from .formats.gguf import GGUFFile, Tokenizer
+from .formats.tokenizer_json import HFTokenizer
 from .generate import Generated, generate
-from .gguf import GGUFFile, Tokenizer
-from .llama import Llama, LlamaConfig
-from .longnet import LongNet, LongNetConfig
-from .qwen3 import Qwen3, Qwen3Config
-from .tokenizer import HFTokenizer
-from .transformer import ATTENTION_KINDS, DecoderLM, LMConfig
 
 __all__ = [
   "ATTENTION_KINDS",
@@ -43,27 +53,15 @@ __all__ = [
   "shardings",
 ]
 
-# Submodules reached as attributes (`models.runtime.initialize_distributed()`), imported
+# Modules reached as attributes (`models.runtime.initialize_distributed()`), imported
 # when first named so that `import jax_ring.models` needs no optional extra.
-_SUBMODULES = (
-  "checkpoints",
-  "cli",
-  "decoder",
-  "finetune",
-  "harness",
-  "hf",
-  "long_context",
-  "needle",
-  "report",
-  "runtime",
-  "tasks",
-  "tokenizer",
-  "training",
-  "vocab",
-)
+_SUBMODULES = ("architectures", "checkpoints", "cli", "eval", "formats", "generate", "runtime", "train")
+_moved.install()
 
 
 def __getattr__(name):
   if name in _SUBMODULES:
     return importlib.import_module(f"{__name__}.{name}")
+  if name in _moved.MOVED:
+    return _moved.moved(name)
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

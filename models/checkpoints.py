@@ -1,11 +1,7 @@
 """The checkpoints users have: named configs (`config`), random weights (`build`), GGUF
 files and Hugging Face folders (`load`, `load_gguf`), and saving in Hugging Face's
-layout (`save`).
-
-An architecture module (`gemma`, `llama`, `qwen3`) gives its config class and
-`CONFIGS`, `MODEL`, `MODEL_TYPES` (config.json's model_type), `ARCHITECTURE`,
-`GGUF_ARCH`, the tensor tables `HF_TENSORS` and `GGUF_TENSORS`, and the config
-readers and writer (`config_from_hf`, `config_from_gguf`, `hf_config`).
+layout (`save`). Each family's config class, model class, config readers and tensor
+tables come from its `architectures.Architecture` record.
 """
 
 from __future__ import annotations
@@ -21,48 +17,24 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import decoder, gemma, hf, llama, qwen3
-from . import gguf as gguf_io
-from . import tokenizer as tokenizer_io
+from . import architectures
+from .architectures import decoder
+from .formats import config_json as config_io
+from .formats import gguf as gguf_io
+from .formats import safetensors as safetensors_io
+from .formats import tokenizer_json as tokenizer_io
 
-ARCHITECTURES = (gemma, llama, qwen3)
 ATTENTION_KINDS = decoder.ATTENTION_KINDS
-# Gemma 3's text defaults (transformers' Gemma3TextConfig), for the keys a multimodal
-# folder's text_config leaves out.
-GEMMA3_TEXT_DEFAULTS = dict(
-  vocab_size=262208,
-  hidden_size=2304,
-  intermediate_size=9216,
-  num_hidden_layers=26,
-  num_attention_heads=8,
-  num_key_value_heads=4,
-  head_dim=256,
-  rms_norm_eps=1e-6,
-  rope_theta=1_000_000.0,
-  rope_local_base_freq=10_000.0,
-  sliding_window=4096,
-  query_pre_attn_scalar=256,
-  max_position_embeddings=131072,
-)
-# Where a multimodal Gemma 3 folder keeps the text model's tensors (transformers 4.x, 5.x).
-GEMMA3_PREFIXES = ("language_model.model.", "model.language_model.")
 MAX_SHARD_BYTES = 5 * 10**9
 
 
 def config(name: str):
   """The frozen config of a published model (values from its released config.json;
   each architecture module names its sources): "gemma-3-270m", "llama-3.1-8b", ..."""
-  named = {k: v for module in ARCHITECTURES for k, v in module.CONFIGS.items()}
+  named = {k: v for arch in architectures.registry() for k, v in arch.configs.items()}
   if name not in named:
     raise ValueError(f"name={name!r} is not a known model; known: {tuple(named)}")
   return named[name]
-
-
-def _module_of(cfg):
-  for module in ARCHITECTURES:
-    if isinstance(cfg, type(next(iter(module.CONFIGS.values())))):
-      return module
-  raise TypeError(f"config of type {type(cfg).__name__} is not one of the architectures' configs")
 
 
 def _check_options(attention, fsdp, dtype):
@@ -131,14 +103,14 @@ def build(
   (for compiling ahead of time; `shardings(model)` gives where the weights would be).
   `attention`, `mesh`, `seq_axis`, `batch_axis`, `fsdp`, `remat`, `attention_kernel`:
   as in `load`; `dtype` the compute dtype (None: float32), `param_dtype` the weights'."""
-  module = _module_of(cfg)
+  arch = architectures.of_config(cfg)
   dtype = _check_options(attention, fsdp, dtype)
   param_dtype = decoder.float_dtype(param_dtype, "param_dtype").name
   cfg = dataclasses.replace(
     cfg, attention=attention, dtype=dtype, param_dtype=param_dtype, attention_kernel=attention_kernel
   )
   mesh = _default_mesh(mesh, attention, seq_axis)
-  model = module.MODEL(
+  model = arch.model_class(
     cfg,
     mesh=mesh,
     seq_axis=seq_axis,
@@ -206,12 +178,12 @@ def load(
     attention=attention, dtype=dtype, param_dtype=dtype or "float32", attention_kernel=attention_kernel
   )
   if path.is_dir():
-    module, cfg, source, table, tokenizer = _open_folder(path, overrides)
+    arch, cfg, source, table, tokenizer = _open_folder(path, overrides)
   else:
-    module, cfg, source, table, tokenizer = _open_gguf(path, overrides, cache_dir)
+    arch, cfg, source, table, tokenizer = _open_gguf(path, overrides, cache_dir)
   mesh = _default_mesh(mesh, attention, seq_axis)
   placement = dict(mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, fsdp=fsdp, remat=remat)
-  model = _place(module, cfg, source, table, placement, where=str(path))
+  model = _place(arch, cfg, source, table, placement, where=str(path))
   return model, tokenizer
 
 
@@ -225,13 +197,13 @@ def load_gguf(path, *, mesh=None, attention: str = "ring", seq_axis="seq", dtype
 def _open_gguf(path, overrides, cache_dir):
   file = gguf_io.GGUFFile(path, cache_dir)
   arch = file.architecture
-  modules = {m.GGUF_ARCH: m for m in ARCHITECTURES}
+  modules = {a.gguf.arch: a for a in architectures.registry()}
   if arch not in modules:
     raise ValueError(
       f"general.architecture={arch!r} of {str(file.path)!r} is not supported; supported: {tuple(modules)}"
     )
   file.check_types()
-  module = modules[arch]
+  arch_record = modules[arch]
   reader_calls = []
   original = file.arch_reader
 
@@ -240,10 +212,10 @@ def _open_gguf(path, overrides, cache_dir):
     return reader_calls[-1]
 
   file.arch_reader = arch_reader
-  cfg = module.config_from_gguf(file, **overrides)
+  cfg = arch_record.gguf.read_config(file, **overrides)
   for reader in reader_calls:
     reader.check_all_read()
-  return module, cfg, file.tensors(), module.GGUF_TENSORS, gguf_io.tokenizer(file)
+  return arch_record, cfg, file.tensors(), arch_record.gguf.tensors, gguf_io.tokenizer(file)
 
 
 def _open_folder(folder: Path, overrides):
@@ -255,17 +227,17 @@ def _open_folder(folder: Path, overrides):
   except json.JSONDecodeError as e:
     raise ValueError(f"{str(path)!r} is not JSON: {e}") from e
   model_type = values.get("model_type")
-  modules = {t: m for m in ARCHITECTURES for t in m.MODEL_TYPES}
+  modules = {t: a for a in architectures.registry() for t in a.hf.model_types + a.hf.multimodal}
   if model_type not in modules:
     raise ValueError(
       f"model_type={model_type!r} of {str(path)!r} is not supported; supported: {tuple(modules)}"
     )
-  module = modules[model_type]
-  table = module.HF_TENSORS
-  source = hf.SafetensorsFolder(folder)
+  arch = modules[model_type]
+  table = arch.hf.tensors
+  source = safetensors_io.SafetensorsFolder(folder)
   where = str(path)
-  if model_type == "gemma3":  # the multimodal folder: its text model
-    top = hf.ConfigReader(values, where)
+  if model_type in arch.hf.multimodal:  # a vision-language folder: its text model
+    top = config_io.ConfigReader(values, where)
     top.get("text_config")
     for key in (
       "vision_config",
@@ -278,16 +250,16 @@ def _open_folder(folder: Path, overrides):
     top.get("initializer_range")
     top.check_all_read()
     values, where = values.get("text_config") or {}, f"{where} (text_config)"
-    prefix = next((p for p in GEMMA3_PREFIXES if p + "embed_tokens.weight" in source), None)
+    prefix = next((p for p in arch.hf.text_prefixes if p + "embed_tokens.weight" in source), None)
     if prefix is None:
-      raise ValueError(f"{str(folder)!r}: no text model's embed_tokens.weight under {GEMMA3_PREFIXES}")
+      raise ValueError(f"{str(folder)!r}: no text model's embed_tokens.weight under {arch.hf.text_prefixes}")
     table = {(prefix + k[len("model.") :]): v for k, v in table.items()}
     source = _Only(source, prefix)
-  cfg_reader = hf.ConfigReader(values, where, GEMMA3_TEXT_DEFAULTS if module is gemma else None)
-  cfg = module.config_from_hf(cfg_reader, **overrides)
+  cfg_reader = config_io.ConfigReader(values, where, arch.hf.defaults)
+  cfg = arch.hf.read_config(cfg_reader, **overrides)
   cfg_reader.check_all_read()
   tokenizer = tokenizer_io.HFTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
-  return module, cfg, source, table, tokenizer
+  return arch, cfg, source, table, tokenizer
 
 
 class _Only:
@@ -345,16 +317,16 @@ def _write(array, how: str):
   raise ValueError(f"Unsupported tensor transform {how!r} for saving")
 
 
-def _ignored(module, name, num_layers) -> bool:
-  patterns = getattr(module, "IGNORED", ())
+def _ignored(arch, name, num_layers) -> bool:
+  patterns = arch.ignored
   return (
     any(name == p.format(i=i) for p in patterns for i in range(num_layers) if "{i}" in p) or name in patterns
   )
 
 
-def _place(module, cfg, source, table, placement, *, where):
+def _place(arch, cfg, source, table, placement, *, where):
   """The model of `cfg` with every parameter read from `source` through `table`."""
-  model = nnx.eval_shape(lambda: module.MODEL(cfg, **placement, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: arch.model_class(cfg, **placement, rngs=nnx.Rngs(0)))
   mesh, seq_axis = placement["mesh"], placement["seq_axis"]
   graphdef, state = nnx.split(model)
   by_target = {}
@@ -367,7 +339,7 @@ def _place(module, cfg, source, table, placement, *, where):
     key = ".".join(str(p) for p in path)
     if key not in by_target:
       raise ValueError(
-        f"the {module.MODEL.__name__} model's parameter {key!r} has no tensor in the file's map"
+        f"the {arch.model_class.__name__} model's parameter {key!r} has no tensor in the file's map"
       )
     name, how = by_target[key]
     if name not in source:
@@ -394,11 +366,11 @@ def _place(module, cfg, source, table, placement, *, where):
   extra = [
     n
     for n in source
-    if n not in used and not _ignored(module, n, cfg.num_layers) and not (cfg.tie_embeddings and n in heads)
+    if n not in used and not _ignored(arch, n, cfg.num_layers) and not (cfg.tie_embeddings and n in heads)
   ]
   if extra:
     raise ValueError(
-      f"{where!r} holds tensors the {module.MODEL.__name__} model has no place for: {extra[:5]}"
+      f"{where!r} holds tensors the {arch.model_class.__name__} model has no place for: {extra[:5]}"
       + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
     )
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
@@ -407,8 +379,11 @@ def _place(module, cfg, source, table, placement, *, where):
 def config_json(cfg) -> dict:
   """The config.json of a model of config `cfg` (its `architectures`, `model_type` and
   hyper-parameters, as transformers writes them), without the file's dtype or tokens."""
-  module = _module_of(cfg)
-  return {"architectures": [module.ARCHITECTURE], "model_type": module.MODEL_TYPES[0]} | module.hf_config(cfg)
+  arch = architectures.of_config(cfg)
+  return {
+    "architectures": [arch.hf.architecture],
+    "model_type": arch.hf.model_types[0],
+  } | arch.hf.write_config(cfg)
 
 
 def save(model, folder, *, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
@@ -418,7 +393,7 @@ def save(model, folder, *, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTE
   tokenizer_config.json. `models.load(folder)` reads it back with the same logits.
   Returns the folder."""
   cfg = getattr(model, "config", None)
-  module = _module_of(cfg)
+  arch = architectures.of_config(cfg)
   if not isinstance(folder, (str, os.PathLike)):
     raise TypeError(f"folder={folder!r} must be a str or os.PathLike")
   if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
@@ -426,7 +401,7 @@ def save(model, folder, *, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTE
   folder = Path(folder)
   folder.mkdir(parents=True, exist_ok=True)
   state = {".".join(str(p) for p in path): v for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-  table = {n: v for n, v in expand(module.HF_TENSORS, cfg.num_layers).items() if v[0] in state}
+  table = {n: v for n, v in expand(arch.hf.tensors, cfg.num_layers).items() if v[0] in state}
   missing = set(state) - {target for target, _ in table.values()}
   if missing:
     raise ValueError(f"parameters {sorted(missing)[:5]} have no Hugging Face name")
@@ -438,7 +413,7 @@ def save(model, folder, *, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTE
       nbytes,
       lambda v=value, h=how: np.ascontiguousarray(_write(np.asarray(jax.device_get(v)), h)),
     )
-  hf.write_shards(folder, tensors, max_shard_bytes)
+  safetensors_io.write_shards(folder, tensors, max_shard_bytes)
   values = config_json(cfg)
   values["torch_dtype"] = str(state["embed.embedding"][...].dtype)
   if tokenizer is not None:

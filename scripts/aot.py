@@ -162,7 +162,7 @@ def compile_model(mesh, args, seq_len: int):
       logits = model(inputs, logits_order="ring")  # the targets follow the layers' order
       return optax.softmax_cross_entropy_with_integer_labels(logits, model.to_ring_order(targets)).mean()
 
-    # Inputs and targets each [B, T], sharded over the sequence as models.training feeds
+    # Inputs and targets each [B, T], sharded over the sequence as models.train.scratch feeds
     # them. One replicated array of T + 1 tokens, sliced into both, left the embeddings
     # whole, and XLA all-gathered the first layer's dq, dk and dv over the sequence for
     # the rotary embedding's backward (1 GiB per device at 64K tokens on 8 x H100).
@@ -173,9 +173,9 @@ def compile_model(mesh, args, seq_len: int):
 
 def compile_for(mesh, args, seq_len: int):
   if isinstance(args.model, str):
-    from jax_ring.models import finetune
+    from jax_ring.models.train import step as train_step
 
-    return finetune.compile_train_step(
+    return train_step.compile_train_step(
       args.model,
       mesh,
       seq_len=seq_len,
@@ -242,10 +242,10 @@ def main(argv=None):
   result["seq_len"] = args.seq_len
   result |= aot.report(compiled)
   if isinstance(args.model, str):
-    from jax_ring.models import finetune
+    from jax_ring.models.train import step as train_step
 
     budget = (args.budget_gib * 2**30) if args.budget_gib else target.memory_bytes
-    result["memory"] = finetune.step_memory(compiled, int(budget))
+    result["memory"] = train_step.step_memory(compiled, int(budget))
     result["fits"] = result["memory"]["fits"]
   if not args.model:
     shape = dict(

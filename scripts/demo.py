@@ -1,7 +1,7 @@
 """The demo: ring attention lets a model use context that lives on another device.
 
 Trains the same small decoder LM twice on long-context key-value retrieval
-(models.tasks.KeyValueTask), with the sequence split over the devices of a mesh: once
+(models.train.tasks.KeyValueTask), with the sequence split over the devices of a mesh: once
 with exact ring attention, once with shard-local attention. The (key, value) pairs sit
 in the first shard and the question in the last, so only the ring model can answer.
 Prints a summary table and writes results/demo/report.json and results/demo/report.png.
@@ -38,8 +38,8 @@ def run(args, log=print):
   """Trains both models; returns the report dict."""
   import jax
 
-  from jax_ring.models.tasks import KeyValueTask
-  from jax_ring.models.training import TrainConfig, train
+  from jax_ring.models.train.scratch import TrainConfig, train
+  from jax_ring.models.train.tasks import KeyValueTask
 
   task = KeyValueTask(seq_len=args.seq_len)
   report = {"task": vars(task) | {"vocab_size": task.vocab_size, "chance": task.chance}, "runs": {}}
@@ -84,7 +84,7 @@ def answer_questions(model, task, seed: int, count: int):
   import numpy as np
 
   from jax_ring.models.generate import generate
-  from jax_ring.models.tasks import row_rng
+  from jax_ring.models.train.tasks import row_rng
 
   rows = [task.row(row_rng(seed + 50_000, 0, r)) for r in range(count)]
   prompts = np.stack([tokens for tokens, _ in rows])
@@ -103,7 +103,7 @@ def answer_questions(model, task, seed: int, count: int):
 def main(argv=None):
   args = parse_args(argv)
   runtime.setup(args)
-  from jax_ring.models.report import plot_history
+  from jax_ring.models.train.scratch import plot_history
 
   report = run(args, log=print if runtime.is_main_process() else lambda *_: None)
   if not runtime.is_main_process():

@@ -1,7 +1,7 @@
 """Fine-tunes a pretrained model (a GGUF file or a Hugging Face folder: Llama 3, Qwen 3,
 Gemma 3) over the ring: every layer's attention over the devices, AdamW with warmup,
 cosine decay and clipping, the loss chunked so the [T, vocab] logits never exist, the
-weights and optimizer state split over the devices with --fsdp (models.finetune).
+weights and optimizer state split over the devices with --fsdp (models.train.finetune).
 
 Data: the main job's long documents (filler with five facts, then a question; the loss
 on the answer's tokens), or windows of a text file (--text; the loss on every token).
@@ -63,7 +63,8 @@ def main(argv=None):
   from flax import nnx
 
   from jax_ring import models
-  from jax_ring.models import finetune
+  from jax_ring.models.train import finetune
+  from jax_ring.models.train import step as train_step
 
   mesh = jax.make_mesh((args.devices,), ("seq",), devices=jax.devices()[: args.devices])
   model, tokenizer = models.load(args.path, mesh=mesh, fsdp=args.fsdp, remat=args.remat, dtype=args.dtype)
@@ -88,9 +89,9 @@ def main(argv=None):
     save_every=args.save_every,
   )
   if args.fsdp and args.devices > 1:
-    whole = finetune.unsplit_bytes(model)
+    whole = train_step.unsplit_bytes(model)
     if whole:
-      total = finetune.per_device_bytes(nnx.state(model, nnx.Param)) * args.devices
+      total = train_step.per_device_bytes(nnx.state(model, nnx.Param)) * args.devices
       print(
         f"finetune.py: warning: --devices {args.devices} divides no dimension of some weights, which FSDP "
         f"keeps whole on every device: {whole / 2**20:.0f} MiB a device of {total / 2**20:.0f} MiB "

@@ -3,7 +3,7 @@ package) reads documents of 4K to 32K tokens split over the devices of a mesh (8
 simulated on a CPU) with exact ring attention, and answers questions about needles
 hidden at five depths; beside it, shard-local attention and the model reading only the
 last 4K tokens, and, where it runs, dense attention on one device, whose logits the
-ring's must equal (models.long_context).
+ring's must equal (models.eval.long_context).
 
 Default grid (6 minutes on a 2-core CPU): the pass-key task at 4K, 8K, 16K and 32K
 tokens, one document per length holding the five needles (each a different kind of
@@ -77,7 +77,7 @@ def main(argv=None):
   import jax
 
   from jax_ring import models
-  from jax_ring.models import long_context
+  from jax_ring.models.eval import long_context
 
   start = time.perf_counter()
   if args.model is None:
@@ -143,7 +143,7 @@ def table(report: dict) -> str:
     "| one device's temp MiB | ring vs one device |",
     "|---|---|---|---|---|---|---|---|---|---|",
   ]
-  readers = ("ring", "local", "last4k", "dense")  # models.long_context.READERS (imports jax)
+  readers = ("ring", "local", "last4k", "dense")  # models.eval.long_context.READERS (imports jax)
   order = lambda r: (report["tasks"].index(r["task"]), r["length"], readers.index(r["reader"]))
   for r in sorted(report["runs"], key=order):
     e = exact.get((r["task"], r["length"]))

@@ -3,7 +3,7 @@ r"""The demo: needle in a haystack over real text, split across the devices of a
 Each example is a window of Shakespeare (data/shakespeare, byte tokens) with a needle
 sentence, "The code of <name> is <digits>.", planted at a random depth, and a question
 at the end, "The code of <name> is ", that the model answers with the digits
-(models.tasks.NeedleTask). The sequence is split over the devices (8 simulated on a
+(models.train.tasks.NeedleTask). The sequence is split over the devices (8 simulated on a
 CPU), so the needle's depth decides which device holds it.
 
 The same `models.DecoderLM` is trained three ways from the same start: exact ring
@@ -88,9 +88,9 @@ def run(args, log=print):
   """Trains and evaluates the three models; returns the report dict."""
   import jax
 
-  from jax_ring.models.needle import accuracy_grid, generated_answers
-  from jax_ring.models.tasks import NeedleTask
-  from jax_ring.models.training import TrainConfig, _batch_spec, make_mesh, train
+  from jax_ring.models.eval.needle import accuracy_grid, generated_answers
+  from jax_ring.models.train.scratch import TrainConfig, _batch_spec, make_mesh, train
+  from jax_ring.models.train.tasks import NeedleTask
 
   devices = jax.device_count()
   task = NeedleTask(seq_len=args.seq_len)
@@ -155,7 +155,7 @@ def run(args, log=print):
 def main(argv=None):
   args = parse_args(argv)
   runtime.setup(args)
-  from jax_ring.models.needle import plot_report
+  from jax_ring.models.eval.needle import plot_report
 
   report = run(args, log=print if runtime.is_main_process() else lambda *_: None)
   if not runtime.is_main_process():

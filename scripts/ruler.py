@@ -7,7 +7,7 @@ with a model read over the ring and by the main job's baselines:
 For each length it builds the tasks' documents once (the harness's RULER tasks, sized
 with the model's tokenizer, saved to OUT/tokenizer for them), then has each reader
 answer the first `--limit` of them with the `jax_ring` model type
-(`jax_ring.models.harness`): "ring" (every token over the ring of `--devices`),
+(`jax_ring.models.eval.harness`): "ring" (every token over the ring of `--devices`),
 "local" (the prompt's last 1/devices, what shard-local attention's last device
 sees) and "last" (BOS and the prompt's last 4,096 tokens). The harness scores the
 answers. Writes OUT/report.json (scores per reader, task and length, seconds per
@@ -105,8 +105,8 @@ def main(argv=None) -> dict:
   runtime.simulate_devices(args.devices)
   from lm_eval.evaluator import evaluate
 
-  from jax_ring.models import harness
-  from jax_ring.models import tokenizer as tokenizer_files
+  from jax_ring.models.eval import harness
+  from jax_ring.models.formats import tokenizer_json as tokenizer_files
 
   out = Path(args.out)
   (out / "tokenizer").mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """Train a small decoder LM on long-context retrieval on a ("data", "seq") mesh
-(models.training): AdamW with warmup + cosine decay and clipping, periodic
+(models.train.scratch): AdamW with warmup + cosine decay and clipping, periodic
 evaluation, orbax checkpoints with resume, history.json and a loss-curve PNG.
 
-Two tasks (models.tasks): `--task kv`, synthetic key-value pairs in the first shard and
+Two tasks (models.train.tasks): `--task kv`, synthetic key-value pairs in the first shard and
 the question at the end; `--task needle`, a needle sentence planted at a random depth
 of real text (Shakespeare, bytes) and a question at the end. Exact (ring) attention
 reaches the first shard, shard-local attention cannot.
@@ -28,8 +28,8 @@ import json
 
 from jax_ring.models import cli, runtime
 from jax_ring.models.cli import add_config_flags, config_from_flags
-from jax_ring.models.tasks import KeyValueTask, NeedleTask
-from jax_ring.models.training import TrainConfig, train
+from jax_ring.models.train.scratch import TrainConfig, train
+from jax_ring.models.train.tasks import KeyValueTask, NeedleTask
 
 
 def parse_args(argv=None):

@@ -503,7 +503,7 @@ def test_sentencepiece_vocabulary_and_its_tokenizer_json(checkpoints, tmp_path):
 
 
 def _saved_tokenizer(tok, folder):
-  from jax_ring.models import tokenizer as tokenizer_io
+  from jax_ring.models.formats import tokenizer_json as tokenizer_io
 
   tokenizer_io.save_tokenizer(tok, folder, context_length=256)
   return folder

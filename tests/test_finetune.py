@@ -19,7 +19,9 @@ from conftest import make_mesh, rel_err
 from flax import nnx
 
 from jax_ring import hlo, models
-from jax_ring.models import decoder, finetune
+from jax_ring.models.architectures import decoder
+from jax_ring.models.train import finetune
+from jax_ring.models.train import step as train_step
 
 # Sizes every device count here divides (8): FSDP splits every weight.
 SMALL = models.LlamaConfig(
@@ -66,11 +68,13 @@ def test_fsdp_steps_equal_the_replicated_model(shape, names, batch_axis):
   the same losses, gradient norms and weights within 1e-5, and the weights and moments
   stay split."""
   mesh = make_mesh(shape, names)
-  tx = finetune.make_tx(3e-3, 1, 10, 0.01, 1.0)
-  trainers = [finetune.Trainer(_model(SMALL, mesh, fsdp, batch_axis), tx, chunk=16) for fsdp in (False, True)]
+  tx = train_step.make_tx(3e-3, 1, 10, 0.01, 1.0)
+  trainers = [
+    train_step.Trainer(_model(SMALL, mesh, fsdp, batch_axis), tx, chunk=16) for fsdp in (False, True)
+  ]
   start = jax.tree.map(np.asarray, trainers[0].params)
   for step in range(3):
-    batch = finetune.place_batch(trainers[0].model(), *_batch(seed=step))
+    batch = train_step.place_batch(trainers[0].model(), *_batch(seed=step))
     (l0, s0), (l1, s1) = (t.step(*batch) for t in trainers)
     n0, n1 = s0["grad_norm"], s1["grad_norm"]
     assert abs(float(l0) - float(l1)) <= STEP_TOL * abs(float(l0))
@@ -92,8 +96,8 @@ def test_fsdp_bytes_per_device_are_the_total_over_devices():
   mesh = make_mesh((8,), ("seq",))
   model = _model(QWEN, mesh, True)
   total = sum(v[...].nbytes for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
-  trainer = finetune.Trainer(model, finetune.make_tx(1e-3, 1, 10, 0.0, 1.0), chunk=16)
-  batch = finetune.place_batch(model, *_batch())
+  trainer = train_step.Trainer(model, train_step.make_tx(1e-3, 1, 10, 0.0, 1.0), chunk=16)
+  batch = train_step.place_batch(model, *_batch())
   memory = trainer.memory(*batch)
   assert memory["param_bytes"] == total // 8
   scalars = sum(x.nbytes for x in jax.tree.leaves(trainer.opt_state) if x.ndim == 0)  # step counts
@@ -114,8 +118,8 @@ def test_fsdp_step_gathers_weights_and_reduces_gradients():
 
   def ops(fsdp):
     model = _model(SMALL, mesh, fsdp)
-    trainer = finetune.Trainer(model, finetune.make_tx(1e-3, 1, 10, 0.0, 1.0), chunk=16)
-    return hlo.collectives(trainer.compiled(*finetune.place_batch(model, *batch)))
+    trainer = train_step.Trainer(model, train_step.make_tx(1e-3, 1, 10, 0.0, 1.0), chunk=16)
+    return hlo.collectives(trainer.compiled(*train_step.place_batch(model, *batch)))
 
   sharded, replicated = ops(True), ops(False)
   kinds = [c.op for c in sharded]
@@ -184,8 +188,8 @@ def test_vocabulary_rings_equal_the_gathered_table(fsdp):
     ce = optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets)
     return jnp.sum(ce * weights) / jnp.sum(weights)
 
-  batch = finetune.place_batch(ring, tokens, targets, weights)
-  value, grads = nnx.value_and_grad(lambda m: finetune.loss(m, *batch, chunk=16))(ring)
+  batch = train_step.place_batch(ring, tokens, targets, weights)
+  value, grads = nnx.value_and_grad(lambda m: train_step.loss(m, *batch, chunk=16))(ring)
   expected, expected_grads = nnx.value_and_grad(full)(dense)
   assert abs(float(value) - float(expected)) < 1e-6 * float(expected)
   for (path, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected_grads)):
@@ -208,7 +212,7 @@ def test_embedding_ring_moving_the_table_or_the_rows(moving, shape, names, table
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jax_ring.models import vocab
+  from jax_ring.models.architectures import vocabulary as vocab
 
   mesh = make_mesh(shape, names)
   rng = np.random.default_rng(7)
@@ -246,7 +250,7 @@ def test_loss_ring_moving_the_table_or_the_rows(moving, transposed, shape, names
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jax_ring.models import vocab
+  from jax_ring.models.architectures import vocabulary as vocab
 
   mesh = make_mesh(shape, names)
   rng = np.random.default_rng(8)
@@ -300,7 +304,7 @@ def test_training_loss_in_the_ring_order_equals_natural_order():
     ce = optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets)
     return jnp.sum(ce * weights) / jnp.sum(weights)
 
-  value, grads = nnx.value_and_grad(lambda m: finetune.loss(m, tokens, targets, weights, chunk=128))(ring)
+  value, grads = nnx.value_and_grad(lambda m: train_step.loss(m, tokens, targets, weights, chunk=128))(ring)
   expected, expected_grads = nnx.value_and_grad(full)(dense)
   assert abs(float(value) - float(expected)) < 1e-6 * float(expected)
   for (path, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected_grads)):
@@ -327,14 +331,14 @@ def test_chunked_cross_entropy_equals_float64_and_the_full_loss(chunk):
   table = rng.standard_normal((300, 32)).astype(np.float32) * 0.3
   _, targets, weights = _batch()
   targets = targets % 300
-  chunked = lambda h, t: finetune.chunked_cross_entropy(
+  chunked = lambda h, t: train_step.chunked_cross_entropy(
     h, t, targets, weights, chunk=chunk, mesh=mesh, seq_axis="seq"
   )
   value = float(jax.jit(chunked)(h, table))
   assert abs(value - _numpy_ce(h, table, targets, weights)) < 1e-6 * abs(value)
   # predictions=True: the same value, and every position's argmax from the same chunks.
   both = jax.jit(
-    lambda h, t: finetune.chunked_cross_entropy(
+    lambda h, t: train_step.chunked_cross_entropy(
       h, t, targets, weights, chunk=chunk, mesh=mesh, seq_axis="seq", predictions=True
     )
   )(h, table)
@@ -363,7 +367,7 @@ def test_chunked_cross_entropy_holds_no_full_logits():
   auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,))
   rows = jax.sharding.NamedSharding(auto, jax.sharding.PartitionSpec(None, "seq"))
   t, w = jax.device_put(t, rows), jax.device_put(w, rows)
-  chunked = lambda h, table: finetune.chunked_cross_entropy(
+  chunked = lambda h, table: train_step.chunked_cross_entropy(
     h, table, t, w, chunk=32, mesh=mesh, seq_axis="seq"
   )
 
@@ -392,8 +396,8 @@ def test_feed_forward_in_chunks_equals_it_whole(monkeypatch):
 
   def step(mesh, batch_axis):
     model = _model(SMALL, mesh, True, batch_axis, remat="full")
-    trainer = finetune.Trainer(model, finetune.make_tx(3e-3, 1, 10, 0.01, 1.0), chunk=16)
-    batch = finetune.place_batch(model, *_batch())
+    trainer = train_step.Trainer(model, train_step.make_tx(3e-3, 1, 10, 0.01, 1.0), chunk=16)
+    batch = train_step.place_batch(model, *_batch())
     loops = trainer.compiled(*batch).as_text().count(" while(")
     loss, stats = trainer.step(*batch)
     return (float(loss), float(stats["grad_norm"]), jax.tree.map(np.asarray, trainer.params)), loops
@@ -438,11 +442,11 @@ def test_remat_policies_keep_what_they_name():
   loop in the rematerialized computation), under "attention" it does not (the ring's
   output and log-sum-exp are kept)."""
   mesh = make_mesh((4,), ("seq",))
-  batch = finetune.place_batch(_model(SMALL, mesh, False), *_batch())
+  batch = train_step.place_batch(_model(SMALL, mesh, False), *_batch())
 
   def run(policy):
-    trainer = finetune.Trainer(
-      _model(SMALL, mesh, False, remat=policy), finetune.make_tx(1e-3, 1, 10, 0.0, 1.0)
+    trainer = train_step.Trainer(
+      _model(SMALL, mesh, False, remat=policy), train_step.make_tx(1e-3, 1, 10, 0.0, 1.0)
     )
     compiled = trainer.compiled(*batch)
     forward = [c.source for c in hlo.collectives(compiled) if c.where == "forward ring step"]
@@ -465,7 +469,7 @@ def test_finetune_script_reports_checkpoints_and_resumes(tmp_path):
   import finetune as script  # scripts/finetune.py
   import tokenizers  # installed by the test command (the [models] extra)
 
-  from jax_ring.models.tokenizer import HFTokenizer
+  from jax_ring.models.formats.tokenizer_json import HFTokenizer
 
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
@@ -498,7 +502,7 @@ def test_finetune_script_reports_checkpoints_and_resumes(tmp_path):
   batch = finetune.text_batch(
     np.asarray(HFTokenizer.from_folder(tmp_path / "model").encode(text.read_text()), np.int32), 64, 6
   )
-  evaluate = lambda m: float(finetune.loss(m, *(jnp.asarray(a) for a in batch), chunk=64))
+  evaluate = lambda m: float(train_step.loss(m, *(jnp.asarray(a) for a in batch), chunk=64))
   expected, untrained = evaluate(tuned), evaluate(model)
   script.main(common + ["--steps", "8", "--lr", "3e-3", "--fsdp"])
   again = json.loads((out / "report.json").read_text())["steps"]
@@ -531,7 +535,7 @@ def test_finetune_script_refuses_bad_settings_before_writing(tmp_path, options, 
   import finetune as script
   import tokenizers
 
-  from jax_ring.models.tokenizer import HFTokenizer
+  from jax_ring.models.formats.tokenizer_json import HFTokenizer
 
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
@@ -551,10 +555,10 @@ def test_fsdp_on_a_device_count_that_splits_nothing_says_so(capsys):
   says how much, per device, and what to pass instead."""
   mesh = make_mesh((3,), ("seq",))
   model = _model(SMALL, mesh, True)
-  whole = finetune.unsplit_bytes(model)
+  whole = train_step.unsplit_bytes(model)
   layer = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.blocks[0], nnx.Param)))
   assert whole >= layer  # every block's weights
-  assert finetune.unsplit_bytes(_model(SMALL, make_mesh((4,), ("seq",)), True)) == 0
+  assert train_step.unsplit_bytes(_model(SMALL, make_mesh((4,), ("seq",)), True)) == 0
 
 
 def test_document_batch_scores_exactly_the_answer():
@@ -603,11 +607,11 @@ def test_blocks_that_repeat_with_a_period_train_as_a_scan():
   unrolled = models.build(config, mesh=mesh, rngs=nnx.Rngs(3))
   graphdefs = [nnx.split(b, nnx.Param, ...)[0] for b in scanned.blocks]
   assert decoder._period(graphdefs) == 2
-  batch = finetune.place_batch(scanned, *_batch(batch=1, length=64))
-  jaxpr = str(jax.make_jaxpr(lambda m: finetune.loss(m, *batch, chunk=16))(scanned))
+  batch = train_step.place_batch(scanned, *_batch(batch=1, length=64))
+  jaxpr = str(jax.make_jaxpr(lambda m: train_step.loss(m, *batch, chunk=16))(scanned))
   assert "length=2" in jaxpr  # the scan over the two periods
-  value, grads = nnx.value_and_grad(lambda m: finetune.loss(m, *batch, chunk=16))(scanned)
-  expected, expected_grads = nnx.value_and_grad(lambda m: finetune.loss(m, *batch, chunk=16))(unrolled)
+  value, grads = nnx.value_and_grad(lambda m: train_step.loss(m, *batch, chunk=16))(scanned)
+  expected, expected_grads = nnx.value_and_grad(lambda m: train_step.loss(m, *batch, chunk=16))(unrolled)
   assert abs(float(value) - float(expected)) < 1e-6 * abs(float(expected))
   for (path, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected_grads)):
     assert rel_err(a[...], b[...]) < 1e-5, path

@@ -19,8 +19,8 @@ from flax import nnx
 import jax_ring
 from jax_ring import models
 from jax_ring.hlo import collective_bytes
-from jax_ring.models import gguf as gguf_io
-from jax_ring.models import long_context
+from jax_ring.models.eval import long_context
+from jax_ring.models.formats import gguf as gguf_io
 
 pytestmark = pytest.mark.xdist_group("gemma")
 

@@ -211,7 +211,7 @@ def test_reader_shares_decode_steps_across_lengths_and_stops_at_the_answer():
   than the document needs answers the same as a just-large-enough one, and as the full
   forward over the document, question and answer; `done` stops decoding where it says."""
   from jax_ring import models
-  from jax_ring.models import long_context
+  from jax_ring.models.eval import long_context
 
   config = models.LlamaConfig(
     vocab_size=64,

@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness adapter (`jax_ring.models.harness`) with the real model,
+"""The lm-evaluation-harness adapter (`jax_ring.models.eval.harness`) with the real model,
 Gemma 3 270M: RULER end to end over the ring against the main job's own reader, and
 the log-likelihoods against float64 log-softmaxes of the full logits. Its own module
 (not the "gemma" group's worker), loading the model as the adapter's users do."""
@@ -9,7 +9,7 @@ import pytest
 from conftest import make_mesh
 
 from jax_ring import models
-from jax_ring.models import long_context
+from jax_ring.models.eval import long_context
 
 pytestmark = pytest.mark.slow  # the RULER test takes about a minute
 
@@ -45,8 +45,8 @@ def test_harness_answers_ruler_as_the_main_jobs_reader(tmp_path, ring8, dense):
   a third of the ring's time, and the ring equals it by the Gemma tests)."""
   from lm_eval.evaluator import evaluate
 
-  from jax_ring.models import harness
-  from jax_ring.models import tokenizer as tokenizer_files
+  from jax_ring.models.eval import harness
+  from jax_ring.models.formats import tokenizer_json as tokenizer_files
 
   ring8, tokenizer = ring8
   new = 10
@@ -75,7 +75,7 @@ def test_harness_loglikelihoods_equal_the_full_logits(dense):
   model's full logits, and "greedy" is whether every continuation token is the argmax."""
   from lm_eval.api.instance import Instance
 
-  from jax_ring.models import harness
+  from jax_ring.models.eval import harness
 
   dense, tokenizer = dense
   lm = harness.RingLM(loaded=(dense, tokenizer), reader="dense")

@@ -15,8 +15,8 @@ from conftest import make_mesh
 from flax import nnx
 
 from jax_ring import models
-from jax_ring.models import harness
-from jax_ring.models.tokenizer import HFTokenizer
+from jax_ring.models.eval import harness
+from jax_ring.models.formats.tokenizer_json import HFTokenizer
 
 CONFIG = models.LlamaConfig(
   vocab_size=64,
@@ -136,7 +136,7 @@ def test_limit_counts_per_length_for_ruler():
 def test_ruler_makes_its_documents_one_length_after_another(tmp_path, tiny):
   """What `per_length_limit` relies on: RULER's documents, 500 a length, in the order
   of max_seq_lengths."""
-  from jax_ring.models import tokenizer as tokenizer_files
+  from jax_ring.models.formats import tokenizer_json as tokenizer_files
 
   tokenizer_files.save_tokenizer(tiny[2], tmp_path, context_length=4096)
   tasks = harness.ruler_tasks(["niah_single_1"], {"max_seq_lengths": [512, 1024], "tokenizer": str(tmp_path)})

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_ring.models.tasks import KeyValueTask
-from jax_ring.models.training import TrainConfig, train
+from jax_ring.models.train.scratch import TrainConfig, train
+from jax_ring.models.train.tasks import KeyValueTask
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, str(ROOT / "scripts" / "launch.py")]

@@ -406,7 +406,7 @@ def test_p_rope_drops_long_wavelengths_and_stays_relative():
 
 
 def test_short_conv_is_a_causal_depthwise_convolution():
-  from jax_ring.models.transformer import ShortConv
+  from jax_ring.models.architectures.scratch import ShortConv
 
   conv = ShortConv(4, 3, dtype=None, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
   h = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (2, 7, 4)))

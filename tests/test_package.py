@@ -26,7 +26,10 @@ def test_wheel_installs_one_package_and_imports(tmp_path):
   (wheel,) = tmp_path.glob("jax_ring-*.whl")
   names = zipfile.ZipFile(wheel).namelist()
   assert {n.split("/")[0] for n in names} == {"jax_ring", wheel.name.split("-py")[0] + ".dist-info"}, names
-  for member in ("jax_ring/models/__init__.py", "jax_ring/models/transformer.py", "jax_ring/py.typed"):
+  members = ["jax_ring/models/__init__.py", "jax_ring/py.typed"]
+  members += [f"jax_ring/models/{p}/__init__.py" for p in ("architectures", "eval", "formats", "train")]
+  members += ["jax_ring/models/architectures/scratch.py", "jax_ring/models/train/step.py"]
+  for member in members:
     assert member in names, member
   assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names)
 
@@ -63,7 +66,8 @@ def test_missing_model_packages_name_the_command_that_installs_them(monkeypatch)
   """Without the [models] extra's packages, each reader's ImportError gives the command
   that works from a checkout (the package is on no index: `pip install jax_ring[...]`
   would fail)."""
-  from jax_ring.models import gguf, tokenizer
+  from jax_ring.models.formats import gguf
+  from jax_ring.models.formats import tokenizer_json as tokenizer
 
   for module, load in (("gguf", gguf._import_gguf), ("tokenizers", tokenizer.import_tokenizers)):
     monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
@@ -76,6 +80,6 @@ def test_missing_harness_names_the_command_that_installs_it(monkeypatch):
   monkeypatch.setitem(sys.modules, "lm_eval", None)
   monkeypatch.setitem(sys.modules, "lm_eval.api", None)
   monkeypatch.setitem(sys.modules, "lm_eval.api.model", None)
-  monkeypatch.delitem(sys.modules, "jax_ring.models.harness", raising=False)
+  monkeypatch.delitem(sys.modules, "jax_ring.models.eval.harness", raising=False)
   with pytest.raises(ImportError, match=r'pip install -e "\.\[eval\]" in the checkout'):
-    importlib.import_module("jax_ring.models.harness")
+    importlib.import_module("jax_ring.models.eval.harness")

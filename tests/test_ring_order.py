@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ring import hlo, layouts, reference_attention, ring_attention
 from jax_ring.models import DecoderLM, LMConfig
-from jax_ring.models.training import loss_and_accuracy
-from jax_ring.models.training import make_mesh as train_mesh
+from jax_ring.models.train.scratch import loss_and_accuracy
+from jax_ring.models.train.scratch import make_mesh as train_mesh
 
 # ring_attention with token_order="layout" ------------------------------------------
 
@@ -167,7 +167,7 @@ def test_ring_order_model_equals_natural_order_and_dense(devices, short_shards_z
 
 
 def test_ring_order_training_step_relays_no_layer(short_shards_zigzag):
-  """The compiled step of `models.training`'s loss: per layer, natural order relays
+  """The compiled step of `models.train.scratch`'s loss: per layer, natural order relays
   q, k, v and the output in and out (forward and backward); ring order relays none."""
   layers, length = 3, 256
   mesh = train_mesh(1, 8)

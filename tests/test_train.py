@@ -1,4 +1,4 @@
-"""Training (models.training): same losses on 8 devices as on 1, exact resume, the demo task."""
+"""Training (models.train.scratch): same losses on 8 devices as on 1, exact resume, the demo task."""
 
 import dataclasses
 import json
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_ring.models.tasks import NAMES, KeyValueTask, NeedleTask, corpus, decode
-from jax_ring.models.training import TrainConfig, build, load_params, make_mesh, train
+from jax_ring.models.train.scratch import TrainConfig, build, load_params, make_mesh, train
+from jax_ring.models.train.tasks import NAMES, KeyValueTask, NeedleTask, corpus, decode
 
 SMALL = TrainConfig(batch=4, dim=32, layers=1, eval_batches=0, progress=False, out=None)
 TASK = KeyValueTask(seq_len=64)

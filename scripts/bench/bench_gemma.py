@@ -55,7 +55,7 @@ def main(argv=None):
   import jax_ring
   from jax_ring import models
   from jax_ring.hlo import collective_bytes
-  from jax_ring.models import long_context
+  from jax_ring.models.eval import long_context
 
   path = assemble()
   mesh = jax.make_mesh((args.devices,), ("seq",), devices=jax.devices()[: args.devices])

@@ -42,7 +42,7 @@ def step_memory(args, seq_len: int, remat: bool, scan: bool, policy="float32", d
   from jax.sharding import PartitionSpec as P
 
   from jax_ring.models import DecoderLM
-  from jax_ring.models.training import make_mesh
+  from jax_ring.models.train.scratch import make_mesh
 
   mesh = make_mesh(1, args.devices)
   cfg = lm_config(args, policy=policy, dtype=dtype, remat=remat, scan_layers=scan)

@@ -45,7 +45,7 @@ def build_step(args, seq_len: int, ring_order: bool):
   from jax.sharding import PartitionSpec as P
 
   from jax_ring.models import DecoderLM
-  from jax_ring.models.training import loss_and_accuracy, make_mesh, replicate
+  from jax_ring.models.train.scratch import loss_and_accuracy, make_mesh, replicate
 
   mesh = make_mesh(1, args.devices)
   cfg = lm_config(args, policy="float32", ring_order=ring_order)

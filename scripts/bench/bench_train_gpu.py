@@ -1,5 +1,5 @@
 """One AdamW training step of a named model on one GPU: jax_ring's (`models.build` +
-`finetune.Trainer`, every attention layer on the ring's kernel) and, with `--torch`,
+`train.step.Trainer`, every attention layer on the ring's kernel) and, with `--torch`,
 PyTorch + Hugging Face transformers' of the same model in the same run.
 
     python scripts/bench/bench_train_gpu.py --model llama-3.2-1b --lengths 16384,32768 --torch
@@ -137,15 +137,15 @@ def jax_row(args, remat: str, tokens: int) -> dict:
   import numpy as np
 
   from jax_ring import models
-  from jax_ring.models import finetune
+  from jax_ring.models.train import step as train_step
 
   cfg = model_config(args.model, args.tiny)
   mesh = jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
   model = models.build(cfg, mesh=mesh, remat=remat, dtype="bfloat16", attention_kernel=args.kernel)
-  trainer = finetune.Trainer(model, finetune.make_tx(1e-5, 1, 100, 0.0, 1.0))
+  trainer = train_step.Trainer(model, train_step.make_tx(1e-5, 1, 100, 0.0, 1.0))
   del model
   ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, tokens + 1)).astype(np.int32)
-  batch = finetune.place_batch(trainer.model(), ids[:, :-1], ids[:, 1:], np.ones((1, tokens), np.float32))
+  batch = train_step.place_batch(trainer.model(), ids[:, :-1], ids[:, 1:], np.ones((1, tokens), np.float32))
   start = time.perf_counter()
   loss = float(trainer.step(*batch)[0])
   first = time.perf_counter() - start

@@ -28,9 +28,11 @@ from flax import nnx
 
 from jax_ring import nn as ring_nn
 
-from . import decoder
+from ..formats import config_json
+from . import decoder, tables
 from .decoder import ATTENTION_KINDS, CausalLM
-from .transformer import GatedMLP
+from .record import Architecture, GGUFFormat, HFFormat
+from .scratch import GatedMLP
 
 __all__ = ["ATTENTION_KINDS", "CONFIGS", "Gemma", "GemmaConfig"]
 
@@ -169,87 +171,68 @@ CONFIGS = {
   ),
 }
 
-# Tensor tables: a file's tensor name -> (the module's parameter path, how to read it).
-# "{i}" is the layer. "T": transposed (files store (out, in), nnx.Linear [in, out]);
-# "+1": Hugging Face stores Gemma's RMSNorm scale as w for x * (1 + w), the module
-# (and llama.cpp's GGUF) as 1 + w.
-HF_TENSORS = {
-  "model.embed_tokens.weight": ("embed.embedding", ""),
-  "model.norm.weight": ("norm.scale", "+1"),
-  "model.layers.{i}.input_layernorm.weight": ("blocks.{i}.attn_norm.scale", "+1"),
-  "model.layers.{i}.self_attn.q_proj.weight": ("blocks.{i}.attn.query.kernel", "T"),
-  "model.layers.{i}.self_attn.k_proj.weight": ("blocks.{i}.attn.key.kernel", "T"),
-  "model.layers.{i}.self_attn.v_proj.weight": ("blocks.{i}.attn.value.kernel", "T"),
-  "model.layers.{i}.self_attn.q_norm.weight": ("blocks.{i}.attn.query_norm.scale", "+1"),
-  "model.layers.{i}.self_attn.k_norm.weight": ("blocks.{i}.attn.key_norm.scale", "+1"),
-  "model.layers.{i}.self_attn.o_proj.weight": ("blocks.{i}.attn.out.kernel", "T"),
-  "model.layers.{i}.post_attention_layernorm.weight": ("blocks.{i}.post_attn_norm.scale", "+1"),
-  "model.layers.{i}.pre_feedforward_layernorm.weight": ("blocks.{i}.mlp_norm.scale", "+1"),
-  "model.layers.{i}.mlp.gate_proj.weight": ("blocks.{i}.mlp.gate.kernel", "T"),
-  "model.layers.{i}.mlp.up_proj.weight": ("blocks.{i}.mlp.up.kernel", "T"),
-  "model.layers.{i}.mlp.down_proj.weight": ("blocks.{i}.mlp.down.kernel", "T"),
-  "model.layers.{i}.post_feedforward_layernorm.weight": ("blocks.{i}.post_mlp_norm.scale", "+1"),
-}
-# llama.cpp's gemma3 names.
-GGUF_TENSORS = {
-  "token_embd.weight": ("embed.embedding", ""),
-  "output_norm.weight": ("norm.scale", ""),
-  "blk.{i}.attn_norm.weight": ("blocks.{i}.attn_norm.scale", ""),
-  "blk.{i}.attn_q.weight": ("blocks.{i}.attn.query.kernel", "T"),
-  "blk.{i}.attn_k.weight": ("blocks.{i}.attn.key.kernel", "T"),
-  "blk.{i}.attn_v.weight": ("blocks.{i}.attn.value.kernel", "T"),
-  "blk.{i}.attn_q_norm.weight": ("blocks.{i}.attn.query_norm.scale", ""),
-  "blk.{i}.attn_k_norm.weight": ("blocks.{i}.attn.key_norm.scale", ""),
-  "blk.{i}.attn_output.weight": ("blocks.{i}.attn.out.kernel", "T"),
-  "blk.{i}.post_attention_norm.weight": ("blocks.{i}.post_attn_norm.scale", ""),
-  "blk.{i}.ffn_norm.weight": ("blocks.{i}.mlp_norm.scale", ""),
-  "blk.{i}.ffn_gate.weight": ("blocks.{i}.mlp.gate.kernel", "T"),
-  "blk.{i}.ffn_up.weight": ("blocks.{i}.mlp.up.kernel", "T"),
-  "blk.{i}.ffn_down.weight": ("blocks.{i}.mlp.down.kernel", "T"),
-  "blk.{i}.post_ffw_norm.weight": ("blocks.{i}.post_mlp_norm.scale", ""),
-}
-
-MODEL = Gemma
-MODEL_TYPES = ("gemma3_text", "gemma3")  # "gemma3": the multimodal folder; its text_config is read
-ARCHITECTURE = "Gemma3ForCausalLM"
-GGUF_ARCH = "gemma3"
+_PARTS = (
+  "embed", "norm", "attn_norm", "query", "key", "value", "query_norm", "key_norm", "out",
+  "post_attn_norm", "mlp_norm", "gate", "up", "down", "post_mlp_norm",
+)  # fmt: skip
+_NORMS = ("norm", "attn_norm", "query_norm", "key_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
+# Hugging Face stores Gemma's RMSNorm weights as w for x * (1 + w) ("+1"); llama.cpp as
+# 1 + w. Gemma 3 norms the attention's output and the MLP's, and calls the MLP's
+# input norm pre_feedforward_layernorm.
+HF_TENSORS = tables.table(
+  tables.HF_NAMES
+  | {
+    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
+  },
+  _PARTS,
+  dict.fromkeys(_NORMS, "+1"),
+)
+GGUF_TENSORS = tables.table(tables.GGUF_NAMES, _PARTS)
+# Gemma 3's text defaults (transformers' Gemma3TextConfig), for the keys a file (a
+# multimodal folder's text_config among them) leaves out.
+HF_DEFAULTS = dict(
+  vocab_size=262208,
+  hidden_size=2304,
+  intermediate_size=9216,
+  num_hidden_layers=26,
+  num_attention_heads=8,
+  num_key_value_heads=4,
+  head_dim=256,
+  rms_norm_eps=1e-6,
+  rope_theta=1_000_000.0,
+  rope_local_base_freq=10_000.0,
+  sliding_window=4096,
+  query_pre_attn_scalar=256,
+  max_position_embeddings=131072,
+)
 
 
 def config_from_hf(cfg, **overrides) -> GemmaConfig:
-  """The GemmaConfig of a Gemma 3 config.json (`hf.ConfigReader`); every key that
+  """The GemmaConfig of a Gemma 3 config.json (`config_json.ConfigReader`); every key that
   changes the computation is applied or refused."""
   cfg.expect("hidden_activation", "gelu_pytorch_tanh", also=("hidden_act",))
-  cfg.expect("attention_bias", False)
-  cfg.expect("attention_dropout", 0.0)
   cfg.expect("final_logit_softcapping", None)
   cfg.expect("attn_logit_softcapping", None)
   cfg.expect("use_bidirectional_attention", False)
-  layers = cfg.int("num_hidden_layers")
-  global_every = layer_period(cfg, layers)
+  fields = config_json.decoder_fields(cfg)
+  global_every = layer_period(cfg, fields["num_layers"])
   full, full_scaling = cfg.rope("full_attention")
   local, local_scaling = cfg.rope("sliding_attention", default_theta=cfg.get("rope_local_base_freq", 10000.0))
   if local_scaling is not None:
     raise ValueError(
       f"{cfg.where}: rope scaling on the sliding-window layers is not supported (Gemma 3 has none)"
     )
-  head_dim = cfg.int("head_dim")
-  scalar = cfg.get("query_pre_attn_scalar", head_dim)
+  scalar = cfg.get("query_pre_attn_scalar", fields["head_dim"])
   return GemmaConfig(
-    vocab_size=cfg.int("vocab_size"),
-    dim=cfg.int("hidden_size"),
-    num_layers=layers,
-    num_heads=cfg.int("num_attention_heads"),
-    num_kv_heads=cfg.int("num_key_value_heads"),
-    head_dim=head_dim,
-    mlp_hidden=cfg.int("intermediate_size"),
+    **fields,
     window=cfg.int("sliding_window"),
     global_every=int(global_every),
     rope_base=full,
     local_rope_base=local,
     rope_scaling=full_scaling,
-    query_pre_attn_scalar=None if float(scalar) == head_dim else float(scalar),
-    norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-    context_length=cfg.int("max_position_embeddings"),
+    query_pre_attn_scalar=None if float(scalar) == fields["head_dim"] else float(scalar),
     **overrides,
   )
 
@@ -293,27 +276,14 @@ def hf_global_every(types, layers: int) -> int:
 def hf_config(config: GemmaConfig) -> dict:
   """config.json for `config`, as transformers writes a Gemma3ForCausalLM's."""
   types = ["full_attention" if config.is_global(i) else "sliding_attention" for i in range(config.num_layers)]
-  scaling = config.rope_scaling
-  return dict(
-    vocab_size=config.vocab_size,
-    hidden_size=config.dim,
-    intermediate_size=config.mlp_hidden,
-    num_hidden_layers=config.num_layers,
-    num_attention_heads=config.num_heads,
-    num_key_value_heads=config.num_kv_heads,
-    head_dim=config.head_dim,
+  return config_json.decoder_keys(config) | dict(
     hidden_activation="gelu_pytorch_tanh",
-    max_position_embeddings=config.context_length,
-    rms_norm_eps=config.norm_eps,
-    rope_theta=config.rope_base,
     rope_local_base_freq=config.local_rope_base,
-    rope_scaling=None if scaling is None else {"rope_type": "linear", "factor": scaling.factor},
+    rope_scaling=config_json.rope_scaling_json(config.rope_scaling),
     sliding_window=config.window,
     sliding_window_pattern=config.global_every,
     layer_types=types,
     query_pre_attn_scalar=_as_int("query_pre_attn_scalar", config.query_pre_attn_scalar or config.head_dim),
-    attention_bias=False,
-    attention_dropout=0.0,
     final_logit_softcapping=None,
     attn_logit_softcapping=None,
     tie_word_embeddings=True,
@@ -361,3 +331,23 @@ def config_from_gguf(gguf_file, **overrides) -> GemmaConfig:
     context_length=f.int("context_length"),
     **overrides,
   )
+
+
+ARCHITECTURE = Architecture(
+  "gemma3",
+  GemmaConfig,
+  Gemma,
+  CONFIGS,
+  hf=HFFormat(
+    ("gemma3_text",),
+    "Gemma3ForCausalLM",
+    HF_TENSORS,
+    config_from_hf,
+    hf_config,
+    defaults=HF_DEFAULTS,
+    multimodal=("gemma3",),
+    # Where a multimodal folder keeps the text model's tensors (transformers 4.x, 5.x).
+    text_prefixes=("language_model.model.", "model.language_model."),
+  ),
+  gguf=GGUFFormat("gemma3", GGUF_TENSORS, config_from_gguf),
+)

@@ -12,36 +12,25 @@ from typing import ClassVar
 
 from jax_ring import nn as ring_nn
 
-from . import decoder, llama
+from . import llama, tables
 from .decoder import CausalLM, PreNormBlock
+from .record import GGUFFormat, HFFormat
 
 __all__ = ["CONFIGS", "Qwen3", "Qwen3Config"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3Config:
-  """Qwen 3's hyper-parameters; the defaults are Qwen3-8B's."""
+class Qwen3Config(llama.LlamaConfig):
+  """Qwen 3's hyper-parameters (Llama's fields); the defaults are Qwen3-8B's."""
 
   model_type: ClassVar[str] = "qwen3"
   vocab_size: int = 151936
-  dim: int = 4096
   num_layers: int = 36
-  num_heads: int = 32
-  num_kv_heads: int = 8
-  head_dim: int = 128
   mlp_hidden: int = 12288
   rope_base: float = 1_000_000.0
   rope_scaling: ring_nn.RopeScaling | None = None
   norm_eps: float = 1e-6
   context_length: int = 40960
-  tie_embeddings: bool = False
-  attention: str = "ring"
-  attention_kernel: str = "auto"  # the ring's block kernel (`jax_ring.ring_attention`'s `kernel`)
-  dtype: str | None = None
-  param_dtype: str = "float32"
-
-  def validate(self, mesh, seq_axis) -> None:
-    decoder.check_config(self, mesh, seq_axis)
 
 
 class Qwen3(CausalLM):
@@ -63,26 +52,9 @@ CONFIGS = {
 }
 
 
-def _with_qk_norms(table, q_name, k_name, transforms):
-  out = {k: (v[0], transforms.get(v[1], v[1])) for k, v in table.items()}
-  out[q_name] = ("blocks.{i}.attn.query_norm.scale", "")
-  out[k_name] = ("blocks.{i}.attn.key_norm.scale", "")
-  return out
-
-
 # Llama's tables and the per-head norms; llama.cpp keeps Qwen's rotary pairing (i, i + H/2).
-HF_TENSORS = _with_qk_norms(
-  llama.HF_TENSORS, "model.layers.{i}.self_attn.q_norm.weight", "model.layers.{i}.self_attn.k_norm.weight", {}
-)
-GGUF_TENSORS = _with_qk_norms(
-  llama.GGUF_TENSORS, "blk.{i}.attn_q_norm.weight", "blk.{i}.attn_k_norm.weight", {"Tq": "T", "Tk": "T"}
-)
-IGNORED = llama.IGNORED
-
-MODEL = Qwen3
-MODEL_TYPES = ("qwen3",)
-ARCHITECTURE = "Qwen3ForCausalLM"
-GGUF_ARCH = "qwen3"
+HF_TENSORS = tables.table(tables.HF_NAMES, tables.LLAMA_PARTS + tables.QK_NORMS)
+GGUF_TENSORS = tables.table(tables.GGUF_NAMES, tables.LLAMA_PARTS + tables.QK_NORMS)
 
 
 def config_from_hf(cfg, **overrides) -> Qwen3Config:
@@ -110,3 +82,15 @@ def hf_config(config) -> dict:
 
 def config_from_gguf(gguf_file, **overrides) -> Qwen3Config:
   return llama.config_from_gguf(gguf_file, arch="qwen3", cls=Qwen3Config, **overrides)
+
+
+# Llama's record (its ignored tensors) with Qwen 3's names, classes and tables.
+ARCHITECTURE = dataclasses.replace(
+  llama.ARCHITECTURE,
+  name="qwen3",
+  config_class=Qwen3Config,
+  model_class=Qwen3,
+  configs=CONFIGS,
+  hf=HFFormat(("qwen3",), "Qwen3ForCausalLM", HF_TENSORS, config_from_hf, hf_config),
+  gguf=GGUFFormat("qwen3", GGUF_TENSORS, config_from_gguf),
+)

@@ -1,6 +1,5 @@
-"""Hugging Face folders: config.json (as transformers 4.x and 5.x write it) and
-safetensors files (one, or shards with their index), read lazily and written in
-shards.
+"""safetensors files as Hugging Face folders hold them (one, or shards with their
+index), read lazily and written in shards.
 
 The safetensors format is an 8-byte little-endian header length, a JSON header (each
 tensor's dtype, shape and byte range) and the raw bytes; the reader memory-maps the
@@ -17,8 +16,6 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-
-from jax_ring import nn as ring_nn
 
 DTYPES = {
   "F64": np.dtype(np.float64),
@@ -175,141 +172,3 @@ def write_shards(folder: Path, tensors: dict, max_shard_bytes: int) -> None:
     weight_map.update(dict.fromkeys(names, shard))
   index = dict(metadata=dict(total_size=sum(sizes.values())), weight_map=weight_map)
   (folder / INDEX).write_text(json.dumps(index, indent=2))
-
-
-# Keys of config.json that describe the file or the run, not the computation.
-HARMLESS = {
-  "_name_or_path",
-  "architectures",
-  "model_type",
-  "torch_dtype",
-  "dtype",
-  "transformers_version",
-  "bos_token_id",
-  "eos_token_id",
-  "pad_token_id",
-  "initializer_range",
-  "use_cache",
-  "cache_implementation",
-  "tie_word_embeddings",
-  "max_position_embeddings",
-  "vocab_size",
-  "output_attentions",
-  "output_hidden_states",
-  "return_dict",
-  "is_encoder_decoder",
-  "id2label",
-  "label2id",
-  "tokenizer_class",
-  "unsloth_fixed",
-  "final_logit_softcapping",
-  "attn_logit_softcapping",
-}
-
-
-class ConfigReader:
-  """A config.json's keys for an architecture's config builder: `int`, `get`,
-  `expect` (a key that must be absent or hold a value), `rope` (rotary base and
-  scaling, from transformers 4.x's `rope_theta`/`rope_scaling` or 5.x's
-  `rope_parameters`). `check_all_read` refuses any key the builder never read and that
-  is not known to leave the computation alone, naming it."""
-
-  def __init__(self, values: dict, where: str, defaults=None):
-    self.values, self.where, self.defaults = values, where, dict(defaults or {})
-    self.read = set(HARMLESS)
-
-  def get(self, key, default=None):
-    self.read.add(key)
-    if key in self.values:
-      return self.values[key]
-    return self.defaults.get(key, default)
-
-  def int(self, key) -> int:
-    value = self.get(key)
-    if value is None:
-      raise ValueError(f"{self.where}: {key!r} is missing")
-    if isinstance(value, bool) or not isinstance(value, int):
-      raise ValueError(f"{self.where}: {key}={value!r} must be an int")
-    return value
-
-  def expect(self, key, value, also=()) -> None:
-    for k in (key, *also):
-      got = self.get(k, value)
-      if got != value:
-        raise ValueError(
-          f"{self.where}: {k}={got!r} changes the computation and this loader does not apply it "
-          f"(expected {value!r})"
-        )
-
-  def rope(self, layer_type=None, default_theta=None):
-    """(rope base, `RopeScaling` or None) of the layers of `layer_type` ("full_attention",
-    "sliding_attention"; None: all layers)."""
-    params = self.get("rope_parameters")
-    for key in ("rope_theta", "rope_scaling", "rope_local_base_freq"):
-      self.read.add(key)
-    if isinstance(params, dict):
-      if layer_type is not None and layer_type in params:
-        params = params[layer_type]
-      theta = params.get("rope_theta", default_theta if layer_type == "sliding_attention" else None)
-      scaling = params
-    else:
-      if layer_type == "sliding_attention":
-        return float(default_theta), None
-      theta, scaling = (
-        self.values.get("rope_theta", self.defaults.get("rope_theta")),
-        self.values.get("rope_scaling"),
-      )
-    if theta is None:
-      raise ValueError(
-        f"{self.where}: no rope_theta (nor rope_parameters) for the {layer_type or 'model'}'s layers"
-      )
-    return float(theta), rope_scaling(scaling, self.where)
-
-  def check_all_read(self) -> None:
-    for key, value in self.values.items():
-      if key not in self.read:
-        raise ValueError(
-          f"{self.where}: {key}={value!r} is a key this loader does not apply; it may change the "
-          "computation, so the checkpoint is refused"
-        )
-
-
-def rope_scaling(values, where: str):
-  """A `jax_ring.nn.RopeScaling` from a rope_scaling / rope_parameters dict (None: none)."""
-  if values is None:
-    return None
-  kind = values.get("rope_type", values.get("type", "default"))
-  match kind:
-    case "default":
-      return None
-    case "linear":
-      return ring_nn.RopeScaling("linear", factor=float(values["factor"]))
-    case "llama3":
-      return ring_nn.RopeScaling(
-        "llama3",
-        factor=float(values["factor"]),
-        low_freq_factor=float(values["low_freq_factor"]),
-        high_freq_factor=float(values["high_freq_factor"]),
-        original_max_position_embeddings=int(values["original_max_position_embeddings"]),
-      )
-  raise ValueError(
-    f"{where}: rope scaling rope_type={kind!r} is not supported (supported: 'default', 'linear', 'llama3')"
-  )
-
-
-def rope_scaling_json(scaling) -> dict | None:
-  """The config.json form of a RopeScaling (transformers 4.x's `rope_scaling`)."""
-  match None if scaling is None else scaling.kind:
-    case None:
-      return None
-    case "linear":
-      return {"rope_type": "linear", "factor": scaling.factor}
-    case "llama3":
-      return {
-        "rope_type": "llama3",
-        "factor": scaling.factor,
-        "low_freq_factor": scaling.low_freq_factor,
-        "high_freq_factor": scaling.high_freq_factor,
-        "original_max_position_embeddings": scaling.original_max_position_embeddings,
-      }
-  raise ValueError(f"rope_scaling={scaling!r} has no config.json form (a GGUF file's per-frequency factors)")

@@ -16,8 +16,10 @@ import numpy as np
 
 from jax_ring import nn as ring_nn
 
-from . import decoder
+from ..formats import config_json
+from . import decoder, tables
 from .decoder import CausalLM, PreNormBlock
+from .record import Architecture, GGUFFormat, HFFormat
 
 __all__ = ["CONFIGS", "Llama", "LlamaConfig"]
 
@@ -72,92 +74,33 @@ CONFIGS = {
   ),
 }
 
-# Tensor tables (see `gemma.HF_TENSORS`): "T" transposed; "Tq"/"Tk": transposed after
-# undoing llama.cpp's reordering of each query/key head's rows (its converter pairs
-# rotary dimensions (2i, 2i+1), Hugging Face's (i, i + H/2)).
-HF_TENSORS = {
-  "model.embed_tokens.weight": ("embed.embedding", ""),
-  "model.norm.weight": ("norm.scale", ""),
-  "lm_head.weight": ("head.kernel", "T"),
-  "model.layers.{i}.input_layernorm.weight": ("blocks.{i}.attn_norm.scale", ""),
-  "model.layers.{i}.self_attn.q_proj.weight": ("blocks.{i}.attn.query.kernel", "T"),
-  "model.layers.{i}.self_attn.k_proj.weight": ("blocks.{i}.attn.key.kernel", "T"),
-  "model.layers.{i}.self_attn.v_proj.weight": ("blocks.{i}.attn.value.kernel", "T"),
-  "model.layers.{i}.self_attn.o_proj.weight": ("blocks.{i}.attn.out.kernel", "T"),
-  "model.layers.{i}.post_attention_layernorm.weight": ("blocks.{i}.mlp_norm.scale", ""),
-  "model.layers.{i}.mlp.gate_proj.weight": ("blocks.{i}.mlp.gate.kernel", "T"),
-  "model.layers.{i}.mlp.up_proj.weight": ("blocks.{i}.mlp.up.kernel", "T"),
-  "model.layers.{i}.mlp.down_proj.weight": ("blocks.{i}.mlp.down.kernel", "T"),
-}
-GGUF_TENSORS = {
-  "token_embd.weight": ("embed.embedding", ""),
-  "output_norm.weight": ("norm.scale", ""),
-  "output.weight": ("head.kernel", "T"),
-  "blk.{i}.attn_norm.weight": ("blocks.{i}.attn_norm.scale", ""),
-  "blk.{i}.attn_q.weight": ("blocks.{i}.attn.query.kernel", "Tq"),
-  "blk.{i}.attn_k.weight": ("blocks.{i}.attn.key.kernel", "Tk"),
-  "blk.{i}.attn_v.weight": ("blocks.{i}.attn.value.kernel", "T"),
-  "blk.{i}.attn_output.weight": ("blocks.{i}.attn.out.kernel", "T"),
-  "blk.{i}.ffn_norm.weight": ("blocks.{i}.mlp_norm.scale", ""),
-  "blk.{i}.ffn_gate.weight": ("blocks.{i}.mlp.gate.kernel", "T"),
-  "blk.{i}.ffn_up.weight": ("blocks.{i}.mlp.up.kernel", "T"),
-  "blk.{i}.ffn_down.weight": ("blocks.{i}.mlp.down.kernel", "T"),
-}
+# llama.cpp reorders each query and key head's rows ("Tq", "Tk": `tables`).
+HF_TENSORS = tables.table(tables.HF_NAMES, tables.LLAMA_PARTS)
+GGUF_TENSORS = tables.table(tables.GGUF_NAMES, tables.LLAMA_PARTS, {"query": "Tq", "key": "Tk"})
 # Tensors a file may hold that the model does not use (its rotary frequencies, which
 # the model computes; llama.cpp's Llama 3.1 factors are read as its config).
 IGNORED = ("rope_freqs.weight", "model.layers.{i}.self_attn.rotary_emb.inv_freq")
 
-MODEL = Llama
-MODEL_TYPES = ("llama",)
-ARCHITECTURE = "LlamaForCausalLM"
-GGUF_ARCH = "llama"
-
 
 def config_from_hf(cfg, cls=LlamaConfig, **overrides):
-  """The config of a Llama (or Qwen 3: `cls`) config.json (`hf.ConfigReader`)."""
+  """The config of a Llama (or Qwen 3: `cls`) config.json (`config_json.ConfigReader`)."""
   cfg.expect("hidden_act", "silu")
-  cfg.expect("attention_bias", False)
   cfg.expect("mlp_bias", False)
-  cfg.expect("attention_dropout", 0.0)
   cfg.expect("pretraining_tp", 1)
-  heads, dim = cfg.int("num_attention_heads"), cfg.int("hidden_size")
   theta, scaling = cfg.rope()
-  head_dim = cfg.get("head_dim")
   return cls(
-    vocab_size=cfg.int("vocab_size"),
-    dim=dim,
-    num_layers=cfg.int("num_hidden_layers"),
-    num_heads=heads,
-    num_kv_heads=cfg.get("num_key_value_heads") or heads,
-    head_dim=dim // heads if head_dim is None else int(head_dim),
-    mlp_hidden=cfg.int("intermediate_size"),
+    **config_json.decoder_fields(cfg),
     rope_base=theta,
     rope_scaling=scaling,
-    norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-    context_length=cfg.int("max_position_embeddings"),
     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     **overrides,
   )
 
 
 def hf_config(config) -> dict:
-  from .hf import rope_scaling_json
-
-  return dict(
-    vocab_size=config.vocab_size,
-    hidden_size=config.dim,
-    intermediate_size=config.mlp_hidden,
-    num_hidden_layers=config.num_layers,
-    num_attention_heads=config.num_heads,
-    num_key_value_heads=config.num_kv_heads,
-    head_dim=config.head_dim,
+  return config_json.decoder_keys(config) | dict(
     hidden_act="silu",
-    max_position_embeddings=config.context_length,
-    rms_norm_eps=config.norm_eps,
-    rope_theta=config.rope_base,
-    rope_scaling=rope_scaling_json(config.rope_scaling),
-    attention_bias=False,
-    attention_dropout=0.0,
+    rope_scaling=config_json.rope_scaling_json(config.rope_scaling),
     mlp_bias=False,
     tie_word_embeddings=config.tie_embeddings,
   )
@@ -235,3 +178,14 @@ def scaling_from_factors(factors, head_dim: int, base: float) -> ring_nn.RopeSca
     if np.allclose(np.asarray(rule.divisors(inv_freq)), factors, rtol=1e-5):
       return rule
   return ring_nn.RopeScaling("factors", factors=tuple(float(f) for f in factors))
+
+
+ARCHITECTURE = Architecture(
+  "llama",
+  LlamaConfig,
+  Llama,
+  CONFIGS,
+  hf=HFFormat(("llama",), "LlamaForCausalLM", HF_TENSORS, config_from_hf, hf_config),
+  gguf=GGUFFormat("llama", GGUF_TENSORS, config_from_gguf),
+  ignored=IGNORED,
+)

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from .tasks import NeedleTask, decode, row_rng
-from .training import place_batch, rows_right
+from ..train.scratch import place_batch, rows_right
+from ..train.tasks import NeedleTask, decode, row_rng
 
 
 def depth_bins(n: int) -> list[tuple[float, float]]:
@@ -70,7 +70,7 @@ def accuracy_grid(model, task: NeedleTask, lengths, bins: int, rows: int, seed: 
 def generated_answers(model, task: NeedleTask, count: int, seed: int):
   """`count` fresh examples answered by `models.generate` (greedy): a list of dicts
   with the needle's depth, the question's name, the truth and the model's answer."""
-  from .generate import generate
+  from ..generate import generate
 
   prompts, truths, depths = [], [], []
   for r in range(count):

@@ -105,7 +105,10 @@ class KeyValueTask:
     return Batch(tokens, targets, weights)
 
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "shakespeare")
+# The repository's data/ (models/<here>/this file: three folders up).
+DATA = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data", "shakespeare"
+)
 
 NAMES = (
   "Ada", "Basil", "Cora", "Dion", "Edda", "Faro", "Gwen", "Hal", "Ines", "Jory", "Kit", "Lark",

@@ -43,7 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "shakespeare")
+# The repository's data/ (models/<here>/this file: three folders up).
+DATA = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data", "shakespeare"
+)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 TASKS = ("passkey", "needle")
 READERS = ("ring", "local", "last4k", "dense")

@@ -19,7 +19,7 @@ from flax import nnx
 
 from jax_ring import nn as ring_nn
 
-from .transformer import decode_model, forward, prefill_model
+from .scratch import decode_model, forward, prefill_model
 
 
 @dataclasses.dataclass(frozen=True)

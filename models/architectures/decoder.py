@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 from jax_ring import layouts
 from jax_ring import nn as ring_nn
 
-from . import vocab
-from .transformer import GatedMLP
+from . import vocabulary
+from .scratch import GatedMLP
 
 ATTENTION_KINDS = ("ring", "dense", "local")
 KERNELS = ("auto", "xla", "pallas", "cudnn")
@@ -543,7 +543,7 @@ class CausalLM(nnx.Module):
 
   def _lookup(self, tokens):
     """The embeddings of `tokens`; with a table split along the vocabulary, the ring
-    lookup (`vocab.embed`): no device gathers the table."""
+    lookup (`vocabulary.embed`): no device gathers the table."""
     axes = self.vocab_axes()
     rows = None if axes is None else self._rows_spec(tokens.shape)
     if rows is None:
@@ -551,7 +551,7 @@ class CausalLM(nnx.Module):
     dt = self.embed.dtype or self.embed.embedding.dtype
     token_axes = tuple(a for a in rows if a is not None)
     return jax.shard_map(
-      lambda table, t: vocab.embed(table, t, axes, token_axes),
+      lambda table, t: vocabulary.embed(table, t, axes, token_axes),
       mesh=self._auto_mesh(),
       in_specs=(P(axes, None), rows),
       out_specs=P(*rows, None),

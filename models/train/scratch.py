@@ -1,16 +1,16 @@
-"""Training a `DecoderLM` on a task over a ("data", "seq") mesh: AdamW with warmup +
-cosine decay and gradient clipping (optax), periodic evaluation, orbax checkpoints with
-resume from the latest, a history of losses.
+"""Training a model from scratch (`DecoderLM`) on a task over a ("data", "seq") mesh:
+AdamW with warmup + cosine decay and gradient clipping (optax), periodic evaluation,
+orbax checkpoints with resume from the latest, a history of losses and its plot.
 
-    from jax_ring.models.tasks import KeyValueTask
-    from jax_ring.models.training import TrainConfig, train
+    from jax_ring.models.train.tasks import KeyValueTask
+    from jax_ring.models.train.scratch import TrainConfig, train
 
     history = train(TrainConfig(attention="ring", steps=300), KeyValueTask(seq_len=256))
 
 The loss is the cross-entropy of the scored positions of each batch (the task's
 `weights`), made from the final hidden states a chunk of tokens at a time; accuracy is
 the fraction of rows whose every answer token (weight 1) is the argmax; positions of
-weight in (0, 1) add to the loss only. The step is `finetune.Trainer`'s, the one that
+weight in (0, 1) add to the loss only. The step is `train.step.Trainer`'s, the one that
 fine-tunes loaded models: with `fsdp=True` the weights and their AdamW moments are split
 over all the mesh's devices.
 """
@@ -29,10 +29,10 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import finetune
-from .decoder import fsdp_spec
-from .report import plot_history
-from .transformer import DecoderLM, LMConfig
+from ..architectures.decoder import fsdp_spec
+from ..architectures.scratch import DecoderLM, LMConfig
+from . import step as train_step
+from .state import Checkpoints
 
 ATTENTIONS = ("ring", "local", "dense", "dilated")
 
@@ -215,8 +215,8 @@ def replicate(tree, mesh):
 
 
 def make_tx(lr: float, warmup: int, steps: int, weight_decay: float, clip: float):
-  """AdamW with warmup + cosine decay to 5% of `lr`, and clipping (`finetune.make_tx`)."""
-  return finetune.make_tx(lr, warmup, steps, weight_decay, clip, end=0.05)
+  """AdamW with warmup + cosine decay to 5% of `lr`, and clipping (`train_step.make_tx`)."""
+  return train_step.make_tx(lr, warmup, steps, weight_decay, clip, end=0.05)
 
 
 def rows_right(logits, targets, weights):
@@ -227,63 +227,21 @@ def rows_right(logits, targets, weights):
 def loss_and_accuracy(model, tokens, targets, weights, *, chunk: int = 512):
   """(weighted mean cross-entropy of the scored positions, {"accuracy": the fraction of
   rows whose answer tokens, those of weight 1, are all the argmax}), from the final
-  hidden states `chunk` tokens at a time (`finetune.chunked_cross_entropy`): never
+  hidden states `chunk` tokens at a time (`train_step.chunked_cross_entropy`): never
   [T, vocab] logits. `Trainer`'s objective for a `DecoderLM`."""
   # The states stay in the order the layers ran on (`LMConfig.ring_order`); the targets
   # and weights follow them, and neither sum depends on the order.
   h = model.hidden(tokens, order="ring")
   targets, weights = model.to_ring_order(targets), model.to_ring_order(weights)
-  mesh, seq_axis, batch_axis = model.placement
+  mesh, seq_axis, _ = model.placement
   if mesh is not None and model.config.ulysses_axis is not None:
     seq_axis = (seq_axis, model.config.ulysses_axis)
-  value, predicted = finetune.chunked_cross_entropy(
-    h,
-    model.head.kernel[...],
-    targets,
-    weights,
-    chunk=chunk,
-    mesh=mesh,
-    seq_axis=seq_axis,
-    batch_axis=batch_axis,
-    transposed=True,
-    predictions=True,
+  kernel, placement = model.head.kernel[...], train_step.placement(model, seq_axis)
+  value, predicted = train_step.chunked_cross_entropy(
+    h, kernel, targets, weights, chunk=chunk, **placement, transposed=True, predictions=True
   )
   right = jnp.all((predicted == targets) | (weights < 1), axis=-1)
   return value, {"accuracy": jnp.mean(right)}
-
-
-class Checkpoints:
-  """Model and optimizer state with orbax; data order is a function of the step, so a
-  resumed run sees exactly the batches an uninterrupted one would."""
-
-  def __init__(self, directory, every: int, keep: int = 2):
-    import orbax.checkpoint as ocp
-
-    self.ocp = ocp
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep or None, save_interval_steps=every)
-    self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
-
-  def latest(self):
-    return self.manager.latest_step()
-
-  def save(self, step: int, trainer, force=False):
-    """The trainer's weights and optimizer state at `step` (`finetune.Trainer`)."""
-    if step in self.manager.all_steps():
-      return
-    pure = {"params": nnx.to_pure_dict(trainer.params), "opt": trainer.opt_state}
-    self.manager.save(step, args=self.ocp.args.StandardSave(pure), force=force)
-
-  def restore(self, step: int, trainer):
-    # Restored with the target's shardings (this run's mesh and FSDP setting), whatever
-    # mesh or process count wrote the checkpoint.
-    target = {"params": nnx.to_pure_dict(trainer.params), "opt": trainer.opt_state}
-    restored = self.manager.restore(step, args=self.ocp.args.StandardRestore(target))
-    nnx.replace_by_pure_dict(trainer.params, restored["params"])
-    trainer.opt_state = restored["opt"]
-
-  def close(self):
-    self.manager.wait_until_finished()
-    self.manager.close()
 
 
 def _batch_spec(config: TrainConfig) -> P:
@@ -351,8 +309,8 @@ def train(config: TrainConfig, task, log=print, return_model: bool = False):
   model, tx = build(config, task, mesh)
   if config.init:
     load_params(model, config.init, mesh, config.fsdp)
-  # The one training step of the codebase (`finetune.Trainer`), with this model's loss.
-  trainer = finetune.Trainer(model, tx, chunk=config.chunk, objective=loss_and_accuracy)
+  # The one training step of the codebase (`train_step.Trainer`), with this model's loss.
+  trainer = train_step.Trainer(model, tx, chunk=config.chunk, objective=loss_and_accuracy)
   spec = _batch_spec(config)
 
   ckpt = Checkpoints(config.ckpt_dir, config.ckpt_every, config.ckpt_keep) if config.ckpt_dir else None
@@ -408,3 +366,29 @@ def train(config: TrainConfig, task, log=print, return_model: bool = False):
       json.dump(history, f, indent=1)
     plot_history([history], os.path.join(config.out, "loss.png"))
   return (history, model) if return_model else history
+
+
+def plot_history(histories, path: str) -> None:
+  """Training loss and eval accuracy of each history (as `train`
+  returns them), side by side, written to the PNG `path`."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
+  for h in histories:
+    ax_loss.plot(h["step"], h["loss"], label=h["attention"])
+    ax_acc.plot(
+      [e["step"] for e in h["eval"]], [e["accuracy"] for e in h["eval"]], marker="o", label=h["attention"]
+    )
+  if histories and "chance" in histories[0]:
+    ax_acc.axhline(histories[0]["chance"], color="gray", linestyle=":", label="chance")
+  ax_loss.set(xlabel="step", ylabel="training loss", yscale="log")
+  ax_acc.set(xlabel="step", ylabel="eval accuracy", ylim=(0, 1.02))
+  for ax in (ax_loss, ax_acc):
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,7 +1,7 @@
 """A jax_ring model for EleutherAI's lm-evaluation-harness (`lm_eval`): any checkpoint
 `models.load` reads, over the ring, scored by the harness's own tasks and metrics.
 
-    python -m jax_ring.models.harness --model jax_ring \\
+    python -m jax_ring.models.eval.harness --model jax_ring \\
       --model_args path=MODEL,devices=8,tokenizer=FOLDER \\
       --tasks niah_single_1 --metadata '{"max_seq_lengths": [4096]}'
 
@@ -81,7 +81,8 @@ class RingLM(TemplateLM):
     self.devices = available if devices is None else _positive_int("devices", devices)
     if self.devices > available:
       raise ValueError(
-        f"devices={self.devices}: JAX has {available}; on a CPU run `python -m jax_ring.models.harness`, "
+        f"devices={self.devices}: JAX has {available}; on a CPU run "
+        "`python -m jax_ring.models.eval.harness`, "
         "which simulates them, or set XLA_FLAGS=--xla_force_host_platform_device_count before JAX starts"
       )
     self.reader = reader
@@ -340,7 +341,7 @@ def per_length_limit(argv: list[str]) -> list[str]:
     k * RULER_DOCS_PER_LENGTH + i for k in range(len(lengths)) for i in range(min(n, RULER_DOCS_PER_LENGTH))
   ]
   print(
-    f"jax_ring.models.harness: --limit {n} applies to each of max_seq_lengths {lengths}: documents "
+    f"jax_ring.models.eval.harness: --limit {n} applies to each of max_seq_lengths {lengths}: documents "
     f"{n} of each (lm_eval's --limit would take the first {n}, all of length {lengths[0]})",
     file=sys.stderr,
   )

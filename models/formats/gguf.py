@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_ring import nn as ring_nn
 
-from . import tokenizer as tokenizers_io
+from . import tokenizer_json as tokenizers_io
 
 MAGIC = b"GGUF"
 # Tensor types the loader dequantizes (the gguf package's NumPy code covers each).

@@ -1,0 +1,66 @@
+"""`Architecture`: what `models` needs to know of a model family, with what each file
+format needs (`HFFormat`, `GGUFFormat`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class HFFormat:
+  """A family in Hugging Face's layout.
+
+  model_types: config.json's `model_type` values read as this family; the first is
+    the one `models.save` writes.
+  architecture: config.json's `architectures` entry `models.save` writes.
+  tensors: a tensor name -> (the model's parameter path, how to read it); "{i}"
+    stands for the layer (`tables.table`).
+  read_config(reader, **overrides) -> config: from a `config_json.ConfigReader`,
+    which refuses any key left unread that could change the computation.
+  write_config(config) -> dict: config.json's hyper-parameters.
+  defaults: the values transformers' config class gives the keys a file leaves out,
+    where the reader needs them (None: a missing key is an error).
+  multimodal: `model_type`s whose `text_config` holds this family's config (a
+    vision-language folder), its tensors under one of `text_prefixes`.
+  """
+
+  model_types: tuple[str, ...]
+  architecture: str
+  tensors: Mapping
+  read_config: Callable
+  write_config: Callable
+  defaults: Mapping | None = None
+  multimodal: tuple[str, ...] = ()
+  text_prefixes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFFormat:
+  """A family in llama.cpp's GGUF files: `general.architecture`, the tensor table and
+  the config reader (`read_config(gguf_file, **overrides) -> config`)."""
+
+  arch: str
+  tensors: Mapping
+  read_config: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+  """A model family.
+
+  name: its registry name.
+  config_class, model_class: the frozen config dataclass and the `CausalLM` subclass
+    built from it (`model_class(config, mesh=..., seq_axis=..., rngs=...)`).
+  configs: the released models' configs by `models.config` name ("llama-3.1-8b").
+  hf, gguf: how each format names its tensors and config.
+  ignored: tensor names a file may hold that the model does not use.
+  """
+
+  name: str
+  config_class: type
+  model_class: type
+  configs: Mapping
+  hf: HFFormat
+  gguf: GGUFFormat
+  ignored: tuple[str, ...] = ()

@@ -1,0 +1,1 @@
+"""Files to arrays and back: safetensors, config.json, GGUF and tokenizer.json."""
