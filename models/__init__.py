@@ -6,7 +6,7 @@ training step, generation and long-context evaluation.
                     each ending in an `Architecture` record listed in the registry
     formats/        safetensors, config.json, GGUF, tokenizer.json: files to arrays
     checkpoints.py  models.config / build / load / save: formats -> architectures
-    generate.py     the generation engine (prefill, then one token at a time)
+    generate.py     the generation engine: `generate` (batches) and `Engine` (cached documents)
     train/          the training step (every model), fine-tuning, training from scratch
     eval/           the long-context evaluators and lm-evaluation-harness's model
 
@@ -55,7 +55,7 @@ __all__ = [
 
 # Modules reached as attributes (`models.runtime.initialize_distributed()`), imported
 # when first named so that `import jax_ring.models` needs no optional extra.
-_SUBMODULES = ("architectures", "checkpoints", "cli", "eval", "formats", "generate", "runtime", "train")
+_SUBMODULES = ("architectures", "checkpoints", "cli", "eval", "formats", "runtime", "train")
 _moved.install()
 
 

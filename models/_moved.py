@@ -28,7 +28,7 @@ MOVED = {
   "tasks": ("train.tasks",),
   "harness": ("eval.harness",),
   "long_context": ("eval.long_context",),
-  "needle": ("eval.needle",),
+  "needle": ("eval.long_context",),
 }
 PACKAGE = __name__.rpartition(".")[0]
 

@@ -1,11 +1,20 @@
-"""Generation from a `DecoderLM` with a sequence-sharded KV cache: one jitted prefill of
-the prompts (ring attention, which also fills the caches), then one jitted
-`lax.while_loop` of decode steps (each attends the new token to every cached token
-with two all-reduces, a max and a sum; no K/V moving), compiled once per shape and setting.
+"""The generation engine: a model with a sequence-sharded KV cache prefilled (ring
+attention, which also fills the caches) and then decoded (each new token attends to
+every cached token with two all-reduces, a max and a sum; no K/V moving). Every model
+here generates through it, by two front ends over the same merged-model prefill and
+decode (`_prefilled`, `_decoded`):
 
-    out = generate(model, prompts, prompt_lengths=lengths, max_new_tokens=32)
-    out.tokens   # int32 [B, 32]; after a row's stop token: `pad_token`
-    out.lengths  # int32 [B]: tokens generated per row, its stop token included
+- `generate`: a batch of prompts, one jitted prefill and one jitted `lax.while_loop`
+  of sampled decode steps, compiled once per shape and setting.
+
+      out = generate(model, prompts, prompt_lengths=lengths, max_new_tokens=32)
+      out.tokens   # int32 [B, 32]; after a row's stop token: `pad_token`
+      out.lengths  # int32 [B]: tokens generated per row, its stop token included
+
+- `Engine`: one document prefilled into the cache once and many questions answered
+  from that cached state (the main job's readers): programs compiled ahead of time per
+  document length and cache capacity, greedy decode steps shared by every length read
+  into caches of that capacity.
 
 Legend: B batch, P prompt length, V vocabulary size.
 """
@@ -14,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+import threading
+import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -80,20 +91,33 @@ def sample(logits, rng, sampling: Sampling):
 # out: returning the weights too would copy them on every call.
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
-def _prefill(graphdef, weights, state, prompts, lengths, rng, *, sampling: Sampling):
-  model = nnx.merge(graphdef, weights, state)
-  logits = model.prefill(prompts, lengths=lengths)
-  b, p = prompts.shape
+def _prefilled(graphdef, weights, cache, tokens, lengths=None):
+  """(the model's prefill logits [B, P, V] or [B, V], its caches after) for a model
+  split into its weights and the rest."""
+  model = nnx.merge(graphdef, weights, cache)
+  logits = model.prefill(tokens) if lengths is None else model.prefill(tokens, lengths=lengths)
+  b, p = tokens.shape
   if logits.ndim not in (2, 3) or logits.shape[0] != b or (logits.ndim == 3 and logits.shape[1] != p):
     raise ValueError(
       f"{type(model).__name__}.prefill returned shape {tuple(logits.shape)} for prompts {(b, p)}: "
       f"expected logits [B, P, V] or [B, V] ({PROTOCOL})"
     )
+  return logits, nnx.state(model, nnx.Not(nnx.Param))
+
+
+def _decoded(graphdef, weights, cache, tokens):
+  """(logits [B, Tq, V] of `tokens` appended to the caches, the caches after)."""
+  model = nnx.merge(graphdef, weights, cache)
+  return model.decode(tokens), nnx.state(model, nnx.Not(nnx.Param))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
+def _prefill(graphdef, weights, state, prompts, lengths, rng, *, sampling: Sampling):
+  logits, state = _prefilled(graphdef, weights, state, prompts, lengths)
   if logits.ndim == 3:  # [B, P, V]: each row's at its last prompt token (a masked sum: any sharding)
     at_last = jnp.arange(logits.shape[1])[None, :, None] == (lengths - 1)[:, None, None]
     logits = jnp.sum(jnp.where(at_last, logits, 0.0), axis=1)
-  return sample(logits, rng, sampling), nnx.state(model, nnx.Not(nnx.Param))
+  return sample(logits, rng, sampling), state
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "steps", "pad_token"))
@@ -111,15 +135,15 @@ def _decode_loop(
 
   def body(carry):
     step, state, last, tokens, done, lengths, rng = carry
-    model = nnx.merge(graphdef, weights, state)
-    logits = model.decode(last[:, None])[:, 0]
+    logits, state = _decoded(graphdef, weights, state, last[:, None])
+    logits = logits[:, 0]
     rng, key = jax.random.split(rng)
     new = sample(logits, key, sampling)
     new = jnp.where(done, pad_token, new)
     tokens = jax.lax.dynamic_update_slice_in_dim(tokens, new[:, None], step, axis=1)
     lengths = lengths + (~done).astype(jnp.int32)
     done = done | jnp.isin(new, stop)
-    return step + 1, nnx.state(model, nnx.Not(nnx.Param)), new, tokens, done, lengths, rng
+    return step + 1, state, new, tokens, done, lengths, rng
 
   carry = (jnp.ones((), jnp.int32), state, first, tokens, done, lengths, rng)
   _, state, _, tokens, _, lengths, _ = jax.lax.while_loop(cond, body, carry)
@@ -219,3 +243,159 @@ def generate(
   )
   nnx.update(model, state)
   return Generated(tokens, out_lengths)
+
+
+@dataclasses.dataclass
+class Programs:
+  """A reader's compiled programs for one document length and cache capacity: the
+  prefill into a fresh cache, and the decode steps by token count (compiled as
+  questions need them, shared by every length read into caches of that capacity).
+  `cache`: what an empty cache holds, made anew for each prefill (`Engine.empty_cache`),
+  so that no program keeps a cache alive between documents (32K tokens' take 1.2 GB for
+  Gemma 3 270M)."""
+
+  graphdef: Any
+  weights: Any
+  cache: Any
+  prefill: Any
+  steps: dict
+  compile_s: float  # the prefill's and the steps it compiled so far
+  temp_bytes: int  # the prefill's, per device, from the compiler
+
+
+@dataclasses.dataclass(frozen=True)
+class Constant:
+  """An array of `spec` (shape, dtype, sharding) holding `value` everywhere."""
+
+  spec: jax.ShapeDtypeStruct
+  value: Any
+
+  def make(self):
+    return jnp.full(self.spec.shape, self.value, self.spec.dtype, device=self.spec.sharding)
+
+
+def _as_constant(x):
+  """x as a `Constant` where it holds one value everywhere (an empty cache's arrays do:
+  zeros, and -1 for positions), else x itself."""
+  first = x.ravel()[0]
+  if bool(jnp.all(x == first)):
+    return Constant(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), first.item())
+  return x
+
+
+class Engine:
+  """The engine's front end for cached documents: a model that prefills a document
+  into its KV cache once and answers questions by greedy decoding from that cached
+  state. A compiled prefill per document length and cache capacity, and decode steps
+  (a whole question at once, or one token) per capacity, which every length read into
+  caches of that capacity shares; the same prefill and decode as `generate`'s."""
+
+  def __init__(self, model):
+    self.model = model
+    self.programs: dict[tuple, Programs] = {}
+    self.steps: dict[int, dict] = {}  # per capacity: the decode steps by token count
+    self.compile_s = 0.0  # every program's, dropped ones included
+    self.lock = threading.Lock()
+
+    # The weights go in as arguments and only the caches come out: returning the
+    # weights too would copy them on every call.
+    @functools.partial(jax.jit, static_argnums=0)
+    def prefill(graphdef, weights, cache, tokens):
+      logits, cache = _prefilled(graphdef, weights, cache, tokens)
+      return (logits[0, -1] if logits.ndim == 3 else logits[0]), cache
+
+    # Decoding updates the caches in place (donated); `answer` copies them once first.
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+    def step(graphdef, weights, cache, tokens):
+      logits, cache = _decoded(graphdef, weights, cache, tokens)
+      logits = logits[0, -1]
+      return logits, jnp.argmax(logits).astype(jnp.int32).reshape(1, 1), cache
+
+    self._prefill, self._step = prefill, step
+
+  def _lowered_prefill(self, length: int, capacity: int):
+    """(graphdef, weights, cache, the prefill lowered) with caches for `capacity` tokens."""
+    if capacity < length + 1:
+      raise ValueError(f"capacity={capacity} must exceed the document's length={length} (room to decode)")
+    self.model.init_cache(1, capacity)
+    graphdef, weights, cache = nnx.split(self.model, nnx.Param, nnx.Cache)
+    tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
+    lowered = self._prefill.lower(graphdef, weights, cache, tokens)
+    self.model.init_cache(1, 1)  # the model's own caches: small again
+    return graphdef, weights, cache, lowered
+
+  def compile(self, length: int, capacity: int, questions=()) -> Programs:
+    """The programs for a document of `length` tokens read into caches of `capacity`
+    tokens (the document, the longest question and the answer): the prefill, and the
+    decode steps of one token and of each length in `questions` that no earlier program
+    of this capacity compiled (safe to call from another thread)."""
+    with self.lock:
+      start = time.perf_counter()
+      program = self.programs.get((length, capacity))
+      if program is None:
+        graphdef, weights, cache, lowered = self._lowered_prefill(length, capacity)
+        prefill = lowered.compile()
+        temp = int(prefill.memory_analysis().temp_size_in_bytes)
+        empty = jax.tree.map(_as_constant, cache)
+        steps = self.steps.setdefault(capacity, {})
+        program = Programs(graphdef, weights, empty, prefill, steps, 0.0, temp)
+        self.programs[length, capacity] = program
+      spec = lambda x: x.spec if isinstance(x, Constant) else x
+      cache = jax.tree.map(spec, program.cache, is_leaf=lambda x: isinstance(x, Constant))
+      tokens = lambda n: jax.ShapeDtypeStruct((1, n), jnp.int32)
+      for n in sorted({1, *questions} - set(program.steps)):
+        program.steps[n] = self._step.lower(program.graphdef, program.weights, cache, tokens(n)).compile()
+      spent = time.perf_counter() - start
+      program.compile_s += spent
+      self.compile_s += spent
+      return program
+
+  def prefill_temp(self, length: int, capacity: int) -> int:
+    """Per-device temp bytes of the prefill for `length` tokens into caches of
+    `capacity` (compiled, not run)."""
+    with self.lock:
+      start = time.perf_counter()
+      lowered = self._lowered_prefill(length, capacity)[3]
+      temp = int(lowered.compile().memory_analysis().temp_size_in_bytes)
+      self.compile_s += time.perf_counter() - start
+      return temp
+
+  def drop(self, length: int) -> None:
+    """Forgets the prefills for `length` tokens (compiled programs hold memory; a
+    length read once needs its prefill no more). The decode steps stay: other lengths
+    share them."""
+    with self.lock:
+      for key in [k for k in self.programs if k[0] == length]:
+        del self.programs[key]
+
+  @staticmethod
+  def empty_cache(program: Programs):
+    """A new empty cache for the program's prefill."""
+    return jax.tree.map(lambda x: x.make() if isinstance(x, Constant) else x, program.cache)
+
+  @staticmethod
+  def prefill(program: Programs, tokens: np.ndarray):
+    """(logits [V] at the last token, cached state, seconds) of tokens int [T]."""
+    empty = jax.block_until_ready(Engine.empty_cache(program))
+    start = time.perf_counter()
+    logits, cache = program.prefill(program.weights, empty, jnp.asarray(tokens[None]))
+    logits = np.asarray(logits)
+    return logits, cache, time.perf_counter() - start
+
+  @staticmethod
+  def answer(program: Programs, cache, question: list[int], new_tokens: int, done=None):
+    """The question (teacher-forced, one call), then greedy tokens from `cache`, at most
+    `new_tokens` of them, fewer where `done(ids)` says the tokens so far hold the answer:
+    (generated ids, logits [len(ids), V] (the row that gave each id), seconds per decode
+    step, or nan where the question's call gave the whole answer)."""
+    steps, weights = program.steps, program.weights
+    cache = jax.tree.map(jnp.copy, cache)
+    last, nxt, cache = steps[len(question)](weights, cache, jnp.asarray([question], jnp.int32))
+    logits, out = [last], [int(nxt[0, 0])]
+    start = time.perf_counter()
+    while len(out) < new_tokens and not (done is not None and done(out)):
+      last, nxt, cache = steps[1](weights, cache, nxt)
+      logits.append(last)
+      out.append(int(nxt[0, 0]))
+    per_token = (time.perf_counter() - start) / (len(out) - 1) if len(out) > 1 else float("nan")
+    return out, np.stack([np.asarray(x) for x in logits]), per_token

@@ -88,7 +88,7 @@ def run(args, log=print):
   """Trains and evaluates the three models; returns the report dict."""
   import jax
 
-  from jax_ring.models.eval.needle import accuracy_grid, generated_answers
+  from jax_ring.models.eval.long_context import accuracy_grid, generated_answers
   from jax_ring.models.train.scratch import TrainConfig, _batch_spec, make_mesh, train
   from jax_ring.models.train.tasks import NeedleTask
 
@@ -155,7 +155,7 @@ def run(args, log=print):
 def main(argv=None):
   args = parse_args(argv)
   runtime.setup(args)
-  from jax_ring.models.eval.needle import plot_report
+  from jax_ring.models.eval.long_context import plot_report
 
   report = run(args, log=print if runtime.is_main_process() else lambda *_: None)
   if not runtime.is_main_process():

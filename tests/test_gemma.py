@@ -466,7 +466,7 @@ def test_long_context_grid(tmp_path, ring8, dense, tokenizer, capsys):
   spent = report["time_s"]  # where the time went, per reader and for the compiles
   assert spent["ring"]["prefill"] > 0 and spent["ring"]["answer"] > 0 and spent["ring compile"] > 0
   assert spent["dense"]["prefill"] > 0 and spent["baselines compile"] > 0
-  doc = long_context.make_document(tokenizer, "passkey", 512 - long_context.ROOM, [0.6])
+  doc = long_context.make_document(tokenizer, "passkey", 512 - long_context.ANSWER_ROOM, [0.6])
   assert [a["expected"] for a in ring_answer] == [q.answer for q in doc.questions]
   assert all(r["temp_mib"] > 0 and r["prefill_s"] > 0 for r in report["runs"])
   report["dense_temp_mib"] = long_context.dense_memory(report, dense)
@@ -495,7 +495,7 @@ def test_documents_hold_their_needles(tokenizer):
   tokens = np.arange(8160, dtype=np.int32)
   tokens[0] = tokenizer.bos_id
   last = long_context.reader_tokens("last4k", long_context.Document("passkey", tokens, ()), 8)
-  assert len(last) + long_context.ROOM == 4096 and last[0] == tokenizer.bos_id
+  assert len(last) + long_context.ANSWER_ROOM == 4096 and last[0] == tokenizer.bos_id
   np.testing.assert_array_equal(last[1:], tokens[-4063:])
-  whole = long_context.Document("passkey", tokens[: 4096 - long_context.ROOM], ())
+  whole = long_context.Document("passkey", tokens[: 4096 - long_context.ANSWER_ROOM], ())
   assert len(long_context.reader_tokens("last4k", whole, 8)) == len(whole.tokens)

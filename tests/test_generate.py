@@ -206,12 +206,13 @@ def test_decoding_needs_a_cache_and_a_decodable_kind():
 
 
 def test_reader_shares_decode_steps_across_lengths_and_stops_at_the_answer():
-  """The main job's reader (`long_context.Reader`, a small Llama): documents of two
+  """The main job's reader (`generate.Engine`, a small Llama): documents of two
   lengths read into caches of one capacity share one set of decode steps; a larger cache
   than the document needs answers the same as a just-large-enough one, and as the full
   forward over the document, question and answer; `done` stops decoding where it says."""
   from jax_ring import models
   from jax_ring.models.eval import long_context
+  from jax_ring.models.generate import Engine
 
   config = models.LlamaConfig(
     vocab_size=64,
@@ -224,7 +225,7 @@ def test_reader_shares_decode_steps_across_lengths_and_stops_at_the_answer():
     context_length=128,
   )
   model = models.build(config, attention="dense", rngs=nnx.Rngs(0))
-  reader = long_context.Reader(model)
+  reader = Engine(model)
   rng = np.random.default_rng(5)
   doc, question, new = rng.integers(0, 64, 30).astype(np.int32), [7, 8, 9, 10, 11], 4
   wide = reader.compile(len(doc), 64, [len(question)])

@@ -9,7 +9,6 @@ import pytest
 from conftest import make_mesh
 
 from jax_ring import models
-from jax_ring.models.eval import long_context
 
 pytestmark = pytest.mark.slow  # the RULER test takes about a minute
 
@@ -40,13 +39,14 @@ def test_harness_answers_ruler_as_the_main_jobs_reader(tmp_path, ring8, dense):
   """lm_eval runs RULER's niah_single_1 at 512 tokens (its documents sized with the
   tokenizer saved for it) with the jax_ring model over 8 devices: the harness scores 1
   exactly when the needle's number is in the answer, and the answer is what the main
-  job's reader (`long_context.Reader`, programs of its own) generates from the prompt
+  job's reader (`generate.Engine`, programs of its own) generates from the prompt
   with the model on one device (the main job's dense reader: its programs compile in
   a third of the ring's time, and the ring equals it by the Gemma tests)."""
   from lm_eval.evaluator import evaluate
 
   from jax_ring.models.eval import harness
   from jax_ring.models.formats import tokenizer_json as tokenizer_files
+  from jax_ring.models.generate import Engine
 
   ring8, tokenizer = ring8
   new = 10
@@ -59,7 +59,7 @@ def test_harness_answers_ruler_as_the_main_jobs_reader(tmp_path, ring8, dense):
   assert results["results"]["niah_single_1"]["512,none"] == float(needle in answer)
   prompt = [tokenizer.bos_id] + tokenizer.encode(sample["arguments"][0][0])
   assert 300 < len(prompt) <= 512 - 128 and needle in tokenizer.decode(prompt)
-  reader = long_context.Reader(dense[0])
+  reader = Engine(dense[0])
   program = reader.compile(len(prompt), len(prompt) + new + 1, [1])
   logits, cache, _ = reader.prefill(program, np.asarray(prompt, np.int32))
   first = int(np.argmax(logits))

@@ -86,7 +86,7 @@ def test_the_import_graph_is_read_from_the_modules():
   graph = _graph()
   assert f"{PACKAGE}.architectures.decoder" in graph[f"{PACKAGE}.architectures.gemma"]  # from .decoder import
   assert f"{PACKAGE}.checkpoints" in graph[f"{PACKAGE}.train.step"]  # from .. import checkpoints
-  assert f"{PACKAGE}.generate" in graph[f"{PACKAGE}.eval.needle"]  # inside a function
+  assert f"{PACKAGE}.train.scratch" in graph[f"{PACKAGE}.eval.long_context"]  # inside a function
   assert f"{PACKAGE}.runtime" in graph[f"{PACKAGE}.eval.harness"]  # absolute, inside a function
 
 
@@ -177,3 +177,21 @@ def test_moved_names_resolve_across_their_modules():
   assert finetune.Trainer is step.Trainer and finetune.finetune is finetune_loop.finetune
   assert training.Checkpoints is state.Checkpoints and training.make_tx is scratch.make_tx
   assert hf.ConfigReader is config_json.ConfigReader and hf.SafetensorsFolder is safetensors.SafetensorsFolder
+
+
+@pytest.mark.parametrize(
+  "old, new",
+  [("Reader", "Engine"), ("Program", "Programs"), ("Filled", "Constant"), ("ROOM", None), ("LAST", None)],
+)
+def test_the_main_jobs_old_names_warn(old, new):
+  """The engine moved to `models.generate` and the room's constants were renamed; the
+  old names give the same objects with a DeprecationWarning."""
+  from jax_ring.models.eval import long_context
+  from jax_ring.models.generate import Constant, Engine, Programs
+
+  with pytest.warns(DeprecationWarning, match=rf"long_context\.{old} is deprecated: use "):
+    value = getattr(long_context, old)
+  if new is not None:
+    assert value is {"Engine": Engine, "Programs": Programs, "Constant": Constant}[new]
+  else:
+    assert value == {"ROOM": long_context.ANSWER_ROOM, "LAST": long_context.LAST4K_TOKENS}[old]

@@ -24,7 +24,6 @@ from jax_ring import layouts
 from jax_ring import nn as ring_nn
 
 from . import vocabulary
-from .scratch import GatedMLP
 
 ATTENTION_KINDS = ("ring", "dense", "local")
 KERNELS = ("auto", "xla", "pallas", "cudnn")
@@ -181,6 +180,21 @@ def make_attention(config, *, mesh, seq_axis, rngs, batch_axis=None, **options) 
     rngs=rngs,
     **options,
   )
+
+
+class GatedMLP(nnx.Module):
+  """A gated feed-forward, down(activation(gate(x)) * up(x)) (Shazeer 2020, "GLU
+  Variants Improve Transformer"): SwiGLU with silu (the default), GeGLU with GELU."""
+
+  def __init__(self, dim: int, hidden: int, *, activation=jax.nn.silu, dtype, param_dtype, rngs: nnx.Rngs):
+    kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.activation = activation
+    self.gate = nnx.Linear(dim, hidden, **kw)
+    self.up = nnx.Linear(dim, hidden, **kw)
+    self.down = nnx.Linear(hidden, dim, **kw)
+
+  def __call__(self, x):
+    return self.down(self.activation(self.gate(x)) * self.up(x))
 
 
 def rms_norm(config, size=None, *, rngs) -> nnx.RMSNorm:

@@ -32,7 +32,6 @@ from ..formats import config_json
 from . import decoder, tables
 from .decoder import ATTENTION_KINDS, CausalLM
 from .record import Architecture, GGUFFormat, HFFormat
-from .scratch import GatedMLP
 
 __all__ = ["ATTENTION_KINDS", "CONFIGS", "Gemma", "GemmaConfig"]
 
@@ -107,7 +106,7 @@ class GemmaBlock(nnx.Module):
     )
     self.post_attn_norm = norm()
     self.mlp_norm = norm()
-    self.mlp = GatedMLP(
+    self.mlp = decoder.GatedMLP(
       config.dim, config.mlp_hidden, activation=gelu_tanh, dtype=dt, param_dtype=pdt, rngs=rngs
     )  # GeGLU
     self.post_mlp_norm = norm()

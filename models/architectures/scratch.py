@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 from jax_ring import layouts
 from jax_ring import nn as ring_nn
 
+from .decoder import GatedMLP
+
 ATTENTION_KINDS = ("dense", "ring", "local", "dilated", "dilated_dense")
 
 
@@ -177,21 +179,6 @@ class LMConfig:
 
 def _dtype(name):
   return None if name is None else jnp.dtype(name)
-
-
-class GatedMLP(nnx.Module):
-  """A gated feed-forward, down(activation(gate(x)) * up(x)) (Shazeer 2020, "GLU
-  Variants Improve Transformer"): SwiGLU with silu (the default), GeGLU with GELU."""
-
-  def __init__(self, dim: int, hidden: int, *, activation=jax.nn.silu, dtype, param_dtype, rngs: nnx.Rngs):
-    kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.activation = activation
-    self.gate = nnx.Linear(dim, hidden, **kw)
-    self.up = nnx.Linear(dim, hidden, **kw)
-    self.down = nnx.Linear(hidden, dim, **kw)
-
-  def __call__(self, x):
-    return self.down(self.activation(self.gate(x)) * self.up(x))
 
 
 def make_attention(config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs, layer: int = 0):

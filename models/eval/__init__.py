@@ -1,3 +1,3 @@
-"""Evaluation: long documents with needles read over the ring (`long_context`, the main
-job), the trained models' needle grid (`needle`), and lm-evaluation-harness's model
-(`harness`)."""
+"""Evaluation: the long-context evaluator (`long_context`: needles at chosen depths,
+accuracy by length and depth; the main job's readers and the needle demo's grid) and
+lm-evaluation-harness's model (`harness`)."""

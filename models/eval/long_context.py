@@ -25,6 +25,10 @@ Readers:
   decoding run the library's KV-cache attention on a one-device mesh; its forward
   (`model(tokens)`) runs `jax.nn.dot_product_attention`, which the tests hold to a
   float64 NumPy forward.
+
+The needle demo's small models (`train.tasks.NeedleTask`) are evaluated here too
+(`accuracy_grid`, `generated_answers`, `plot_report`): the same grid of context length
+by needle depth and the same heatmaps (`heatmap`).
 """
 
 from __future__ import annotations
@@ -34,14 +38,13 @@ import dataclasses
 import functools
 import os
 import re
-import threading
 import time
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from ..generate import Engine, generate
 
 # The repository's data/ (models/<here>/this file: three folders up).
 DATA = os.path.join(
@@ -50,8 +53,16 @@ DATA = os.path.join(
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 TASKS = ("passkey", "needle")
 READERS = ("ring", "local", "last4k", "dense")
-LAST = 4096  # the "last4k" reader's context: BOS, the document's last tokens, the room
-ROOM = 32  # tokens a document leaves free for the question and the answer
+LAST4K_TOKENS = 4096  # the "last4k" reader's context: BOS, the document's last tokens, the room
+ANSWER_ROOM = 32  # tokens a document leaves free for the question and the answer
+# Names this module had before the engine moved to `models.generate`.
+_RENAMED = dict(
+  Reader="jax_ring.models.generate.Engine",
+  Program="jax_ring.models.generate.Programs",
+  Filled="jax_ring.models.generate.Constant",
+  ROOM="ANSWER_ROOM",
+  LAST="LAST4K_TOKENS",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,173 +190,18 @@ def is_right(expected: str, generated: str) -> bool:
   return match is not None and match.group(0).lower() == expected.lower()
 
 
-@dataclasses.dataclass
-class Program:
-  """A reader's compiled programs for one document length and cache capacity: the
-  prefill into a fresh cache, and the decode steps by token count (compiled as
-  questions need them, shared by every length read into caches of that capacity).
-  `cache`: what an empty cache holds, made anew for each prefill (`Reader.empty_cache`),
-  so that no program keeps a cache alive between documents (32K tokens' take 1.2 GB for
-  Gemma 3 270M)."""
-
-  graphdef: Any
-  weights: Any
-  cache: Any
-  prefill: Any
-  steps: dict
-  compile_s: float  # the prefill's and the steps it compiled so far
-  temp_bytes: int  # the prefill's, per device, from the compiler
-
-
-@dataclasses.dataclass(frozen=True)
-class Filled:
-  """An array of `spec` (shape, dtype, sharding) holding `value` everywhere."""
-
-  spec: jax.ShapeDtypeStruct
-  value: Any
-
-  def make(self):
-    return jnp.full(self.spec.shape, self.value, self.spec.dtype, device=self.spec.sharding)
-
-
-def _as_filled(x):
-  """x as a `Filled` where it holds one value everywhere (an empty cache's arrays do:
-  zeros, and -1 for positions), else x itself."""
-  first = x.ravel()[0]
-  if bool(jnp.all(x == first)):
-    return Filled(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), first.item())
-  return x
-
-
-class Reader:
-  """A model that prefills a document into its KV cache once and answers questions by
-  decoding from that cached state: a compiled prefill per document length and cache
-  capacity, and decode steps (a whole question at once, or one token) per capacity,
-  which every length read into caches of that capacity shares."""
-
-  def __init__(self, model):
-    self.model = model
-    self.programs: dict[tuple, Program] = {}
-    self.steps: dict[int, dict] = {}  # per capacity: the decode steps by token count
-    self.compile_s = 0.0  # every program's, dropped ones included
-    self.lock = threading.Lock()
-
-    # The weights go in as arguments and only the caches come out: returning the
-    # weights too would copy them on every call.
-    @functools.partial(jax.jit, static_argnums=0)
-    def prefill(graphdef, weights, cache, tokens):
-      m = nnx.merge(graphdef, weights, cache)
-      return m.prefill(tokens)[0], nnx.state(m, nnx.Cache)
-
-    # Decoding updates the caches in place (donated); `answer` copies them once first.
-    @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-    def step(graphdef, weights, cache, tokens):
-      m = nnx.merge(graphdef, weights, cache)
-      logits = m.decode(tokens)[0, -1]
-      return logits, jnp.argmax(logits).astype(jnp.int32).reshape(1, 1), nnx.state(m, nnx.Cache)
-
-    self._prefill, self._step = prefill, step
-
-  def _lowered_prefill(self, length: int, capacity: int):
-    """(graphdef, weights, cache, the prefill lowered) with caches for `capacity` tokens."""
-    if capacity < length + 1:
-      raise ValueError(f"capacity={capacity} must exceed the document's length={length} (room to decode)")
-    self.model.init_cache(1, capacity)
-    graphdef, weights, cache = nnx.split(self.model, nnx.Param, nnx.Cache)
-    tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
-    lowered = self._prefill.lower(graphdef, weights, cache, tokens)
-    self.model.init_cache(1, 1)  # the model's own caches: small again
-    return graphdef, weights, cache, lowered
-
-  def compile(self, length: int, capacity: int, questions=()) -> Program:
-    """The programs for a document of `length` tokens read into caches of `capacity`
-    tokens (the document, the longest question and the answer): the prefill, and the
-    decode steps of one token and of each length in `questions` that no earlier program
-    of this capacity compiled (safe to call from another thread)."""
-    with self.lock:
-      start = time.perf_counter()
-      program = self.programs.get((length, capacity))
-      if program is None:
-        graphdef, weights, cache, lowered = self._lowered_prefill(length, capacity)
-        prefill = lowered.compile()
-        temp = int(prefill.memory_analysis().temp_size_in_bytes)
-        empty = jax.tree.map(_as_filled, cache)
-        steps = self.steps.setdefault(capacity, {})
-        program = Program(graphdef, weights, empty, prefill, steps, 0.0, temp)
-        self.programs[length, capacity] = program
-      spec = lambda x: x.spec if isinstance(x, Filled) else x
-      cache = jax.tree.map(spec, program.cache, is_leaf=lambda x: isinstance(x, Filled))
-      tokens = lambda n: jax.ShapeDtypeStruct((1, n), jnp.int32)
-      for n in sorted({1, *questions} - set(program.steps)):
-        program.steps[n] = self._step.lower(program.graphdef, program.weights, cache, tokens(n)).compile()
-      spent = time.perf_counter() - start
-      program.compile_s += spent
-      self.compile_s += spent
-      return program
-
-  def prefill_temp(self, length: int, capacity: int) -> int:
-    """Per-device temp bytes of the prefill for `length` tokens into caches of
-    `capacity` (compiled, not run)."""
-    with self.lock:
-      start = time.perf_counter()
-      lowered = self._lowered_prefill(length, capacity)[3]
-      temp = int(lowered.compile().memory_analysis().temp_size_in_bytes)
-      self.compile_s += time.perf_counter() - start
-      return temp
-
-  def drop(self, length: int) -> None:
-    """Forgets the prefills for `length` tokens (compiled programs hold memory; a
-    length read once needs its prefill no more). The decode steps stay: other lengths
-    share them."""
-    with self.lock:
-      for key in [k for k in self.programs if k[0] == length]:
-        del self.programs[key]
-
-  @staticmethod
-  def empty_cache(program: Program):
-    """A new empty cache for the program's prefill."""
-    return jax.tree.map(lambda x: x.make() if isinstance(x, Filled) else x, program.cache)
-
-  @staticmethod
-  def prefill(program: Program, tokens: np.ndarray):
-    """(logits [V] at the last token, cached state, seconds) of tokens int [T]."""
-    empty = jax.block_until_ready(Reader.empty_cache(program))
-    start = time.perf_counter()
-    logits, cache = program.prefill(program.weights, empty, jnp.asarray(tokens[None]))
-    logits = np.asarray(logits)
-    return logits, cache, time.perf_counter() - start
-
-  @staticmethod
-  def answer(program: Program, cache, question: list[int], new_tokens: int, done=None):
-    """The question (teacher-forced, one call), then greedy tokens from `cache`, at most
-    `new_tokens` of them, fewer where `done(ids)` says the tokens so far hold the answer:
-    (generated ids, logits [len(ids), V] (the row that gave each id), seconds per decode
-    step, or nan where the question's call gave the whole answer)."""
-    steps, weights = program.steps, program.weights
-    cache = jax.tree.map(jnp.copy, cache)
-    last, nxt, cache = steps[len(question)](weights, cache, jnp.asarray([question], jnp.int32))
-    logits, out = [last], [int(nxt[0, 0])]
-    start = time.perf_counter()
-    while len(out) < new_tokens and not (done is not None and done(out)):
-      last, nxt, cache = steps[1](weights, cache, nxt)
-      logits.append(last)
-      out.append(int(nxt[0, 0]))
-    per_token = (time.perf_counter() - start) / (len(out) - 1) if len(out) > 1 else float("nan")
-    return out, np.stack([np.asarray(x) for x in logits]), per_token
-
-
 def question_lengths(tokenizer, doc: Document) -> list[int]:
   return sorted({len(tokenizer.encode(q.prompt)) for q in doc.questions})
 
 
 def room_for(lengths: list[int], new_tokens: int) -> int:
-  """Cache room after a document for its longest question and the answer: ROOM (a
+  """Cache room after a document for its longest question and the answer: ANSWER_ROOM (a
   nominal length's document fills its cache to the length) unless they need more."""
-  return max(ROOM, lengths[-1] + new_tokens)
+  return max(ANSWER_ROOM, lengths[-1] + new_tokens)
 
 
 def read(
-  reader: Reader, tokenizer, doc: Document, tokens: np.ndarray, new_tokens: int, program=None, answered=None
+  reader: Engine, tokenizer, doc: Document, tokens: np.ndarray, new_tokens: int, program=None, answered=None
 ) -> dict:
   """Prefill `tokens` (the document, or the part of it this reader sees) once, then
   answer every question of `doc` from that state, each up to `new_tokens` tokens and
@@ -404,10 +260,10 @@ def reader_tokens(kind: str, doc: Document, devices: int) -> np.ndarray:
     case "local":
       shard = -(-len(doc.tokens) // devices)
       return doc.tokens[(devices - 1) * shard :]
-    case "last4k":  # BOS, then the document's last LAST - ROOM - 1 tokens
-      if len(doc.tokens) <= LAST - ROOM:
+    case "last4k":  # BOS, then the document's last LAST4K_TOKENS - ANSWER_ROOM - 1 tokens
+      if len(doc.tokens) <= LAST4K_TOKENS - ANSWER_ROOM:
         return doc.tokens
-      return np.concatenate([doc.tokens[:1], doc.tokens[1 - (LAST - ROOM) :]])
+      return np.concatenate([doc.tokens[:1], doc.tokens[1 - (LAST4K_TOKENS - ANSWER_ROOM) :]])
     case _:
       raise ValueError(f"Unsupported reader={kind!r}; expected one of {READERS}")
 
@@ -435,15 +291,15 @@ def run_grid(
   ms/token, compile seconds, per-device compiled temp MiB) and "exact" (per task and
   length where dense ran: the ring's largest |logit difference| from dense's, and
   whether every generated token is the same). A length is a nominal context: its
-  documents have `length - ROOM` tokens, the question and answer fill the rest.
+  documents have `length - ANSWER_ROOM` tokens, the question and answer fill the rest.
   `progress`: a bar over every question of the grid (tqdm: reader, length, depth,
   time left), the log lines printed above it."""
   report = dict(answers=[], runs=[], exact=[], lengths=list(lengths), depths=list(depths), tasks=list(tasks))
-  dense_reader = Reader(dense_model)
-  readers_of = dict(ring=Reader(ring_model), local=dense_reader, last4k=dense_reader, dense=dense_reader)
+  dense_reader = Engine(dense_model)
+  readers_of = dict(ring=Engine(ring_model), local=dense_reader, last4k=dense_reader, dense=dense_reader)
   groups = [[d] for d in depths] if one_per_document else [list(depths)]
   documents = {
-    (task, length): [make_document(tokenizer, task, length - ROOM, g, seed) for g in groups]
+    (task, length): [make_document(tokenizer, task, length - ANSWER_ROOM, g, seed) for g in groups]
     for task in tasks
     for length in lengths
   }
@@ -597,14 +453,28 @@ def time_spent(report: dict, readers_of: dict) -> dict:
   }
 
 
-def dense_memory(report: dict, dense_model, room: int = ROOM) -> dict:
+def dense_memory(report: dict, dense_model, room: int = ANSWER_ROOM) -> dict:
   """Per-device compiled temp MiB of dense attention's prefill at each length of the
   report: the dense run's where it ran, else compiled (not run), which says what dense
   would need where it does not fit."""
   ran = {r["length"]: r["temp_mib"] for r in report["runs"] if r["reader"] == "dense"}
-  reader = Reader(dense_model)
+  reader = Engine(dense_model)
   compiled = lambda t: round(reader.prefill_temp(t - room, t) / 2**20, 1)
   return {int(t): ran[t] if t in ran else compiled(t) for t in report["lengths"]}
+
+
+def heatmap(ax, grid, *, rows, columns, title: str, xlabel: str, cmap: str, cell):
+  """grid [len(rows), len(columns)] (context length x needle depth) drawn on `ax`, with
+  `cell(value) -> (text, colour)` written in each cell that is not NaN; the image."""
+  image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap=cmap, aspect="auto", origin="lower")
+  ax.set_xticks(range(len(columns)), columns, fontsize=7)
+  ax.set_yticks(range(len(rows)), rows)
+  ax.set(title=title, xlabel=xlabel)
+  for (y, x), v in np.ndenumerate(grid):
+    if not np.isnan(v):
+      text, colour = cell(v)
+      ax.text(x, y, text, ha="center", va="center", fontsize=6, color=colour)
+  return image
 
 
 def plot(report: dict, path: str) -> None:
@@ -621,19 +491,157 @@ def plot(report: dict, path: str) -> None:
   )
   for i, task in enumerate(tasks):
     for j, reader in enumerate(readers):
-      ax = axes[i, j]
       grid = np.full((len(lengths), len(depths)), np.nan)
       for a in report["answers"]:
         if a["reader"] == reader and a["task"] == task:
           column = int(np.argmin(np.abs(np.asarray(depths) - a["depth"])))
           grid[lengths.index(a["length"]), column] = a["right"]
-      ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
-      ax.set_xticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
-      ax.set_yticks(range(len(lengths)), [f"{t // 1024}K" if t >= 1024 else str(t) for t in lengths])
-      ax.set(title=f"{reader}: {task}", xlabel="needle depth")
-      for (y, x), v in np.ndenumerate(grid):
-        if not np.isnan(v):
-          ax.text(x, y, "right" if v else "wrong", ha="center", va="center", fontsize=7)
+      heatmap(
+        axes[i, j],
+        grid,
+        rows=[f"{t // 1024}K" if t >= 1024 else str(t) for t in lengths],
+        columns=[f"{d:.2f}" for d in depths],
+        title=f"{reader}: {task}",
+        xlabel="needle depth",
+        cmap="RdYlGn",
+        cell=lambda v: ("right" if v else "wrong", "k"),
+      )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+# --- The small models trained on `train.tasks.NeedleTask` (scripts/needle_demo.py):
+# accuracy by needle depth and context length under teacher forcing, the answers they
+# generate, and the same heatmaps. ---
+
+
+def depth_bins(n: int) -> list[tuple[float, float]]:
+  """`n` equal bins of needle depth over [0, 1)."""
+  edges = np.linspace(0.0, 1.0, n + 1)
+  return [(float(a), float(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+@functools.cache
+def _rows_right():
+  from ..train.scratch import rows_right
+
+  @nnx.jit
+  def answered(model, tokens, targets, weights):
+    """bool [B]: the row's answer is the argmax at every answer token."""
+    return rows_right(model(tokens), targets, weights)
+
+  return answered
+
+
+class _Bins:
+  """The examples of several depth bins as one batch: rows [j * rows, (j + 1) * rows)
+  are row 0..rows-1 of bin j's batch (`probes[j].batch(seed, j, rows)`), so a batch
+  of every bin is the bins' batches stacked, and a process builds only its rows."""
+
+  def __init__(self, probes, seed: int, rows: int):
+    self.probes, self.seed, self.rows = probes, seed, rows
+    self.seq_len = probes[0].seq_len
+
+  def batch(self, seed, step, batch_size, rows=None):
+    del seed, step, batch_size  # fixed by the bins
+    rows = range(len(self.probes) * self.rows) if rows is None else rows
+    parts = []
+    for j, probe in enumerate(self.probes):
+      mine = [r - j * self.rows for r in rows if j * self.rows <= r < (j + 1) * self.rows]
+      if mine:
+        parts.append(probe.batch(self.seed, j, self.rows, rows=mine))
+    return type(parts[0])(*(np.concatenate(x) for x in zip(*parts)))
+
+
+def accuracy_grid(model, task, lengths, bins: int, rows: int, seed: int, mesh, spec):
+  """Exact-answer accuracy [len(lengths), bins]: for each context length and depth bin,
+  the fraction of `rows` fresh examples (seeds disjoint from training's) answered
+  right under teacher forcing. One call per length evaluates every bin."""
+  from ..train.scratch import place_batch
+
+  grid = np.zeros((len(lengths), bins))
+  for i, length in enumerate(lengths):
+    probes = [dataclasses.replace(task, seq_len=length, depth=depth) for depth in depth_bins(bins)]
+    stacked = _Bins(probes, seed + 20_000 + i, rows)
+    batch = place_batch(stacked, 0, 0, bins * rows, mesh, spec)
+    right = np.asarray(_rows_right()(model, *batch)).reshape(bins, rows)
+    grid[i] = right.mean(axis=1)
+  return grid
+
+
+def generated_answers(model, task, count: int, seed: int):
+  """`count` fresh examples answered by `models.generate` (greedy): a list of dicts
+  with the needle's depth, the question's name, the truth and the model's answer."""
+  from ..train.tasks import decode, row_rng
+
+  prompts, truths, depths = [], [], []
+  for r in range(count):
+    seq, answer, depth = task.example(row_rng(seed + 30_000, 0, r))
+    prompts.append(seq[:answer])
+    truths.append(decode(seq[answer:]))
+    depths.append(depth)
+  out = generate(model, np.stack(prompts), max_new_tokens=task.digits)
+  tokens = np.asarray(jax.device_get(out.tokens))
+  results = []
+  for r in range(count):
+    question = decode(prompts[r]).rsplit("\n", 1)[-1]  # the prompt ends with the question
+    results.append(
+      {
+        "depth": round(float(depths[r]), 3),
+        "question": question,
+        "truth": truths[r],
+        "answer": decode(tokens[r]),
+      }
+    )
+  return results
+
+
+def plot_report(report: dict, path: str) -> None:
+  """One heatmap of accuracy (context length x needle depth) per attention kind, and
+  the training loss curves, in one PNG."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  runs = report["runs"]
+  lengths, bins = report["lengths"], report["bins"]
+  fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4.6 * (len(runs) + 1), 3.6))
+  for n, (ax, run) in enumerate(zip(axes, runs.values())):
+    image = heatmap(
+      ax,
+      np.asarray(run["grid"]),
+      rows=[str(t) for t in lengths] if n == 0 else [""] * len(lengths),
+      columns=[f"{(j + 0.5) / bins:.2f}" for j in range(bins)],
+      title=run["label"],
+      xlabel="needle depth (bin centre)",
+      cmap="viridis",
+      cell=lambda v: (f"{v:.2f}", "w" if v < 0.6 else "k"),
+    )
+    if n == 0:
+      ax.set_ylabel("context length (bytes)")
+  fig.colorbar(image, ax=axes[: len(runs)].tolist(), shrink=0.8, label="exact-answer accuracy")
+  ax = axes[-1]
+  for name, run in runs.items():
+    h = run["history"]
+    ax.plot(h["step"], h["loss"], label=name)
+  ax.set(xlabel="step", ylabel="training loss (weighted bytes)", yscale="log", title="training")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.savefig(path, dpi=110, bbox_inches="tight")
+  plt.close(fig)
+
+
+def __getattr__(name):
+  if name in _RENAMED:
+    import importlib
+    import warnings
+
+    new = _RENAMED[name]
+    warnings.warn(f"long_context.{name} is deprecated: use {new}", DeprecationWarning, stacklevel=2)
+    if new.startswith("jax_ring."):  # the module (the package's `generate` is the function)
+      module = importlib.import_module(new.rpartition(".")[0])
+      return getattr(module, new.rpartition(".")[2])
+    return globals()[new]
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -62,10 +62,10 @@ def document_batch(tokenizer, length: int, step: int, *, batch: int = 1, seed: i
 
 def _answer_room(tokenizer) -> int:
   """The most tokens a question of `document_batch` and its answer take with this
-  tokenizer (the main job's ROOM at least): each fact's prompt with its longest answer
+  tokenizer (the main job's ANSWER_ROOM at least): each fact's prompt with its longest answer
   (a pass key's five digits bounded by its characters, plus one for a space piece). A
-  fine-grained vocabulary needs more than ROOM; cut off, an answer would carry no loss."""
-  most = long_context.ROOM
+  fine-grained vocabulary needs more than ANSWER_ROOM; cut off, an answer would carry no loss."""
+  most = long_context.ANSWER_ROOM
   for label, pool in long_context.FACTS[:5]:
     _, prompt = long_context.needle_text("passkey", label, "")
     answers = [len(" 12345.") + 1] if pool is None else [len(tokenizer.encode(f" {a}.")) for a in pool]

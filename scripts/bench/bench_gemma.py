@@ -3,7 +3,7 @@ last token's logits: a prefill without the cache) with ring attention on 8 simul
 devices against dense attention on one device (`jax.nn.dot_product_attention`, XLA:
 every score computed, then masked), interleaved in rounds; the per-device compiled
 temp memory of both at each length (compiled, not run, where not timed); decode
-ms/token of the ring at a long context (`Reader`); and the bytes each kind of layer's
+ms/token of the ring at a long context (`models.generate.Engine`); and the bytes each kind of layer's
 ring moves (a windowed layer: one neighbour's K/V shard).
 
     python scripts/bench/bench_gemma.py [--lengths 4096 8192 16384] [--dense-max 16384]
@@ -56,13 +56,14 @@ def main(argv=None):
   from jax_ring import models
   from jax_ring.hlo import collective_bytes
   from jax_ring.models.eval import long_context
+  from jax_ring.models.generate import Engine
 
   path = assemble()
   mesh = jax.make_mesh((args.devices,), ("seq",), devices=jax.devices()[: args.devices])
   ring_model, tokenizer = models.load_gguf(path, mesh=mesh, attention="ring")
   dense_model, _ = models.load_gguf(path, attention="dense")
   models_ = dict(ring=ring_model, dense=dense_model)
-  room = long_context.ROOM
+  room = long_context.ANSWER_ROOM
 
   @functools.partial(jax.jit, static_argnums=0)
   def forward(graphdef, state, tokens):
@@ -106,7 +107,7 @@ def main(argv=None):
 
   lines.append("")
   if args.decode_length:
-    reader = long_context.Reader(ring_model)
+    reader = Engine(ring_model)
     context = args.decode_length - room
     program = reader.compile(context, args.decode_length)
     _, cache, _ = reader.prefill(program, rng.integers(1000, 200_000, context).astype(np.int32))
