@@ -26,11 +26,12 @@ from .architectures.scratch import ATTENTION_KINDS, DecoderLM, LMConfig
 from .checkpoints import build, config, load, load_gguf, save, shardings
 from .formats.gguf import GGUFFile, Tokenizer
 from .formats.tokenizer_json import HFTokenizer
-from .generate import Generated, generate
+from .generate import Engine, Generated, generate
 
 __all__ = [
   "ATTENTION_KINDS",
   "DecoderLM",
+  "Engine",
   "GGUFFile",
   "Gemma",
   "GemmaConfig",

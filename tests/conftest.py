@@ -153,6 +153,28 @@ def compare_with_reference(fn, ref_fn, args, tol, seed=3):
   return out, grads
 
 
+SLOW = os.path.join(os.path.dirname(__file__), "slow.txt")
+
+
+@functools.cache
+def _slow_tests() -> frozenset:
+  if not os.path.exists(SLOW):
+    return frozenset()
+  with open(SLOW) as f:
+    lines = f.read().splitlines()
+  return frozenset(line.split()[0] for line in lines if line.strip() and not line.startswith("#"))
+
+
+def pytest_collection_modifyitems(config, items):
+  """Marks `slow` the tests tests/slow.txt lists (each took 2.5 s or more on 2 cores;
+  scripts/slow_tests.py writes the list from a timed run): `-m "not slow"` runs the
+  rest in under 5 minutes. What the slow ones buy: docs/development.md, "Tests"."""
+  slow = _slow_tests()
+  for item in items:
+    if item.nodeid in slow:
+      item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def x64():
   return True

@@ -30,3 +30,13 @@ def of_config(cfg) -> Architecture:
       return arch
   known = tuple(a.config_class.__name__ for a in REGISTRY)
   raise TypeError(f"config={cfg!r} is not a config of a known architecture; expected one of {known}")
+
+
+def __getattr__(name):
+  """Submodules reached as attributes (`models.<package>.<module>`), imported when first named."""
+  import importlib
+  import pkgutil
+
+  if name in {m.name for m in pkgutil.iter_modules(__path__)}:
+    return importlib.import_module(f"{__name__}.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

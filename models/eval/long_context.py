@@ -48,7 +48,7 @@ from ..generate import Engine, generate
 
 # The repository's data/ (models/<here>/this file: three folders up).
 DATA = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data", "shakespeare"
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))), "data", "shakespeare"
 )
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 TASKS = ("passkey", "needle")

@@ -107,7 +107,7 @@ class KeyValueTask:
 
 # The repository's data/ (models/<here>/this file: three folders up).
 DATA = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data", "shakespeare"
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))), "data", "shakespeare"
 )
 
 NAMES = (

@@ -3,7 +3,7 @@ last token's logits: a prefill without the cache) with ring attention on 8 simul
 devices against dense attention on one device (`jax.nn.dot_product_attention`, XLA:
 every score computed, then masked), interleaved in rounds; the per-device compiled
 temp memory of both at each length (compiled, not run, where not timed); decode
-ms/token of the ring at a long context (`models.generate.Engine`); and the bytes each kind of layer's
+ms/token of the ring at a long context (`models.Engine`); and the bytes each kind of layer's
 ring moves (a windowed layer: one neighbour's K/V shard).
 
     python scripts/bench/bench_gemma.py [--lengths 4096 8192 16384] [--dense-max 16384]
