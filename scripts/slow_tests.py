@@ -10,10 +10,13 @@ A test is slow when its set-up and call took `--seconds` or more together (on th
 
 from __future__ import annotations
 
-import argparse
 import collections
 import pathlib
 import re
+
+from jax_ring.models import cli
+
+OUT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "slow.txt"
 
 LINE = re.compile(r"\s*([\d.]+)s\s+(setup|call|teardown)\s+(\S+)")
 HEADER = """\
@@ -23,12 +26,16 @@ HEADER = """\
 """
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None):
+  parser = cli.parser(__doc__)
   parser.add_argument("durations", help="pytest's output with --durations=0")
   parser.add_argument("--seconds", type=float, default=2.5, help="a test this slow or slower is slow")
-  parser.add_argument("--out", default=str(pathlib.Path(__file__).parents[1] / "tests" / "slow.txt"))
-  args = parser.parse_args(argv)
+  parser.add_argument("--out", default=str(OUT), help="the list to write")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+  args = parse_args(argv)
   spent = collections.defaultdict(float)
   for line in pathlib.Path(args.durations).read_text().splitlines():
     match = LINE.match(line)
