@@ -76,6 +76,17 @@ class _Loader(importlib.abc.Loader):
   def exec_module(self, module):
     pass
 
+  def get_code(self, fullname):
+    """`python -m <old name>` (runpy asks for the code): runs the module that holds
+    its names now as __main__, after a DeprecationWarning naming it."""
+    target = f"{PACKAGE}.{MOVED[fullname.rpartition('.')[2]][0]}"
+    source = (
+      "import runpy, warnings\n"
+      f"warnings.warn('python -m {fullname} is deprecated: use python -m {target}', DeprecationWarning)\n"
+      f"runpy.run_module({target!r}, run_name='__main__', alter_sys=True)\n"
+    )
+    return compile(source, fullname, "exec")
+
 
 class Finder(importlib.abc.MetaPathFinder):
   """Finds `import jax_ring.models.<old name>`."""

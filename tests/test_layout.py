@@ -195,3 +195,17 @@ def test_the_main_jobs_old_names_warn(old, new):
     assert value is {"Engine": Engine, "Programs": Programs, "Constant": Constant}[new]
   else:
     assert value == {"ROOM": long_context.ANSWER_ROOM, "LAST": long_context.LAST4K_TOKENS}[old]
+
+
+def test_the_old_harness_command_still_runs():
+  """`python -m jax_ring.models.harness`, the command the docs gave before the layout,
+  runs the harness's command line, saying where it lives now."""
+  import subprocess
+  import sys
+
+  done = subprocess.run(
+    [sys.executable, "-m", "jax_ring.models.harness", "--help"], capture_output=True, text=True, timeout=300
+  )
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "usage" in done.stdout.lower(), done.stdout[-2000:]
+  assert "python -m jax_ring.models.eval.harness" in done.stderr, done.stderr[-2000:]
