@@ -315,9 +315,9 @@ def _ring_shard(
     k_pos = jnp.pad(k_pos, (0, padded_s - s), constant_values=-1)
     kv_seg = None if kv_seg is None else pad_seq(kv_seg, padded_s - s, -1)
   back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
-  groups = block_sizes.head_groups(key.shape[2], max(padded_t, padded_s))
-  rows = b * query.shape[2] // groups
   kernel_name = "cudnn" if use == "cudnn" else "pallas" if use_pallas else "xla"
+  groups = block_sizes.head_groups(key.shape[2], max(padded_t, padded_s), kernel=kernel_name)
+  rows = b * query.shape[2] // groups
   quadrants = None
   if kernel_name == "xla" and is_causal and window is None and layout == "zigzag" and t == s:
     plain = not (has_padding or mods.active or q_seg is not None or kv_seg is not None)

@@ -56,6 +56,12 @@ PASS_TOKENS = 4096
 # queries or keys, query head), so 32K tokens x kv heads a pass give at least 256
 # programs (an H100 has 132 SMs) at any shard length; unmeasured on a device.
 GPU_PASS_TOKENS = 32768
+# cuDNN's fused attention tiles each call itself and keeps its scores on chip: a pass
+# costs only its float32 accumulators (output, lse, dq, dk, dv: about 5 x 4 bytes x
+# tokens x heads x head dim), so a ring step with cuDNN takes every kv head of a shard
+# up to 256K tokens x kv heads (Llama-3.2-1B's 8 kv heads at 32K) in one call: fewer,
+# larger calls and no slicing of heads.
+CUDNN_PASS_TOKENS = 262144
 
 
 def default_tiles(
@@ -124,10 +130,13 @@ class BlockSizes:
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"BlockSizes.{name}={value!r} must be a positive int or None")
 
-  def tokens_per_pass(self, platform: str | None = None) -> int:
-    """`pass_tokens`, or where None the default of `platform` (`mesh_platform()`)."""
+  def tokens_per_pass(self, platform: str | None = None, kernel: str | None = None) -> int:
+    """`pass_tokens`, or where None the default of `platform` (`mesh_platform()`) and
+    the ring step's `kernel` ("cudnn": CUDNN_PASS_TOKENS)."""
     if self.pass_tokens is not None:
       return self.pass_tokens
+    if kernel == "cudnn":
+      return CUDNN_PASS_TOKENS
     platform = mesh_platform() if platform is None else platform
     match platform:
       case "cpu":
@@ -137,10 +146,11 @@ class BlockSizes:
       case _:
         return PASS_TOKENS
 
-  def head_groups(self, num_kv_heads: int, local_length: int) -> int:
-    """How many passes `num_kv_heads` local kv heads take for a shard of `local_length`."""
+  def head_groups(self, num_kv_heads: int, local_length: int, kernel: str | None = None) -> int:
+    """How many passes `num_kv_heads` local kv heads take for a shard of `local_length`
+    (`kernel`: the ring step's, as `tokens_per_pass` takes it)."""
     if self.kv_heads is None:
-      most = self.tokens_per_pass()
+      most = self.tokens_per_pass(kernel=kernel)
       fits = [h for h in range(1, num_kv_heads + 1) if num_kv_heads % h == 0 and h * local_length <= most]
       return num_kv_heads // max(fits, default=1)
     if self.kv_heads >= num_kv_heads:

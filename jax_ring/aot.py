@@ -354,13 +354,17 @@ def step_balance(report: dict, t: Target, *, seq_len, heads, kv_heads, head_dim,
 
   The FLOPs of a step: the pass's (forward, or the backward's 2.5x) over the devices,
   the ring's steps (one per device) and the passes of kv heads (`BlockSizes`' default
-  for the target). Peak rates are an upper bound on speed, so these compute times are
+  for the target and the kernel the program calls). Peak rates are an upper bound on speed, so these compute times are
   lower bounds and the verdict "compute-bound" is the cautious one."""
   from jax_ring._tiles import BlockSizes
 
   local = -(-seq_len // t.devices)
   platform = "gpu" if t.platform == "cuda" else t.platform
-  passes = BlockSizes(pass_tokens=BlockSizes().tokens_per_pass(platform)).head_groups(kv_heads, local)
+  # The ring step's kernel sets the default pass: cuDNN's calls (custom calls named
+  # "__cudnn$fmha...") take more heads a pass than the Pallas kernels.
+  cudnn = any("cudnn" in name for name in report.get("custom_calls", {}))
+  tokens = BlockSizes().tokens_per_pass(platform, kernel="cudnn" if cudnn else None)
+  passes = BlockSizes(pass_tokens=tokens).head_groups(kv_heads, local)
   shape = dict(seq_len=seq_len, heads=heads, head_dim=head_dim, batch=batch, is_causal=is_causal)
   forward = attention_flops(backward=False, **shape)
   per_step = {"forward": forward, "backward": 2.5 * forward}

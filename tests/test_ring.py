@@ -267,6 +267,10 @@ def test_heads_per_pass_chosen_by_shard_length():
   assert bs.head_groups(3, 2048) == 3 and bs.head_groups(2, 1000) == 1
   assert jax_ring.BlockSizes(kv_heads=2).head_groups(8, 256) == 4
   assert jax_ring.BlockSizes(kv_heads=8).head_groups(8, 65536) == 1
+  # A cuDNN ring step takes up to 256K local tokens x kv heads a pass, on any platform.
+  assert default.tokens_per_pass("cpu", kernel="cudnn") == 262144
+  assert [default.head_groups(8, t, kernel="cudnn") for t in (32768, 65536, 131072)] == [1, 2, 4]
+  assert bs.head_groups(8, 4096, kernel="cudnn") == 8  # an explicit pass_tokens wins
 
 
 def test_tiles_chosen_by_devices_per_core():

@@ -191,6 +191,15 @@ def matmul_rate(repeats: int, size: int = 8192) -> float:
   return 2 * size**3 / median_time(jax.jit(jnp.matmul), a, b, repeats=repeats)
 
 
+def _kernel_options(spec: str) -> dict:
+  """ring_attention's options for a `--kernels` entry: a kernel's name, or NAME@TOKENS
+  for its passes of at most TOKENS local tokens x kv heads (`BlockSizes.pass_tokens`)."""
+  import jax_ring
+
+  name, _, tokens = spec.partition("@")
+  return dict(kernel=name, block_sizes=jax_ring.BlockSizes(pass_tokens=int(tokens)) if tokens else None)
+
+
 def timing(args) -> list[str]:
   import jax
   import jax.numpy as jnp
@@ -221,7 +230,7 @@ def timing(args) -> list[str]:
       impls = {
         f"ring, {kern}": (
           lambda q, k, v, kern=kern, causal=causal: jax_ring.ring_attention(
-            q, k, v, mesh=mesh, is_causal=causal, kernel=kern, policy="bfloat16"
+            q, k, v, mesh=mesh, is_causal=causal, policy="bfloat16", **_kernel_options(kern)
           )
         )
         for kern in args.kernels.split(",")
@@ -259,7 +268,11 @@ def parse_args(argv=None):
   p.add_argument("--heads", type=int, default=32, help="query heads")
   p.add_argument("--kv-heads", type=int, default=8, help="kv heads")
   p.add_argument("--head-dim", type=int, default=128, help="head dim")
-  p.add_argument("--kernels", default="cudnn,pallas", help="ring kernels to time")
+  p.add_argument(
+    "--kernels",
+    default="cudnn,pallas",
+    help="ring kernels to time; NAME@TOKENS: passes of at most TOKENS local tokens x kv heads",
+  )
   p.add_argument(
     "--check-kernels", default="cudnn,pallas,xla", help="ring kernels to check (cudnn: NVIDIA GPUs only)"
   )

@@ -280,29 +280,38 @@ def main(argv=None) -> dict:
   remats = ["attention", "full"] if args.remat == "auto" else [args.remat]
   peer_problem = torch_available() if args.torch else None
   rows = []
-  for tokens in args.lengths:
-    found = []
-    for remat in remats:
-      row = dict(impl="jax_ring", remat=remat, tokens=tokens) | run_row(args, f"jax:{remat}:{tokens}")
-      found.append(row)
-    ok = [r for r in found if "error" not in r]
-    if args.remat == "auto" and ok:
-      min(ok, key=lambda r: r["step_s"])["best"] = True
-    rows += found
-    if args.torch:
-      peer = dict(impl="torch+transformers", tokens=tokens)
-      peer |= dict(error=peer_problem) if peer_problem else run_row(args, f"torch:{tokens}")
-      rows.append(peer)
-  for row in rows:
+  report = dict(
+    model=args.model, device=device.device_kind, versions=versions, matmul_flops=matmul, rows=rows
+  )
+
+  def record(row):
+    """Adds the derived figures, prints the row and rewrites --json: a run cut short
+    keeps every row it finished."""
     if "step_s" in row:
       row["tokens_per_s"] = row["tokens"] / row["step_s"]
       row["mfu"] = flops_per_step(cfg, row["tokens"]) / row["step_s"] / matmul
     for key in ("step_s", "tokens_per_s", "mfu", "peak_bytes"):
       row.setdefault(key, None)
     print(json.dumps(row), flush=True)
-  report = dict(
-    model=args.model, device=device.device_kind, versions=versions, matmul_flops=matmul, rows=rows
-  )
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+
+  for tokens in args.lengths:
+    found = []
+    for remat in remats:
+      row = dict(impl="jax_ring", remat=remat, tokens=tokens) | run_row(args, f"jax:{remat}:{tokens}")
+      found.append(row)
+      rows.append(row)
+      record(row)
+    ok = [r for r in found if "error" not in r]
+    if args.remat == "auto" and ok:
+      min(ok, key=lambda r: r["step_s"])["best"] = True
+    if args.torch:
+      peer = dict(impl="torch+transformers", tokens=tokens)
+      peer |= dict(error=peer_problem) if peer_problem else run_row(args, f"torch:{tokens}")
+      rows.append(peer)
+      record(peer)
   _print_table(rows)
   if args.json:
     with open(args.json, "w") as f:

@@ -1,33 +1,57 @@
 #!/usr/bin/env bash
 # On one NVIDIA GPU whose python3 already has jax (CUDA), flax and, for the peer,
-# torch and transformers: the kernels checked against float64, then timed against
-# cuDNN one-shot, then the training step against PyTorch + transformers. Each part
-# writes its own file under OUT (default results/gpu); nothing is installed (the
-# checkout is put on the path, `jax_ring.models` linked to models/).
+# torch and transformers: the kernel choice, the kernels checked against float64, the
+# training step against PyTorch + transformers, the ring's kernels timed against cuDNN
+# one-shot, then the long steps. Each part writes its own file under OUT (default
+# results/gpu) as it goes, so a part cut short by its time limit keeps what it finished;
+# nothing is installed (the checkout is put on the path, `jax_ring.models` linked to
+# models/).
 #
 #   bash scripts/bench/run_gpu.sh [OUT]
 #
-# About 10 minutes on an H200 (most of it compiling the training steps).
+# Sized to one command of under 9 minutes on an H200 (the limits below add up to 530 s;
+# most of it is compiling the training steps).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:-results/gpu}"
 mkdir -p "$OUT"
 [ -e jax_ring/models ] || ln -s ../models jax_ring/models
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # each part's peak, not a preallocated 75%
 py="${PYTHON:-python3}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-"$py" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)" | tee -a "$OUT/device.txt"
+part() {  # part SECONDS NAME COMMAND...: runs COMMAND, SIGKILLed past SECONDS
+  local limit=$1 name=$2; shift 2
+  local start=$SECONDS
+  timeout -s KILL "$limit" "$@"
+  echo "== $name: exit $? after $((SECONDS - start)) s (limit $limit s)"
+}
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$py" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)"
+  "$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/device.txt"
 
-# 1. Exactness: cuDNN per ring step, Triton, the XLA tiles, against float64.
-timeout -s KILL 420 "$py" scripts/bench/bench_gpu.py --check --check-kernels cudnn,pallas --out "$OUT/check.md"
-echo "check exit $?"
-# 2. The ring's forward+backward against cuDNN one-shot, head dims 128 and 64.
-timeout -s KILL 420 "$py" scripts/bench/bench_gpu.py --time --lengths 16384,65536 --repeats 5 --out "$OUT/time_h128.md"
-timeout -s KILL 300 "$py" scripts/bench/bench_gpu.py --time --lengths 32768 --head-dim 64 --repeats 5 \
-  --out "$OUT/time_h64.md"
-# 3. Llama-3.2-1B's AdamW step, jax_ring (cuDNN ring kernel) against PyTorch + transformers.
-timeout -s KILL 900 "$py" scripts/bench/bench_train_gpu.py --model llama-3.2-1b --lengths 16384,32768 --torch \
-  --json "$OUT/train.json"
-timeout -s KILL 900 "$py" scripts/bench/bench_train_gpu.py --model llama-3.2-1b --lengths 65536,131072 \
-  --remat full --json "$OUT/train_long.json"
+# 0. What "auto" runs here, and whether JAX's private cuDNN API is the one written against.
+part 40 probe "$py" -c "
+import jax, jax_ring
+from jax_ring import _cudnn
+d = jax.devices()[0]
+print('private cuDNN API problem:', _cudnn.API_PROBLEM)
+for h in (64, 128):
+  print('auto, head dim', h, '->', jax_ring.choose_kernel('auto', d.platform, h, device_kind=d.device_kind))
+" 2>&1 | tee -a "$OUT/device.txt"
+# 1. Exactness: cuDNN per ring step against float64 (the Triton kernel's rows are in
+#    docs/benchmarks.md from earlier runs).
+part 80 check "$py" scripts/bench/bench_gpu.py --check --check-kernels cudnn --out "$OUT/check.md"
+# 2. Llama-3.2-1B's AdamW step, jax_ring (cuDNN ring kernel) against PyTorch + transformers.
+part 220 train "$py" scripts/bench/bench_train_gpu.py --model llama-3.2-1b --lengths 16384,32768 \
+  --remat attention --steps 3 --torch --timeout 100 --json "$OUT/train.json"
+# 3. The ring's forward+backward against cuDNN one-shot: head dims 128 and 64; cuDNN's
+#    default pass (every kv head at these lengths) against passes of 32K tokens x kv heads.
+part 55 time_h128 "$py" scripts/bench/bench_gpu.py --time --lengths 16384 --repeats 5 \
+  --kernels cudnn,cudnn@32768 --out "$OUT/time_h128.md"
+part 55 time_h64 "$py" scripts/bench/bench_gpu.py --time --lengths 32768 --head-dim 64 --repeats 5 \
+  --kernels cudnn,cudnn@32768 --out "$OUT/time_h64.md"
+# 4. Long steps on one GPU: time and peak memory.
+part 80 train_long "$py" scripts/bench/bench_train_gpu.py --model llama-3.2-1b --lengths 65536,131072 \
+  --remat full --steps 1 --timeout 75 --json "$OUT/train_long.json"
