@@ -185,3 +185,16 @@ def test_train_gpu_benchmark_writes_its_rows(tmp_path):
     assert rows[2]["step_s"] > 0
   except ImportError:
     assert "not importable" in rows[2]["error"] and rows[2]["step_s"] is None
+
+
+def test_gpu_benchmark_reads_a_kernel_with_its_pass_size():
+  """`bench_gpu.py --kernels cudnn,cudnn@32768`: the kernel alone keeps its default
+  passes; NAME@TOKENS sets `BlockSizes.pass_tokens`."""
+  import bench_gpu
+
+  import jax_ring
+
+  assert bench_gpu._kernel_options("cudnn") == dict(kernel="cudnn", block_sizes=None)
+  assert bench_gpu._kernel_options("pallas@32768") == dict(
+    kernel="pallas", block_sizes=jax_ring.BlockSizes(pass_tokens=32768)
+  )

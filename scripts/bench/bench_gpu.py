@@ -130,7 +130,7 @@ def check(args) -> tuple[list[str], bool]:
 
     ref, ref_vjp = jax.vjp(reference, q64, k64, v64)
     ref_grads = ref_vjp(g64)
-    for policy in ("float32", "bfloat16"):
+    for policy in args.check_policies.split(","):
       dt = jnp.float32 if policy == "float32" else jnp.bfloat16
       q, k, v, g = (x.astype(dt) for x in (q64, k64, v64, g64))
       nn_err = "-"
@@ -275,6 +275,9 @@ def parse_args(argv=None):
   )
   p.add_argument(
     "--check-kernels", default="cudnn,pallas,xla", help="ring kernels to check (cudnn: NVIDIA GPUs only)"
+  )
+  p.add_argument(
+    "--check-policies", default="float32,bfloat16", help="precision policies to check (float32, bfloat16)"
   )
   p.add_argument("--repeats", type=int, default=20, help="timed runs after a warm-up (median kept)")
   p.add_argument("--out", default=None, help="Markdown file to hold the tables")

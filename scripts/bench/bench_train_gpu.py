@@ -20,9 +20,9 @@ row does not end the run.
 
 `--remat`: what each block keeps for the backward pass ("full", "attention", "none"),
 or "auto" (the default): both "attention" and "full", each reported, the faster that
-fits marked `"best": true`. Measured on one H200 (Llama-3.2-1B): "attention" 11%
-faster than "full" at 16K tokens for 7% more memory (0.733 s and 29.1 GiB against
-0.822 s and 27.2 GiB).
+fits marked `"best": true`. Measured on one H200 (Llama-3.2-1B, cuDNN ring steps):
+"attention" took 7% less time than "full" at 16K tokens and 11% less at 32K, for 2.0
+and 3.8 GiB more (0.530 s, 29.2 GiB against 0.572 s, 27.2 GiB at 16K).
 
 `--json PATH` writes {"rows": [{"impl", "tokens", "step_s", "tokens_per_s", "mfu",
 "peak_bytes", ...}], "device", "versions", "matmul_flops"}; `--tiny` shrinks the model to
