@@ -195,6 +195,7 @@ class _Projected(nnx.Module):
     rngs: nnx.Rngs,
     qk_norm_epsilon: float | None = None,
     rope_scaling: RopeScaling | None = None,
+    qkv_bias: bool | None = None,
   ):
     self.num_heads = _positive_int("num_heads", num_heads)
     self.in_features = _positive_int("in_features", in_features)
@@ -224,10 +225,13 @@ class _Projected(nnx.Module):
     out_features = in_features if out_features is None else _positive_int("out_features", out_features)
     init = nnx.initializers.lecun_normal() if kernel_init is None else kernel_init
     common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    if qkv_bias is not None and not isinstance(qkv_bias, bool):
+      raise TypeError(f"qkv_bias={qkv_bias!r} must be a bool or None (None: as use_bias)")
     qkv_init = _kernel_init(init, qkv_sharding)
-    self.query = nnx.Linear(in_features, num_heads * head_dim, kernel_init=qkv_init, **common)
-    self.key = nnx.Linear(in_features, self.num_kv_heads * head_dim, kernel_init=qkv_init, **common)
-    self.value = nnx.Linear(in_features, self.num_kv_heads * head_dim, kernel_init=qkv_init, **common)
+    qkv = dict(common, use_bias=use_bias if qkv_bias is None else qkv_bias, kernel_init=qkv_init)
+    self.query = nnx.Linear(in_features, num_heads * head_dim, **qkv)
+    self.key = nnx.Linear(in_features, self.num_kv_heads * head_dim, **qkv)
+    self.value = nnx.Linear(in_features, self.num_kv_heads * head_dim, **qkv)
     self.out = nnx.Linear(
       num_heads * head_dim, out_features, kernel_init=_kernel_init(init, out_sharding), **common
     )
@@ -358,6 +362,8 @@ class RingAttention(_Cached, _Projected):
       query and key head after the projections, before the rotary embeddings (Gemma 3,
       OLMo 2, Qwen 3); None: none.
     use_bias, dtype, param_dtype, kernel_init: as in `flax.nnx.Linear`.
+    qkv_bias: biases on the query, key and value projections alone (Qwen 2's; the
+      output projection's follows `use_bias`); None: as `use_bias`.
     qkv_sharding, out_sharding: optional partition names for the [D, N*H] and [N*H, D]
       kernels (e.g. (None, "model") and ("model", None)), stored as metadata only.
     rngs: `flax.nnx.Rngs`.
@@ -399,6 +405,7 @@ class RingAttention(_Cached, _Projected):
     rope_scaling: RopeScaling | None = None,
     qk_norm_epsilon: float | None = None,
     use_bias: bool = False,
+    qkv_bias: bool | None = None,
     dtype=None,
     param_dtype=jnp.float32,
     kernel_init=None,
@@ -424,6 +431,7 @@ class RingAttention(_Cached, _Projected):
       rngs=rngs,
       qk_norm_epsilon=qk_norm_epsilon,
       rope_scaling=rope_scaling,
+      qkv_bias=qkv_bias,
     )
     self.kind = kind
     self.options = nnx.static(

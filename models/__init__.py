@@ -21,6 +21,7 @@ from . import _moved
 from .architectures.gemma import Gemma, GemmaConfig
 from .architectures.llama import Llama, LlamaConfig
 from .architectures.longnet import LongNet, LongNetConfig
+from .architectures.qwen2 import Qwen2, Qwen2Config
 from .architectures.qwen3 import Qwen3, Qwen3Config
 from .architectures.scratch import ATTENTION_KINDS, DecoderLM, LMConfig
 from .checkpoints import build, config, load, load_gguf, save, shardings
@@ -42,6 +43,8 @@ __all__ = [
   "LlamaConfig",
   "LongNet",
   "LongNetConfig",
+  "Qwen2",
+  "Qwen2Config",
   "Qwen3",
   "Qwen3Config",
   "Tokenizer",

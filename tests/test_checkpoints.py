@@ -142,6 +142,21 @@ def _config(arch, vocab):
       mlp_bias=False,
       tie_word_embeddings=False,
     )
+  if arch == "qwen2":
+    return common | dict(
+      model_type="qwen2",
+      architectures=["Qwen2ForCausalLM"],
+      num_hidden_layers=3,
+      rope_theta=1_000_000.0,
+      rope_scaling=None,
+      rms_norm_eps=1e-6,
+      hidden_act="silu",
+      attention_dropout=0.0,
+      use_sliding_window=False,  # as every released Qwen 2.5 config: a window it does not use
+      sliding_window=131072,
+      max_window_layers=21,
+      tie_word_embeddings=False,
+    )
   if arch == "qwen3":
     return common | dict(
       model_type="qwen3",
@@ -212,7 +227,10 @@ def _weights(config, seed):
     w[p + "mlp.gate_proj.weight"] = mat(f, d)
     w[p + "mlp.up_proj.weight"] = mat(f, d)
     w[p + "mlp.down_proj.weight"] = mat(d, f)
-    if config["model_type"] != "llama":
+    if config["model_type"] == "qwen2":
+      for name, size in (("q_proj", n * h), ("k_proj", kv * h), ("v_proj", kv * h)):
+        w[p + f"self_attn.{name}.bias"] = (rng.standard_normal(size) * 0.3).astype(np.float32)
+    if config["model_type"] in ("qwen3", "gemma3_text"):
       w[p + "self_attn.q_norm.weight"] = norm(h)
       w[p + "self_attn.k_norm.weight"] = norm(h)
     if gemma:
@@ -259,14 +277,14 @@ def _gguf_tensors(config, w):
     if not name.startswith("model.layers."):
       continue
     _, _, i, rest = name.split(".", 3)
-    base = rest.removesuffix(".weight")
+    base, kind = rest.rsplit(".", 1)  # a weight, or (Qwen 2's q, k, v) a bias
     if arch == "llama" and base == "self_attn.q_proj":
       value = _llama_cpp_permute(value, config["num_attention_heads"])
     if arch == "llama" and base == "self_attn.k_proj":
       value = _llama_cpp_permute(value, config["num_key_value_heads"])
     if gemma and base.endswith("norm"):
       value = value + 1  # llama.cpp stores Gemma's scales as 1 + w
-    out[f"blk.{i}.{names[base]}.weight"] = value
+    out[f"blk.{i}.{names[base]}.{kind}"] = value
   out["output_norm.weight"] = w["model.norm.weight"] + (1 if gemma else 0)
   if arch == "llama":  # Llama 3.1's rule as llama.cpp stores it: a divisor per frequency
     s = config["rope_scaling"]
@@ -278,7 +296,7 @@ def _gguf_tensors(config, w):
 
 
 def write_gguf(path, config, w, vocab):
-  arch = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}[config["model_type"]]
+  arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}[config["model_type"]]
   writer = gguf.GGUFWriter(str(path), arch)
   writer.add_context_length(config["max_position_embeddings"])
   writer.add_embedding_length(config["hidden_size"])
@@ -341,7 +359,7 @@ def write_folder(folder, config, w, *, shards=1, tokenizer=None):
   return folder
 
 
-ARCHS = ("llama", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen3", "gemma3", "qwen2")
 # A Gemma 3 folder with what only config.json can say: a global layer every 2nd, the
 # windowed layers' own rotary base, query_pre_attn_scalar apart from head_dim (the 27B's
 # kind).
@@ -363,7 +381,7 @@ def checkpoints(tmp_path_factory):
     tok = (
       None
       if arch == "gemma3"
-      else train_bpe(LLAMA3_PATTERN if arch == "llama" else QWEN2_PATTERN, arch == "qwen3")
+      else train_bpe(LLAMA3_PATTERN if arch == "llama" else QWEN2_PATTERN, arch != "llama")
     )
     vocab = None if tok is None else bpe_tables(tok)
     config = _config(arch, len(SP_PIECES) if tok is None else len(vocab[0]))
@@ -390,6 +408,8 @@ def _numpy_logits(ckpt, tokens):
       return gemma3_logits(w, config, tokens)
     case "qwen3":
       return llama_logits(w, config, tokens, qk_norm=True)
+    case "qwen2":
+      return llama_logits(w, config, tokens, qkv_bias=True)
   return llama_logits(w, config, tokens)
 
 
@@ -471,7 +491,7 @@ def test_save_and_load_back_exactly(checkpoints, arch, tmp_path):
   np.testing.assert_array_equal(np.asarray(third(tokens)), before)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_bpe_tokenizers_equal_the_tokenizer_they_came_from(checkpoints, arch):
   """GGUF's byte-level BPE vocabulary (tokens, merges, pre-tokenizer name) and the
   folder's tokenizer.json tokenize as the test's own trained tokenizer does."""
@@ -572,6 +592,12 @@ def test_bad_folders_and_files(checkpoints, tmp_path):
     models.load(write_folder(tmp_path / "bias", config | {"attention_bias": True}, w))
   with pytest.raises(ValueError, match="quantization_config"):
     models.load(write_folder(tmp_path / "quant", config | {"quantization_config": {"bits": 4}}, w))
+  pickled = tmp_path / "pickled"
+  pickled.mkdir()
+  (pickled / "config.json").write_text(json.dumps(config))
+  (pickled / "pytorch_model.bin").write_bytes(b"\x80\x02not read")
+  with pytest.raises(ValueError, match=r"'pytorch_model.bin'.*pickled torch weights.*save_pretrained"):
+    models.load(pickled)
   with pytest.raises(ValueError, match="dtype='int8'"):
     models.load(ckpt["paths"]["hf4"], dtype="int8")
   with pytest.raises(ValueError, match="fsdp=True splits the weights"):
@@ -623,7 +649,7 @@ def test_bad_tokens(checkpoints):
   assert jax.tree.leaves(out.tokens)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3-variant"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3-variant"])
 def test_saved_config_json_is_the_config_and_transformers_reads_it(checkpoints, arch, tmp_path):
   """The whole config.json `models.save` writes: loaded back, the config equals the
   model's (every field, not only model_type); transformers' own config class reads it
@@ -647,7 +673,7 @@ def test_saved_config_json_is_the_config_and_transformers_reads_it(checkpoints, 
   assert theirs.num_key_value_heads == ckpt["config"]["num_key_value_heads"]
   assert theirs.head_dim == ckpt["config"]["head_dim"]
   assert theirs.rms_norm_eps == ckpt["config"]["rms_norm_eps"]
-  assert theirs.tie_word_embeddings == (arch != "llama")
+  assert theirs.tie_word_embeddings == (arch not in ("llama", "qwen2"))
   if arch.startswith("gemma3"):
     assert written["query_pre_attn_scalar"] == 24 and isinstance(written["query_pre_attn_scalar"], int)
     assert theirs.query_pre_attn_scalar == 24 and theirs.sliding_window == 8
@@ -655,7 +681,8 @@ def test_saved_config_json_is_the_config_and_transformers_reads_it(checkpoints, 
 
 
 @pytest.mark.parametrize(
-  "arch, fmt", [("llama", "gguf"), ("llama", "hf4"), ("qwen3", "gguf"), ("qwen3", "hf4"), ("gemma3", "gguf")]
+  "arch, fmt",
+  [("llama", "gguf"), ("llama", "hf4"), ("qwen2", "gguf"), ("qwen3", "gguf"), ("qwen3", "hf4"), ("gemma3", "gguf")],
 )
 def test_saved_tokenizer_encodes_for_transformers_as_the_model_was_trained(checkpoints, arch, fmt, tmp_path):
   """transformers' AutoTokenizer on the folder `models.save` writes: a text with its
@@ -666,7 +693,8 @@ def test_saved_tokenizer_encodes_for_transformers_as_the_model_was_trained(check
   from transformers import AutoTokenizer
 
   model, tok = models.load(checkpoints[arch]["paths"][fmt], attention="dense")
-  assert tok.add_bos == (arch != "qwen3") and tok.prefix() == ([tok.bos_id] if arch != "qwen3" else [])
+  qwen = arch.startswith("qwen")
+  assert tok.add_bos == (not qwen) and tok.prefix() == ([] if qwen else [tok.bos_id])
   models.save(model, tmp_path, tokenizer=tok)
   theirs = AutoTokenizer.from_pretrained(tmp_path)
   for text in TEXTS:
@@ -674,3 +702,19 @@ def test_saved_tokenizer_encodes_for_transformers_as_the_model_was_trained(check
     assert theirs(text).input_ids == tok.prefix() + tok.encode(text), text
   _, again = models.load(tmp_path, attention="dense")
   assert again.add_bos == tok.add_bos
+
+
+def test_qwen2_generates_what_its_dense_forward_predicts(checkpoints):
+  """Qwen 2.5's biased projections through the sequence-sharded KV cache: greedy
+  `generate` on a 4-device ring gives, token by token, the argmax of the dense model's
+  forward over the prompt and the tokens generated so far."""
+  path = checkpoints["qwen2"]["paths"]["hf4"]
+  prompt = _tokens(checkpoints["qwen2"]["config"]["vocab_size"], length=12, seed=3)
+  ring, _ = models.load(path, mesh=make_mesh((4,), ("seq",)), attention="ring")
+  out = np.asarray(models.generate(ring, prompt, max_new_tokens=4).tokens)
+  dense, _ = models.load(path, attention="dense")
+  seq = prompt
+  for _ in range(4):
+    nxt = int(np.argmax(np.asarray(dense(seq))[0, -1]))
+    seq = np.concatenate([seq, [[nxt]]], axis=1).astype(np.int32)
+  assert out.tolist() == seq[:, 12:].tolist()

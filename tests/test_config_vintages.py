@@ -27,6 +27,7 @@ VERSIONS = sorted({p.parent.name for p in FILES if p.parent.name != "releases"})
 # transformers' defaults for the keys a file may leave out (its configuration classes).
 DEFAULTS = {
   "llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False),
+  "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False),
   "qwen3": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, head_dim=128),
   "gemma3_text": dict(
     rms_norm_eps=1e-6,
@@ -89,18 +90,25 @@ def _numpy_logits(w, reads, tokens):
       return gemma3_logits(w, reads, tokens)
     case "qwen3":
       return llama_logits(w, reads, tokens, qk_norm=True)
+    case "qwen2":
+      return llama_logits(w, reads, tokens, qkv_bias=True)
   return llama_logits(w, reads, tokens)
 
 
 def test_every_version_and_architecture_is_here():
   """4.45 to 5.x (the versions whose config.json differ), each architecture from the
-  version that added it (Gemma 3: 4.50, Qwen 3: 4.51), and the releases' files."""
+  version that added it (Gemma 3: 4.50, Qwen 3: 4.51; Qwen 2.5 in every one), and the
+  releases' files."""
   assert VERSIONS == ["4.45.2", "4.50.3", "4.51.3", "4.53.3", "4.55.4", "4.56.2", "4.57.6", "5.0.0", "5.24.0"]
   names = {v: sorted(p.stem for p in FILES if p.parent.name == v) for v in VERSIONS}
-  assert names["4.45.2"] == ["llama"] and names["4.50.3"] == ["gemma3", "gemma3-variant", "llama"]
-  assert all(names[v] == ["gemma3", "gemma3-variant", "llama", "qwen3"] for v in VERSIONS[2:])
+  assert names["4.45.2"] == ["llama", "qwen2"]
+  assert names["4.50.3"] == ["gemma3", "gemma3-variant", "llama", "qwen2"]
+  assert all(names[v] == ["gemma3", "gemma3-variant", "llama", "qwen2", "qwen3"] for v in VERSIONS[2:])
   releases = sorted(p.stem for p in FILES if p.parent.name == "releases")
-  assert releases == ["gemma-3-1b", "gemma-3-270m", "llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b"]
+  assert releases == [
+    *("gemma-3-1b", "gemma-3-270m", "llama-3.1-8b", "llama-3.2-1b"),
+    *("qwen2.5-0.5b", "qwen2.5-7b-instruct-1m", "qwen3-0.6b"),
+  ]
   keys = lambda v, name: set(json.loads((ROOT / v / f"{name}.json").read_text()))
   assert "layer_types" in keys("4.53.3", "qwen3") and "layer_types" not in keys("4.51.3", "qwen3")
   assert "_sliding_window_pattern" in keys("4.55.4", "gemma3")
@@ -139,6 +147,8 @@ BAD = [
   ("5.24.0/llama.json", {"rope_parameters": YARN}, "'yarn'"),
   ("4.45.2/llama.json", {"attention_bias": True}, "attention_bias=True"),
   ("4.56.2/llama.json", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+  ("4.57.6/qwen2.json", {"use_sliding_window": True}, "use_sliding_window=True"),
+  ("releases/qwen2.5-0.5b.json", {"use_mrope": True}, "use_mrope=True"),
 ]
 
 
@@ -149,6 +159,20 @@ def test_keys_that_are_not_applied_are_refused_by_name(written, name, change, na
   config = json.loads(path.read_text()) | change
   with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("(", r"\(")):
     models.load(write_folder(tmp_path / "bad", config, w), attention="dense")
+
+
+def test_qwen2_dual_chunk_attention_is_said_and_exact_attention_runs(written, tmp_path):
+  """vLLM's dual_chunk_attention_config (extrapolation past a Qwen 2.5-1M model's
+  training length), which transformers does not read: a warning names it, and the
+  logits are those of exact attention, as without it."""
+  path = ROOT / "releases" / "qwen2.5-7b-instruct-1m.json"
+  folder, w, reads = written[path]
+  dca = {"chunk_size": 262144, "local_size": 8192, "original_max_position_embeddings": 262144}
+  config = json.loads(path.read_text()) | {"dual_chunk_attention_config": dca}
+  with pytest.warns(UserWarning, match="dual_chunk_attention_config"):
+    model, _ = models.load(write_folder(tmp_path / "dca", config, w), attention="dense")
+  tokens = np.random.default_rng(0).integers(0, reads["vocab_size"], (1, 24)).astype(np.int32)
+  assert rel_err(model(tokens)[0], _numpy_logits(w, reads, tokens[0])) < F64_TOL
 
 
 def test_dtype_and_torch_dtype_and_a_null_pad_token_are_harmless(written, tmp_path):

@@ -67,10 +67,21 @@ def test_fsdp_steps_equal_the_replicated_model(shape, names, batch_axis):
   """Three AdamW steps (warmup, clipping) of the FSDP model and of the replicated one:
   the same losses, gradient norms and weights within 1e-5, and the weights and moments
   stay split."""
+  _fsdp_equals_replicated(SMALL, shape, names, batch_axis)
+
+
+def test_fsdp_steps_of_qwen2_equal_the_replicated_model():
+  """The same for Qwen 2.5's block: its query, key and value biases train split over
+  the 8 devices like every other weight."""
+  qwen2 = models.Qwen2Config(**{f.name: getattr(SMALL, f.name) for f in dataclasses.fields(SMALL)})
+  _fsdp_equals_replicated(qwen2, *MESHES[0])
+
+
+def _fsdp_equals_replicated(config, shape, names, batch_axis):
   mesh = make_mesh(shape, names)
   tx = train_step.make_tx(3e-3, 1, 10, 0.01, 1.0)
   trainers = [
-    train_step.Trainer(_model(SMALL, mesh, fsdp, batch_axis), tx, chunk=16) for fsdp in (False, True)
+    train_step.Trainer(_model(config, mesh, fsdp, batch_axis), tx, chunk=16) for fsdp in (False, True)
   ]
   start = jax.tree.map(np.asarray, trainers[0].params)
   for step in range(3):

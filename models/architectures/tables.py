@@ -20,6 +20,9 @@ PARAMS = {
   "query": _BLOCK + "attn.query.kernel",
   "key": _BLOCK + "attn.key.kernel",
   "value": _BLOCK + "attn.value.kernel",
+  "query_bias": _BLOCK + "attn.query.bias",
+  "key_bias": _BLOCK + "attn.key.bias",
+  "value_bias": _BLOCK + "attn.value.bias",
   "query_norm": _BLOCK + "attn.query_norm.scale",
   "key_norm": _BLOCK + "attn.key_norm.scale",
   "out": _BLOCK + "attn.out.kernel",
@@ -41,6 +44,9 @@ HF_NAMES = {
   "query": _HF_LAYER + "self_attn.q_proj.weight",
   "key": _HF_LAYER + "self_attn.k_proj.weight",
   "value": _HF_LAYER + "self_attn.v_proj.weight",
+  "query_bias": _HF_LAYER + "self_attn.q_proj.bias",
+  "key_bias": _HF_LAYER + "self_attn.k_proj.bias",
+  "value_bias": _HF_LAYER + "self_attn.v_proj.bias",
   "query_norm": _HF_LAYER + "self_attn.q_norm.weight",
   "key_norm": _HF_LAYER + "self_attn.k_norm.weight",
   "out": _HF_LAYER + "self_attn.o_proj.weight",
@@ -58,6 +64,9 @@ GGUF_NAMES = {
   "query": "blk.{i}.attn_q.weight",
   "key": "blk.{i}.attn_k.weight",
   "value": "blk.{i}.attn_v.weight",
+  "query_bias": "blk.{i}.attn_q.bias",
+  "key_bias": "blk.{i}.attn_k.bias",
+  "value_bias": "blk.{i}.attn_v.bias",
   "query_norm": "blk.{i}.attn_q_norm.weight",
   "key_norm": "blk.{i}.attn_k_norm.weight",
   "out": "blk.{i}.attn_output.weight",
@@ -83,6 +92,7 @@ LLAMA_PARTS = (
   "down",
 )
 QK_NORMS = ("query_norm", "key_norm")
+QKV_BIASES = ("query_bias", "key_bias", "value_bias")
 
 
 def table(names: dict, parts, how: dict | None = None) -> dict:

@@ -1,5 +1,5 @@
 """Writes the config.json that an installed transformers version's `save_pretrained`
-writes for the tests' small Llama 3, Qwen 3 and Gemma 3 configs (tests/test_config_vintages.py),
+writes for the tests' small Llama 3, Qwen 2.5, Qwen 3 and Gemma 3 configs (tests/test_config_vintages.py),
 into a folder named after the version:
 
     python -m venv /tmp/tf && /tmp/tf/bin/pip install transformers==4.55.4
@@ -8,7 +8,7 @@ into a folder named after the version:
 
 No torch is needed: only the configuration classes are used. The files in this folder
 were written so by transformers 4.45.2, 4.50.3, 4.51.3, 4.53.3, 4.55.4, 4.56.2, 4.57.6,
-5.0.0 and 5.24.0 (Gemma 3 from 4.50, Qwen 3 from 4.51). `releases/` holds the published
+5.0.0 and 5.24.0 (Gemma 3 from 4.50, Qwen 3 from 4.51; Qwen 2.5's in every one). `releases/` holds the published
 checkpoints' own config.json files, shrunk to a few small layers by `shrink` below.
 """
 
@@ -74,7 +74,8 @@ def save(config, folder: str, name: str) -> None:
 # cross-checked against copies of them in public code), each with the transformers
 # version that wrote it: meta-llama/Llama-3.1-8B (4.43.0.dev0), meta-llama/Llama-3.2-1B
 # (4.45.0.dev0), Qwen/Qwen3-0.6B (4.51.0), google/gemma-3-1b-pt (4.50.0.dev0),
-# google/gemma-3-270m (4.55.0.dev0).
+# google/gemma-3-270m (4.55.0.dev0), Qwen/Qwen2.5-0.5B (4.40.1),
+# Qwen/Qwen2.5-7B-Instruct-1M (4.47.1).
 _LLAMA3_1 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 _LLAMA = dict(
   architectures=["LlamaForCausalLM"],
@@ -141,6 +142,58 @@ RELEASES = {
     rope_scaling=dict(_LLAMA3_1, factor=32.0, rope_type="llama3"),
     tie_word_embeddings=True,
     transformers_version="4.45.0.dev0",
+  ),
+  "qwen2.5-0.5b": dict(
+    architectures=["Qwen2ForCausalLM"],
+    attention_dropout=0.0,
+    bos_token_id=151643,
+    eos_token_id=151643,
+    hidden_act="silu",
+    hidden_size=896,
+    initializer_range=0.02,
+    intermediate_size=4864,
+    max_position_embeddings=32768,
+    max_window_layers=24,
+    model_type="qwen2",
+    num_attention_heads=14,
+    num_hidden_layers=24,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-06,
+    rope_theta=1000000.0,
+    sliding_window=32768,
+    tie_word_embeddings=True,
+    torch_dtype="bfloat16",
+    transformers_version="4.40.1",
+    use_cache=True,
+    use_mrope=False,
+    use_sliding_window=False,
+    vocab_size=151936,
+  ),
+  "qwen2.5-7b-instruct-1m": dict(
+    architectures=["Qwen2ForCausalLM"],
+    attention_dropout=0.0,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    hidden_act="silu",
+    hidden_size=3584,
+    initializer_range=0.02,
+    intermediate_size=18944,
+    max_position_embeddings=1010000,
+    max_window_layers=28,
+    model_type="qwen2",
+    num_attention_heads=28,
+    num_hidden_layers=28,
+    num_key_value_heads=4,
+    rms_norm_eps=1e-05,
+    rope_scaling=None,
+    rope_theta=10000000.0,
+    sliding_window=32768,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    transformers_version="4.47.1",
+    use_cache=True,
+    use_sliding_window=False,
+    vocab_size=152064,
   ),
   "qwen3-0.6b": dict(
     architectures=["Qwen3ForCausalLM"],
@@ -231,6 +284,16 @@ def main(root: str) -> None:
   options = dict(num_hidden_layers=2, rms_norm_eps=1e-5, tie_word_embeddings=False)
   llama = transformers.LlamaConfig(**COMMON, **options, **rope(10000.0, LLAMA3), **dtype("float32"))
   save(llama, folder, "llama")
+  qwen2 = transformers.Qwen2Config(
+    **COMMON,
+    num_hidden_layers=2,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    max_window_layers=2,
+    **rope(1_000_000.0, None),
+    **dtype("bfloat16"),
+  )
+  save(qwen2, folder, "qwen2")
   if hasattr(transformers, "Qwen3Config"):
     qwen = transformers.Qwen3Config(
       **(COMMON | dict(hidden_size=48)),
