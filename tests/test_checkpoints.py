@@ -7,6 +7,7 @@ ring on 1, 2, 4 and 8 devices equals dense, saving and loading back is exact, th
 tokenizers equal tokenizers built apart from the loader, and bad files and inputs are
 ValueErrors that name them."""
 
+import dataclasses
 import json
 import math
 
@@ -546,6 +547,17 @@ def test_named_configs_have_the_published_sizes():
   assert sum(count("llama-3.2-1b").values()) == 1_235_814_400
   qwen = count("qwen3-0.6b")
   assert round((sum(qwen.values()) - qwen["embed.embedding"]) / 1e9, 2) == 0.44
+  # Qwen's model cards: Qwen2.5-0.5B 0.49B (0.36B without the embedding), Qwen2.5-7B
+  # 7.61B (6.53B without the embedding and the untied head); the 1M model is the 7B's shape.
+  for name, total, body in (("qwen2.5-0.5b", 0.49, 0.36), ("qwen2.5-7b", 7.61, 6.53)):
+    qwen2 = count(name)
+    tables = qwen2["embed.embedding"] + qwen2.get("head.kernel", 0)
+    assert (math.floor(sum(qwen2.values()) / 1e7) / 100, round((sum(qwen2.values()) - tables) / 1e9, 2)) == (
+      total,
+      body,
+    ), name
+  long = dict(rope_base=1e7, norm_eps=1e-5, context_length=1_010_000)
+  assert models.config("qwen2.5-7b-instruct-1m") == dataclasses.replace(models.config("qwen2.5-7b"), **long)
   gemma = count("gemma-3-270m")
   assert (
     round(gemma["embed.embedding"] / 1e6) == 168 and round((sum(gemma.values()) - 167_772_160) / 1e6) == 100
