@@ -21,6 +21,7 @@ from . import _moved
 from .architectures.gemma import Gemma, GemmaConfig
 from .architectures.llama import Llama, LlamaConfig
 from .architectures.longnet import LongNet, LongNetConfig
+from .architectures.mistral import Mistral, MistralConfig
 from .architectures.qwen2 import Qwen2, Qwen2Config
 from .architectures.qwen3 import Qwen3, Qwen3Config
 from .architectures.scratch import ATTENTION_KINDS, DecoderLM, LMConfig
@@ -43,6 +44,8 @@ __all__ = [
   "LlamaConfig",
   "LongNet",
   "LongNetConfig",
+  "Mistral",
+  "MistralConfig",
   "Qwen2",
   "Qwen2Config",
   "Qwen3",

@@ -197,7 +197,7 @@ def load_gguf(path, *, mesh=None, attention: str = "ring", seq_axis="seq", dtype
 def _open_gguf(path, overrides, cache_dir):
   file = gguf_io.GGUFFile(path, cache_dir)
   arch = file.architecture
-  modules = {a.gguf.arch: a for a in architectures.registry()}
+  modules = {a.gguf.arch: a for a in architectures.registry() if a.gguf is not None}
   if arch not in modules:
     raise ValueError(
       f"general.architecture={arch!r} of {str(file.path)!r} is not supported; supported: {tuple(modules)}"

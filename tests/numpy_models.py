@@ -1,6 +1,6 @@
-"""Float64 NumPy forwards of Llama 3, Qwen 2.5, Qwen 3 and Gemma 3, written from Hugging
-Face transformers' descriptions of the architectures (modeling_llama.py,
-modeling_qwen2.py, modeling_qwen3.py, modeling_gemma3.py) over Hugging Face's tensor names and config.json keys. They share
+"""Float64 NumPy forwards of Llama 3, Mistral, Qwen 2.5, Qwen 3 and Gemma 3, written from
+Hugging Face transformers' descriptions of the architectures (modeling_llama.py,
+modeling_mistral.py, modeling_qwen2.py, modeling_qwen3.py, modeling_gemma3.py) over Hugging Face's tensor names and config.json keys. They share
 no code with `jax_ring.models`: the tests check the loaders against them.
 """
 
@@ -72,9 +72,10 @@ def gelu_tanh(x):
   return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def llama_logits(w, config, tokens, qk_norm=False, qkv_bias=False):
-  """Logits [T, V] of a Llama (or, with `qk_norm`, Qwen 3; with `qkv_bias`, Qwen 2)
-  checkpoint's tensors `w` (Hugging Face names) and config.json values `config`."""
+def llama_logits(w, config, tokens, qk_norm=False, qkv_bias=False, window=None):
+  """Logits [T, V] of a Llama (or, with `qk_norm`, Qwen 3; with `qkv_bias`, Qwen 2; with
+  `window`, Mistral's sliding window) checkpoint's tensors `w` (Hugging Face names) and
+  config.json values `config`."""
   g = lambda name: np.asarray(w[name], np.float64)
   n, kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["hidden_size"]
   h = config.get("head_dim") or d // n
@@ -92,7 +93,7 @@ def llama_logits(w, config, tokens, qk_norm=False, qkv_bias=False):
     v = proj("v_proj").reshape(t, kv, h)
     if qk_norm:
       q, k = rms(q, g(p + "self_attn.q_norm.weight"), eps), rms(k, g(p + "self_attn.k_norm.weight"), eps)
-    o = attention(rope(q, inv), rope(k, inv), v, h**-0.5).reshape(t, n * h)
+    o = attention(rope(q, inv), rope(k, inv), v, h**-0.5, window).reshape(t, n * h)
     x = x + o @ g(p + "self_attn.o_proj.weight").T
     y = rms(x, g(p + "post_attention_layernorm.weight"), eps)
     mlp = silu(y @ g(p + "mlp.gate_proj.weight").T) * (y @ g(p + "mlp.up_proj.weight").T)

@@ -143,6 +143,19 @@ def _config(arch, vocab):
       mlp_bias=False,
       tie_word_embeddings=False,
     )
+  if arch == "mistral":  # Mistral-Nemo's kind: head_dim 16 apart from hidden / heads; a window
+    return common | dict(
+      model_type="mistral",
+      architectures=["MistralForCausalLM"],
+      hidden_size=48,
+      num_hidden_layers=2,
+      rope_theta=1_000_000.0,
+      rms_norm_eps=1e-5,
+      hidden_act="silu",
+      attention_dropout=0.0,
+      sliding_window=8,
+      tie_word_embeddings=False,
+    )
   if arch == "qwen2":
     return common | dict(
       model_type="qwen2",
@@ -196,7 +209,7 @@ def _config(arch, vocab):
 def _v5(config):
   """config.json as transformers 5 writes it: rope_parameters (Gemma: per layer type)."""
   config = dict(config)
-  theta, scaling = config.pop("rope_theta"), config.pop("rope_scaling")
+  theta, scaling = config.pop("rope_theta"), config.pop("rope_scaling", None)
   full = dict(scaling or {"rope_type": "default"}, rope_theta=theta)
   if config["model_type"] == "gemma3_text":
     local = {"rope_type": "default", "rope_theta": config.pop("rope_local_base_freq")}
@@ -279,9 +292,10 @@ def _gguf_tensors(config, w):
       continue
     _, _, i, rest = name.split(".", 3)
     base, kind = rest.rsplit(".", 1)  # a weight, or (Qwen 2's q, k, v) a bias
-    if arch == "llama" and base == "self_attn.q_proj":
+    reordered = arch in ("llama", "mistral")
+    if reordered and base == "self_attn.q_proj":
       value = _llama_cpp_permute(value, config["num_attention_heads"])
-    if arch == "llama" and base == "self_attn.k_proj":
+    if reordered and base == "self_attn.k_proj":
       value = _llama_cpp_permute(value, config["num_key_value_heads"])
     if gemma and base.endswith("norm"):
       value = value + 1  # llama.cpp stores Gemma's scales as 1 + w
@@ -297,7 +311,10 @@ def _gguf_tensors(config, w):
 
 
 def write_gguf(path, config, w, vocab):
-  arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}[config["model_type"]]
+  # llama.cpp converts Mistral as "llama" (its rows reordered; no window).
+  arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}[
+    config["model_type"]
+  ]
   writer = gguf.GGUFWriter(str(path), arch)
   writer.add_context_length(config["max_position_embeddings"])
   writer.add_embedding_length(config["hidden_size"])
@@ -360,7 +377,7 @@ def write_folder(folder, config, w, *, shards=1, tokenizer=None):
   return folder
 
 
-ARCHS = ("llama", "qwen3", "gemma3", "qwen2")
+ARCHS = ("llama", "qwen3", "gemma3", "qwen2", "mistral")
 # A Gemma 3 folder with what only config.json can say: a global layer every 2nd, the
 # windowed layers' own rotary base, query_pre_attn_scalar apart from head_dim (the 27B's
 # kind).
@@ -382,7 +399,7 @@ def checkpoints(tmp_path_factory):
     tok = (
       None
       if arch == "gemma3"
-      else train_bpe(LLAMA3_PATTERN if arch == "llama" else QWEN2_PATTERN, arch != "llama")
+      else train_bpe(*((LLAMA3_PATTERN, False) if arch in ("llama", "mistral") else (QWEN2_PATTERN, True)))
     )
     vocab = None if tok is None else bpe_tables(tok)
     config = _config(arch, len(SP_PIECES) if tok is None else len(vocab[0]))
@@ -411,6 +428,8 @@ def _numpy_logits(ckpt, tokens):
       return llama_logits(w, config, tokens, qk_norm=True)
     case "qwen2":
       return llama_logits(w, config, tokens, qkv_bias=True)
+    case "mistral":
+      return llama_logits(w, config, tokens, window=config["sliding_window"])
   return llama_logits(w, config, tokens)
 
 
@@ -424,6 +443,9 @@ def _tokens(vocab, length=LENGTH, seed=0):
 def test_loaders_equal_the_float64_numpy_forward(checkpoints, arch, fmt):
   ckpt = checkpoints[arch]
   model, tokenizer = models.load(ckpt["paths"][fmt], attention="dense")
+  if arch == "mistral" and fmt == "gguf":  # llama.cpp's "llama": a Llama, without the window
+    assert type(model) is models.Llama
+    ckpt = dict(ckpt, config=dict(ckpt["config"], sliding_window=None))
   tokens = _tokens(ckpt["config"]["vocab_size"])
   expected = _numpy_logits(ckpt, tokens[0])
   assert rel_err(model(tokens)[0], expected) < F64_TOL
@@ -472,8 +494,10 @@ def test_save_and_load_back_exactly(checkpoints, arch, tmp_path):
   for name, value in ckpt["weights"].items():
     np.testing.assert_allclose(saved[name], value, rtol=0, atol=1e-6, err_msg=name)
   config = json.loads((tmp_path / "one" / "config.json").read_text())
-  assert config["model_type"] == ckpt["config"]["model_type"]
-  assert config["architectures"] == ckpt["config"]["architectures"]
+  # A Mistral GGUF is llama.cpp's "llama": it saves as the Llama it loads as.
+  like = checkpoints["llama"]["config"] if arch == "mistral" else ckpt["config"]
+  assert config["model_type"] == like["model_type"]
+  assert config["architectures"] == like["architectures"]
   tokens = _tokens(ckpt["config"]["vocab_size"], seed=5)
   before = np.asarray(model(tokens))
   again, tok2 = models.load(tmp_path / "one", attention="dense")
@@ -556,6 +580,8 @@ def test_named_configs_have_the_published_sizes():
       total,
       body,
     ), name
+  # Mistral-7B-v0.3: 7,248,023,552 parameters (the safetensors' total on Hugging Face).
+  assert sum(count("mistral-7b-v0.3").values()) == 7_248_023_552
   long = dict(rope_base=1e7, norm_eps=1e-5, context_length=1_010_000)
   assert models.config("qwen2.5-7b-instruct-1m") == dataclasses.replace(models.config("qwen2.5-7b"), **long)
   gemma = count("gemma-3-270m")
@@ -661,7 +687,7 @@ def test_bad_tokens(checkpoints):
   assert jax.tree.leaves(out.tokens)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3-variant"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma3-variant"])
 def test_saved_config_json_is_the_config_and_transformers_reads_it(checkpoints, arch, tmp_path):
   """The whole config.json `models.save` writes: loaded back, the config equals the
   model's (every field, not only model_type); transformers' own config class reads it
@@ -685,7 +711,7 @@ def test_saved_config_json_is_the_config_and_transformers_reads_it(checkpoints, 
   assert theirs.num_key_value_heads == ckpt["config"]["num_key_value_heads"]
   assert theirs.head_dim == ckpt["config"]["head_dim"]
   assert theirs.rms_norm_eps == ckpt["config"]["rms_norm_eps"]
-  assert theirs.tie_word_embeddings == (arch not in ("llama", "qwen2"))
+  assert theirs.tie_word_embeddings == (arch not in ("llama", "qwen2", "mistral"))
   if arch.startswith("gemma3"):
     assert written["query_pre_attn_scalar"] == 24 and isinstance(written["query_pre_attn_scalar"], int)
     assert theirs.query_pre_attn_scalar == 24 and theirs.sliding_window == 8
@@ -716,12 +742,14 @@ def test_saved_tokenizer_encodes_for_transformers_as_the_model_was_trained(check
   assert again.add_bos == tok.add_bos
 
 
-def test_qwen2_generates_what_its_dense_forward_predicts(checkpoints):
-  """Qwen 2.5's biased projections through the sequence-sharded KV cache: greedy
-  `generate` on a 4-device ring gives, token by token, the argmax of the dense model's
-  forward over the prompt and the tokens generated so far."""
-  path = checkpoints["qwen2"]["paths"]["hf4"]
-  prompt = _tokens(checkpoints["qwen2"]["config"]["vocab_size"], length=12, seed=3)
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_generates_what_the_dense_forward_predicts(checkpoints, arch):
+  """Qwen 2.5's biased projections and Mistral's window (8 keys; the prompt is 12)
+  through the sequence-sharded KV cache: greedy `generate` on a 4-device ring gives,
+  token by token, the argmax of the dense model's forward over the prompt and the
+  tokens generated so far."""
+  path = checkpoints[arch]["paths"]["hf4"]
+  prompt = _tokens(checkpoints[arch]["config"]["vocab_size"], length=12, seed=3)
   ring, _ = models.load(path, mesh=make_mesh((4,), ("seq",)), attention="ring")
   out = np.asarray(models.generate(ring, prompt, max_new_tokens=4).tokens)
   dense, _ = models.load(path, attention="dense")

@@ -27,6 +27,7 @@ VERSIONS = sorted({p.parent.name for p in FILES if p.parent.name != "releases"})
 # transformers' defaults for the keys a file may leave out (its configuration classes).
 DEFAULTS = {
   "llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False),
+  "mistral": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=4096),
   "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False),
   "qwen3": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, head_dim=128),
   "gemma3_text": dict(
@@ -92,21 +93,24 @@ def _numpy_logits(w, reads, tokens):
       return llama_logits(w, reads, tokens, qk_norm=True)
     case "qwen2":
       return llama_logits(w, reads, tokens, qkv_bias=True)
+    case "mistral":
+      return llama_logits(w, reads, tokens, window=reads["sliding_window"])
   return llama_logits(w, reads, tokens)
 
 
 def test_every_version_and_architecture_is_here():
   """4.45 to 5.x (the versions whose config.json differ), each architecture from the
-  version that added it (Gemma 3: 4.50, Qwen 3: 4.51; Qwen 2.5 in every one), and the
-  releases' files."""
+  version that added it (Gemma 3: 4.50, Qwen 3: 4.51; Mistral and Qwen 2.5 in every
+  one), and the releases' files."""
   assert VERSIONS == ["4.45.2", "4.50.3", "4.51.3", "4.53.3", "4.55.4", "4.56.2", "4.57.6", "5.0.0", "5.24.0"]
   names = {v: sorted(p.stem for p in FILES if p.parent.name == v) for v in VERSIONS}
-  assert names["4.45.2"] == ["llama", "qwen2"]
-  assert names["4.50.3"] == ["gemma3", "gemma3-variant", "llama", "qwen2"]
-  assert all(names[v] == ["gemma3", "gemma3-variant", "llama", "qwen2", "qwen3"] for v in VERSIONS[2:])
+  assert names["4.45.2"] == ["llama", "mistral", "qwen2"]
+  assert names["4.50.3"] == ["gemma3", "gemma3-variant", "llama", "mistral", "qwen2"]
+  every = ["gemma3", "gemma3-variant", "llama", "mistral", "qwen2", "qwen3"]
+  assert all(names[v] == every for v in VERSIONS[2:])
   releases = sorted(p.stem for p in FILES if p.parent.name == "releases")
   assert releases == [
-    *("gemma-3-1b", "gemma-3-270m", "llama-3.1-8b", "llama-3.2-1b"),
+    *("gemma-3-1b", "gemma-3-270m", "llama-3.1-8b", "llama-3.2-1b", "mistral-7b-v0.3", "mistral-nemo-12b"),
     *("qwen2.5-0.5b", "qwen2.5-7b-instruct-1m", "qwen3-0.6b"),
   ]
   keys = lambda v, name: set(json.loads((ROOT / v / f"{name}.json").read_text()))
@@ -149,6 +153,7 @@ BAD = [
   ("4.56.2/llama.json", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
   ("4.57.6/qwen2.json", {"use_sliding_window": True}, "use_sliding_window=True"),
   ("releases/qwen2.5-0.5b.json", {"use_mrope": True}, "use_mrope=True"),
+  ("5.24.0/mistral.json", {"layer_types": ["full_attention"] * 2}, "layer_types="),
 ]
 
 
@@ -173,6 +178,19 @@ def test_qwen2_dual_chunk_attention_is_said_and_exact_attention_runs(written, tm
     model, _ = models.load(write_folder(tmp_path / "dca", config, w), attention="dense")
   tokens = np.random.default_rng(0).integers(0, reads["vocab_size"], (1, 24)).astype(np.int32)
   assert rel_err(model(tokens)[0], _numpy_logits(w, reads, tokens[0])) < F64_TOL
+
+
+def test_mistral_without_sliding_window_has_transformers_default_window(written, tmp_path):
+  """A Mistral config.json that leaves `sliding_window` out (save_pretrained drops a value
+  equal to the class's default) gets transformers' 4,096; null is no window."""
+  path = ROOT / "4.57.6" / "mistral.json"
+  folder, w, _ = written[path]
+  config = json.loads(path.read_text())
+  del config["sliding_window"]
+  model, _ = models.load(write_folder(tmp_path / "absent", config, w), attention="dense")
+  assert model.config.sliding_window == 4096
+  model, _ = models.load(write_folder(tmp_path / "null", config | {"sliding_window": None}, w), attention="dense")
+  assert model.config.sliding_window is None
 
 
 def test_dtype_and_torch_dtype_and_a_null_pad_token_are_harmless(written, tmp_path):

@@ -131,8 +131,8 @@ def test_every_family_module_is_registered_once():
     record = getattr(module, "ARCHITECTURE", None)
     if record is not None:
       assert record in records, f"{module.__name__}.ARCHITECTURE is not in architectures.REGISTRY"
-  for field in (lambda r: r.name, lambda r: r.gguf.arch, lambda r: r.hf.architecture):
-    values = [field(r) for r in records]
+  for field in (lambda r: r.name, lambda r: r.gguf and r.gguf.arch, lambda r: r.hf.architecture):
+    values = [field(r) for r in records if field(r) is not None]
     assert len(set(values)) == len(values), values
   types = [t for r in records for t in r.hf.model_types + r.hf.multimodal]
   assert len(set(types)) == len(types), types

@@ -8,12 +8,13 @@ A family module builds its blocks on `decoder.CausalLM` and ends with one
 
 from __future__ import annotations
 
-from . import gemma, llama, qwen2, qwen3
+from . import gemma, llama, mistral, qwen2, qwen3
 from .record import Architecture
 
 REGISTRY: tuple[Architecture, ...] = (
   gemma.ARCHITECTURE,
   llama.ARCHITECTURE,
+  mistral.ARCHITECTURE,
   qwen2.ARCHITECTURE,
   qwen3.ARCHITECTURE,
 )

@@ -53,7 +53,9 @@ class Architecture:
   config_class, model_class: the frozen config dataclass and the `CausalLM` subclass
     built from it (`model_class(config, mesh=..., seq_axis=..., rngs=...)`).
   configs: the released models' configs by `models.config` name ("llama-3.1-8b").
-  hf, gguf: how each format names its tensors and config.
+  hf, gguf: how each format names its tensors and config; gguf None where llama.cpp
+    has no architecture of the family's own (it converts Mistral as "llama", which
+    loads as Llama).
   ignored: tensor names a file may hold that the model does not use.
   """
 
@@ -62,5 +64,5 @@ class Architecture:
   model_class: type
   configs: Mapping
   hf: HFFormat
-  gguf: GGUFFormat
+  gguf: GGUFFormat | None
   ignored: tuple[str, ...] = ()

@@ -1,5 +1,5 @@
 """Writes the config.json that an installed transformers version's `save_pretrained`
-writes for the tests' small Llama 3, Qwen 2.5, Qwen 3 and Gemma 3 configs (tests/test_config_vintages.py),
+writes for the tests' small Llama 3, Mistral, Qwen 2.5, Qwen 3 and Gemma 3 configs (tests/test_config_vintages.py),
 into a folder named after the version:
 
     python -m venv /tmp/tf && /tmp/tf/bin/pip install transformers==4.55.4
@@ -8,7 +8,8 @@ into a folder named after the version:
 
 No torch is needed: only the configuration classes are used. The files in this folder
 were written so by transformers 4.45.2, 4.50.3, 4.51.3, 4.53.3, 4.55.4, 4.56.2, 4.57.6,
-5.0.0 and 5.24.0 (Gemma 3 from 4.50, Qwen 3 from 4.51; Qwen 2.5's in every one). `releases/` holds the published
+5.0.0 and 5.24.0 (Gemma 3 from 4.50, Qwen 3 from 4.51; Qwen 2.5's and Mistral's in
+every one). `releases/` holds the published
 checkpoints' own config.json files, shrunk to a few small layers by `shrink` below.
 """
 
@@ -75,7 +76,8 @@ def save(config, folder: str, name: str) -> None:
 # version that wrote it: meta-llama/Llama-3.1-8B (4.43.0.dev0), meta-llama/Llama-3.2-1B
 # (4.45.0.dev0), Qwen/Qwen3-0.6B (4.51.0), google/gemma-3-1b-pt (4.50.0.dev0),
 # google/gemma-3-270m (4.55.0.dev0), Qwen/Qwen2.5-0.5B (4.40.1),
-# Qwen/Qwen2.5-7B-Instruct-1M (4.47.1).
+# Qwen/Qwen2.5-7B-Instruct-1M (4.47.1), mistralai/Mistral-7B-v0.3 (4.42.0.dev0),
+# mistralai/Mistral-Nemo-Base-2407 (4.43.0.dev0).
 _LLAMA3_1 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 _LLAMA = dict(
   architectures=["LlamaForCausalLM"],
@@ -142,6 +144,53 @@ RELEASES = {
     rope_scaling=dict(_LLAMA3_1, factor=32.0, rope_type="llama3"),
     tie_word_embeddings=True,
     transformers_version="4.45.0.dev0",
+  ),
+  "mistral-7b-v0.3": dict(
+    architectures=["MistralForCausalLM"],
+    attention_dropout=0.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    hidden_act="silu",
+    hidden_size=4096,
+    initializer_range=0.02,
+    intermediate_size=14336,
+    max_position_embeddings=32768,
+    model_type="mistral",
+    num_attention_heads=32,
+    num_hidden_layers=32,
+    num_key_value_heads=8,
+    rms_norm_eps=1e-05,
+    rope_theta=1000000.0,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    transformers_version="4.42.0.dev0",
+    use_cache=True,
+    vocab_size=32768,
+  ),
+  "mistral-nemo-12b": dict(
+    architectures=["MistralForCausalLM"],
+    attention_dropout=0.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    head_dim=128,
+    hidden_act="silu",
+    hidden_size=5120,
+    initializer_range=0.02,
+    intermediate_size=14336,
+    max_position_embeddings=1024000,
+    model_type="mistral",
+    num_attention_heads=32,
+    num_hidden_layers=40,
+    num_key_value_heads=8,
+    rms_norm_eps=1e-05,
+    rope_theta=1000000.0,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    transformers_version="4.43.0.dev0",
+    use_cache=True,
+    vocab_size=131072,
   ),
   "qwen2.5-0.5b": dict(
     architectures=["Qwen2ForCausalLM"],
@@ -256,7 +305,8 @@ def shrink(config: dict) -> dict:
   out = dict(config)
   gemma = config["model_type"] == "gemma3_text"
   out |= dict(vocab_size=96, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
-  out["hidden_size"] = 48 if config["model_type"] == "qwen3" else 64
+  narrow = config["model_type"] == "qwen3" or (config["model_type"] == "mistral" and "head_dim" in config)
+  out["hidden_size"] = 48 if narrow else 64
   out["num_hidden_layers"] = 6 if gemma else 2
   if "head_dim" in config:
     out["head_dim"] = 16
@@ -294,6 +344,16 @@ def main(root: str) -> None:
     **dtype("bfloat16"),
   )
   save(qwen2, folder, "qwen2")
+  mistral = transformers.MistralConfig(
+    **(COMMON | dict(hidden_size=48)),
+    num_hidden_layers=2,
+    rms_norm_eps=1e-5,
+    sliding_window=8,
+    tie_word_embeddings=False,
+    **(rope(1_000_000.0, None) if V5 else dict(rope_theta=1_000_000.0)),  # 4.x's Mistral: no rope_scaling
+    **dtype("bfloat16"),
+  )
+  save(mistral, folder, "mistral")
   if hasattr(transformers, "Qwen3Config"):
     qwen = transformers.Qwen3Config(
       **(COMMON | dict(hidden_size=48)),
