@@ -196,6 +196,7 @@ class _Projected(nnx.Module):
     qk_norm_epsilon: float | None = None,
     rope_scaling: RopeScaling | None = None,
     qkv_bias: bool | None = None,
+    qk_norm_over_heads: bool = False,
   ):
     self.num_heads = _positive_int("num_heads", num_heads)
     self.in_features = _positive_int("in_features", in_features)
@@ -238,20 +239,30 @@ class _Projected(nnx.Module):
     eps = qk_norm_epsilon
     if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0):
       raise ValueError(f"qk_norm_epsilon={qk_norm_epsilon!r} must be a positive number or None")
-    norm = lambda: nnx.RMSNorm(
-      head_dim, epsilon=qk_norm_epsilon, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    if not isinstance(qk_norm_over_heads, bool):
+      raise TypeError(f"qk_norm_over_heads={qk_norm_over_heads!r} must be a bool")
+    self.qk_norm_over_heads = qk_norm_over_heads
+    norm = lambda heads: nnx.RMSNorm(
+      heads * head_dim if qk_norm_over_heads else head_dim,
+      epsilon=qk_norm_epsilon,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
     )
-    self.query_norm = nnx.data(None) if qk_norm_epsilon is None else norm()
-    self.key_norm = nnx.data(None) if qk_norm_epsilon is None else norm()
+    self.query_norm = nnx.data(None) if qk_norm_epsilon is None else norm(num_heads)
+    self.key_norm = nnx.data(None) if qk_norm_epsilon is None else norm(self.num_kv_heads)
 
   def project(self, x, positions):
     if x.ndim != 3 or x.shape[-1] != self.in_features:
       raise ValueError(f"x.shape={tuple(x.shape)} must be [batch, seq, {self.in_features}]")
     b, t, _ = x.shape
-    q = self.query(x).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.key(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    q, k = self.query(x), self.key(x)
+    if self.query_norm is not None and self.qk_norm_over_heads:
+      q, k = self.query_norm(q), self.key_norm(k)
+    q = q.reshape(b, t, self.num_heads, self.head_dim)
+    k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.value(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-    if self.query_norm is not None:
+    if self.query_norm is not None and not self.qk_norm_over_heads:
       q, k = self.query_norm(q), self.key_norm(k)
     if self.rope_base is not None:
       pos = jnp.arange(t) if positions is None else positions
@@ -360,7 +371,9 @@ class RingAttention(_Cached, _Projected):
       rope_scaling: a `RopeScaling` of the frequencies (Llama 3.1's, linear), or None.
     qk_norm_epsilon: an RMSNorm over the head dimension (with this epsilon) on each
       query and key head after the projections, before the rotary embeddings (Gemma 3,
-      OLMo 2, Qwen 3); None: none.
+      Qwen 3); None: none.
+    qk_norm_over_heads: that RMSNorm spans every head's width at once, [N*H] on the
+      queries and [K*H] on the keys (OLMo 2's), instead of each head's [H].
     use_bias, dtype, param_dtype, kernel_init: as in `flax.nnx.Linear`.
     qkv_bias: biases on the query, key and value projections alone (Qwen 2's; the
       output projection's follows `use_bias`); None: as `use_bias`.
@@ -404,6 +417,7 @@ class RingAttention(_Cached, _Projected):
     rope_max_wavelength: float | None = None,
     rope_scaling: RopeScaling | None = None,
     qk_norm_epsilon: float | None = None,
+    qk_norm_over_heads: bool = False,
     use_bias: bool = False,
     qkv_bias: bool | None = None,
     dtype=None,
@@ -432,6 +446,7 @@ class RingAttention(_Cached, _Projected):
       qk_norm_epsilon=qk_norm_epsilon,
       rope_scaling=rope_scaling,
       qkv_bias=qkv_bias,
+      qk_norm_over_heads=qk_norm_over_heads,
     )
     self.kind = kind
     self.options = nnx.static(

@@ -22,6 +22,7 @@ from .architectures.gemma import Gemma, GemmaConfig
 from .architectures.llama import Llama, LlamaConfig
 from .architectures.longnet import LongNet, LongNetConfig
 from .architectures.mistral import Mistral, MistralConfig
+from .architectures.olmo2 import Olmo2, Olmo2Config
 from .architectures.qwen2 import Qwen2, Qwen2Config
 from .architectures.qwen3 import Qwen3, Qwen3Config
 from .architectures.scratch import ATTENTION_KINDS, DecoderLM, LMConfig
@@ -46,6 +47,8 @@ __all__ = [
   "LongNetConfig",
   "Mistral",
   "MistralConfig",
+  "Olmo2",
+  "Olmo2Config",
   "Qwen2",
   "Qwen2Config",
   "Qwen3",

@@ -1,6 +1,7 @@
-"""Float64 NumPy forwards of Llama 3, Mistral, Qwen 2.5, Qwen 3 and Gemma 3, written from
-Hugging Face transformers' descriptions of the architectures (modeling_llama.py,
-modeling_mistral.py, modeling_qwen2.py, modeling_qwen3.py, modeling_gemma3.py) over Hugging Face's tensor names and config.json keys. They share
+"""Float64 NumPy forwards of Llama 3, Mistral, Qwen 2.5, Qwen 3, OLMo 2 and Gemma 3, written
+from Hugging Face transformers' descriptions of the architectures (modeling_llama.py,
+modeling_mistral.py, modeling_qwen2.py, modeling_qwen3.py, modeling_olmo2.py,
+modeling_gemma3.py) over Hugging Face's tensor names and config.json keys. They share
 no code with `jax_ring.models`: the tests check the loaders against them.
 """
 
@@ -98,6 +99,30 @@ def llama_logits(w, config, tokens, qk_norm=False, qkv_bias=False, window=None):
     y = rms(x, g(p + "post_attention_layernorm.weight"), eps)
     mlp = silu(y @ g(p + "mlp.gate_proj.weight").T) * (y @ g(p + "mlp.up_proj.weight").T)
     x = x + mlp @ g(p + "mlp.down_proj.weight").T
+  x = rms(x, g("model.norm.weight"), eps)
+  head = g("model.embed_tokens.weight") if config.get("tie_word_embeddings") else g("lm_head.weight")
+  return x @ head.T
+
+
+def olmo2_logits(w, config, tokens):
+  """Logits [T, V] of an OLMo 2 checkpoint: norms after attention and after the MLP
+  (none before), q and k normed over all heads' width before the rotary embeddings."""
+  g = lambda name: np.asarray(w[name], np.float64)
+  n, kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["hidden_size"]
+  h = config.get("head_dim") or d // n
+  eps = config["rms_norm_eps"]
+  inv = inv_frequencies(h, config["rope_theta"], config.get("rope_scaling"))
+  x = g("model.embed_tokens.weight")[tokens]
+  t = len(tokens)
+  for layer in range(config["num_hidden_layers"]):
+    p = f"model.layers.{layer}."
+    q = rms(x @ g(p + "self_attn.q_proj.weight").T, g(p + "self_attn.q_norm.weight"), eps).reshape(t, n, h)
+    k = rms(x @ g(p + "self_attn.k_proj.weight").T, g(p + "self_attn.k_norm.weight"), eps).reshape(t, kv, h)
+    v = (x @ g(p + "self_attn.v_proj.weight").T).reshape(t, kv, h)
+    o = attention(rope(q, inv), rope(k, inv), v, h**-0.5).reshape(t, n * h)
+    x = x + rms(o @ g(p + "self_attn.o_proj.weight").T, g(p + "post_attention_layernorm.weight"), eps)
+    mlp = silu(x @ g(p + "mlp.gate_proj.weight").T) * (x @ g(p + "mlp.up_proj.weight").T)
+    x = x + rms(mlp @ g(p + "mlp.down_proj.weight").T, g(p + "post_feedforward_layernorm.weight"), eps)
   x = rms(x, g("model.norm.weight"), eps)
   head = g("model.embed_tokens.weight") if config.get("tie_word_embeddings") else g("lm_head.weight")
   return x @ head.T

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh, rel_err
-from numpy_models import gemma3_logits, inv_frequencies, llama_logits
+from numpy_models import gemma3_logits, inv_frequencies, llama_logits, olmo2_logits
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
 from tokenizers import models as tok_models  # noqa: E402
@@ -156,6 +156,19 @@ def _config(arch, vocab):
       sliding_window=8,
       tie_word_embeddings=False,
     )
+  if arch == "olmo2":
+    return common | dict(
+      model_type="olmo2",
+      architectures=["Olmo2ForCausalLM"],
+      num_hidden_layers=2,
+      rope_theta=500_000.0,
+      rope_scaling=None,
+      rms_norm_eps=1e-6,
+      hidden_act="silu",
+      attention_bias=False,
+      attention_dropout=0.0,
+      tie_word_embeddings=False,
+    )
   if arch == "qwen2":
     return common | dict(
       model_type="qwen2",
@@ -232,7 +245,9 @@ def _weights(config, seed):
     w["lm_head.weight"] = mat(config["vocab_size"], d)
   for i in range(config["num_hidden_layers"]):
     p = f"model.layers.{i}."
-    w[p + "input_layernorm.weight"] = norm(d)
+    olmo = config["model_type"] == "olmo2"
+    if not olmo:  # OLMo 2 norms after each sub-layer only
+      w[p + "input_layernorm.weight"] = norm(d)
     w[p + "self_attn.q_proj.weight"] = mat(n * h, d)
     w[p + "self_attn.k_proj.weight"] = mat(kv * h, d)
     w[p + "self_attn.v_proj.weight"] = mat(kv * h, d)
@@ -247,6 +262,10 @@ def _weights(config, seed):
     if config["model_type"] in ("qwen3", "gemma3_text"):
       w[p + "self_attn.q_norm.weight"] = norm(h)
       w[p + "self_attn.k_norm.weight"] = norm(h)
+    if olmo:  # over all heads' width, and a norm after the MLP
+      w[p + "self_attn.q_norm.weight"] = norm(n * h)
+      w[p + "self_attn.k_norm.weight"] = norm(kv * h)
+      w[p + "post_feedforward_layernorm.weight"] = norm(d)
     if gemma:
       w[p + "pre_feedforward_layernorm.weight"] = norm(d)
       w[p + "post_feedforward_layernorm.weight"] = norm(d)
@@ -272,6 +291,10 @@ GEMMA_GGUF_NAMES = GGUF_NAMES | {
   "post_feedforward_layernorm": "post_ffw_norm",
 }
 LLAMA_GGUF_NAMES = GGUF_NAMES | {"post_attention_layernorm": "ffn_norm"}
+OLMO2_GGUF_NAMES = GGUF_NAMES | {
+  "post_attention_layernorm": "post_attention_norm",
+  "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def _llama_cpp_permute(w, heads):
@@ -283,7 +306,7 @@ def _llama_cpp_permute(w, heads):
 def _gguf_tensors(config, w):
   arch = config["model_type"]
   gemma = arch == "gemma3_text"
-  names = GEMMA_GGUF_NAMES if gemma else LLAMA_GGUF_NAMES
+  names = GEMMA_GGUF_NAMES if gemma else OLMO2_GGUF_NAMES if arch == "olmo2" else LLAMA_GGUF_NAMES
   out = {"token_embd.weight": w["model.embed_tokens.weight"]}
   if "lm_head.weight" in w:
     out["output.weight"] = w["lm_head.weight"]
@@ -312,9 +335,9 @@ def _gguf_tensors(config, w):
 
 def write_gguf(path, config, w, vocab):
   # llama.cpp converts Mistral as "llama" (its rows reordered; no window).
-  arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}[
-    config["model_type"]
-  ]
+  arch = {"llama": "llama", "mistral": "llama", "olmo2": "olmo2", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
+    config["model_type"], "gemma3"
+  )
   writer = gguf.GGUFWriter(str(path), arch)
   writer.add_context_length(config["max_position_embeddings"])
   writer.add_embedding_length(config["hidden_size"])
@@ -377,7 +400,7 @@ def write_folder(folder, config, w, *, shards=1, tokenizer=None):
   return folder
 
 
-ARCHS = ("llama", "qwen3", "gemma3", "qwen2", "mistral")
+ARCHS = ("llama", "qwen3", "gemma3", "qwen2", "mistral", "olmo2")
 # A Gemma 3 folder with what only config.json can say: a global layer every 2nd, the
 # windowed layers' own rotary base, query_pre_attn_scalar apart from head_dim (the 27B's
 # kind).
@@ -430,6 +453,8 @@ def _numpy_logits(ckpt, tokens):
       return llama_logits(w, config, tokens, qkv_bias=True)
     case "mistral":
       return llama_logits(w, config, tokens, window=config["sliding_window"])
+    case "olmo2":
+      return olmo2_logits(w, config, tokens)
   return llama_logits(w, config, tokens)
 
 
@@ -582,6 +607,8 @@ def test_named_configs_have_the_published_sizes():
     ), name
   # Mistral-7B-v0.3: 7,248,023,552 parameters (the safetensors' total on Hugging Face).
   assert sum(count("mistral-7b-v0.3").values()) == 7_248_023_552
+  # OLMo-2-1124-7B: 7.3B parameters (Hugging Face's count of its safetensors).
+  assert round(sum(count("olmo-2-7b").values()) / 1e9, 1) == 7.3
   long = dict(rope_base=1e7, norm_eps=1e-5, context_length=1_010_000)
   assert models.config("qwen2.5-7b-instruct-1m") == dataclasses.replace(models.config("qwen2.5-7b"), **long)
   gemma = count("gemma-3-270m")
@@ -687,7 +714,7 @@ def test_bad_tokens(checkpoints):
   assert jax.tree.leaves(out.tokens)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma3-variant"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "olmo2", "qwen2", "qwen3", "gemma3-variant"])
 def test_saved_config_json_is_the_config_and_transformers_reads_it(checkpoints, arch, tmp_path):
   """The whole config.json `models.save` writes: loaded back, the config equals the
   model's (every field, not only model_type); transformers' own config class reads it
@@ -711,7 +738,7 @@ def test_saved_config_json_is_the_config_and_transformers_reads_it(checkpoints, 
   assert theirs.num_key_value_heads == ckpt["config"]["num_key_value_heads"]
   assert theirs.head_dim == ckpt["config"]["head_dim"]
   assert theirs.rms_norm_eps == ckpt["config"]["rms_norm_eps"]
-  assert theirs.tie_word_embeddings == (arch not in ("llama", "qwen2", "mistral"))
+  assert theirs.tie_word_embeddings == (arch not in ("llama", "qwen2", "mistral", "olmo2"))
   if arch.startswith("gemma3"):
     assert written["query_pre_attn_scalar"] == 24 and isinstance(written["query_pre_attn_scalar"], int)
     assert theirs.query_pre_attn_scalar == 24 and theirs.sliding_window == 8
@@ -742,10 +769,10 @@ def test_saved_tokenizer_encodes_for_transformers_as_the_model_was_trained(check
   assert again.add_bos == tok.add_bos
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "olmo2"])
 def test_generates_what_the_dense_forward_predicts(checkpoints, arch):
-  """Qwen 2.5's biased projections and Mistral's window (8 keys; the prompt is 12)
-  through the sequence-sharded KV cache: greedy `generate` on a 4-device ring gives,
+  """Qwen 2.5's biased projections, Mistral's window (8 keys; the prompt is 12) and OLMo
+  2's post-norms and q/k norms over all heads through the sequence-sharded KV cache: greedy `generate` on a 4-device ring gives,
   token by token, the argmax of the dense model's forward over the prompt and the
   tokens generated so far."""
   path = checkpoints[arch]["paths"]["hf4"]

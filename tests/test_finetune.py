@@ -70,11 +70,13 @@ def test_fsdp_steps_equal_the_replicated_model(shape, names, batch_axis):
   _fsdp_equals_replicated(SMALL, shape, names, batch_axis)
 
 
-def test_fsdp_steps_of_qwen2_equal_the_replicated_model():
-  """The same for Qwen 2.5's block: its query, key and value biases train split over
-  the 8 devices like every other weight."""
-  qwen2 = models.Qwen2Config(**{f.name: getattr(SMALL, f.name) for f in dataclasses.fields(SMALL)})
-  _fsdp_equals_replicated(qwen2, *MESHES[0])
+@pytest.mark.parametrize("family", [models.Qwen2Config, models.Olmo2Config], ids=lambda c: c.model_type)
+def test_fsdp_steps_of_other_blocks_equal_the_replicated_model(family):
+  """The same for Qwen 2.5's block (its query, key and value biases) and OLMo 2's (norms
+  after the sub-layers, q/k norms over all heads' width): every weight trains split
+  over the 8 devices."""
+  config = family(**{f.name: getattr(SMALL, f.name) for f in dataclasses.fields(SMALL)})
+  _fsdp_equals_replicated(config, *MESHES[0])
 
 
 def _fsdp_equals_replicated(config, shape, names, batch_axis):

@@ -8,13 +8,14 @@ A family module builds its blocks on `decoder.CausalLM` and ends with one
 
 from __future__ import annotations
 
-from . import gemma, llama, mistral, qwen2, qwen3
+from . import gemma, llama, mistral, olmo2, qwen2, qwen3
 from .record import Architecture
 
 REGISTRY: tuple[Architecture, ...] = (
   gemma.ARCHITECTURE,
   llama.ARCHITECTURE,
   mistral.ARCHITECTURE,
+  olmo2.ARCHITECTURE,
   qwen2.ARCHITECTURE,
   qwen3.ARCHITECTURE,
 )

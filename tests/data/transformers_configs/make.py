@@ -1,5 +1,5 @@
 """Writes the config.json that an installed transformers version's `save_pretrained`
-writes for the tests' small Llama 3, Mistral, Qwen 2.5, Qwen 3 and Gemma 3 configs (tests/test_config_vintages.py),
+writes for the tests' small Llama 3, Mistral, Qwen 2.5, Qwen 3, OLMo 2 and Gemma 3 configs (tests/test_config_vintages.py),
 into a folder named after the version:
 
     python -m venv /tmp/tf && /tmp/tf/bin/pip install transformers==4.55.4
@@ -8,8 +8,8 @@ into a folder named after the version:
 
 No torch is needed: only the configuration classes are used. The files in this folder
 were written so by transformers 4.45.2, 4.50.3, 4.51.3, 4.53.3, 4.55.4, 4.56.2, 4.57.6,
-5.0.0 and 5.24.0 (Gemma 3 from 4.50, Qwen 3 from 4.51; Qwen 2.5's and Mistral's in
-every one). `releases/` holds the published
+5.0.0 and 5.24.0 (OLMo 2 from 4.47, Gemma 3 from 4.50, Qwen 3 from 4.51; Qwen 2.5's
+and Mistral's in every one). `releases/` holds the published
 checkpoints' own config.json files, shrunk to a few small layers by `shrink` below.
 """
 
@@ -354,6 +354,16 @@ def main(root: str) -> None:
     **dtype("bfloat16"),
   )
   save(mistral, folder, "mistral")
+  if hasattr(transformers, "Olmo2Config"):
+    olmo2 = transformers.Olmo2Config(
+      **{k: v for k, v in COMMON.items() if k != "head_dim"},  # OLMo 2's config has no head_dim
+      num_hidden_layers=2,
+      rms_norm_eps=1e-6,
+      tie_word_embeddings=False,
+      **rope(500_000.0, None),
+      **dtype("float32"),
+    )
+    save(olmo2, folder, "olmo2")
   if hasattr(transformers, "Qwen3Config"):
     qwen = transformers.Qwen3Config(
       **(COMMON | dict(hidden_size=48)),
