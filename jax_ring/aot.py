@@ -354,8 +354,9 @@ def step_balance(report: dict, t: Target, *, seq_len, heads, kv_heads, head_dim,
 
   The FLOPs of a step: the pass's (forward, or the backward's 2.5x) over the devices,
   the ring's steps (one per device) and the passes of kv heads (`BlockSizes`' default
-  for the target and the kernel the program calls). Peak rates are an upper bound on speed, so these compute times are
-  lower bounds and the verdict "compute-bound" is the cautious one."""
+  for the target and the kernel the program calls). Peak rates are an upper bound on
+  speed, so these compute times are lower bounds and the verdict "compute-bound" is the
+  cautious one."""
   from jax_ring._tiles import BlockSizes
 
   local = -(-seq_len // t.devices)

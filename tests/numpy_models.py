@@ -87,11 +87,11 @@ def llama_logits(w, config, tokens, qk_norm=False, qkv_bias=False, window=None):
   for layer in range(config["num_hidden_layers"]):
     p = f"model.layers.{layer}."
     y = rms(x, g(p + "input_layernorm.weight"), eps)
-    bias = lambda name: g(p + f"self_attn.{name}.bias") if qkv_bias else 0.0
-    proj = lambda name: y @ g(p + f"self_attn.{name}.weight").T + bias(name)
-    q = proj("q_proj").reshape(t, n, h)
-    k = proj("k_proj").reshape(t, kv, h)
-    v = proj("v_proj").reshape(t, kv, h)
+    q, k, v = (
+      y @ g(p + f"self_attn.{name}.weight").T + (g(p + f"self_attn.{name}.bias") if qkv_bias else 0.0)
+      for name in ("q_proj", "k_proj", "v_proj")
+    )
+    q, k, v = q.reshape(t, n, h), k.reshape(t, kv, h), v.reshape(t, kv, h)
     if qk_norm:
       q, k = rms(q, g(p + "self_attn.q_norm.weight"), eps), rms(k, g(p + "self_attn.k_norm.weight"), eps)
     o = attention(rope(q, inv), rope(k, inv), v, h**-0.5, window).reshape(t, n * h)

@@ -747,7 +747,14 @@ def test_saved_config_json_is_the_config_and_transformers_reads_it(checkpoints, 
 
 @pytest.mark.parametrize(
   "arch, fmt",
-  [("llama", "gguf"), ("llama", "hf4"), ("qwen2", "gguf"), ("qwen3", "gguf"), ("qwen3", "hf4"), ("gemma3", "gguf")],
+  [
+    ("llama", "gguf"),
+    ("llama", "hf4"),
+    ("qwen2", "gguf"),
+    ("qwen3", "gguf"),
+    ("qwen3", "hf4"),
+    ("gemma3", "gguf"),
+  ],
 )
 def test_saved_tokenizer_encodes_for_transformers_as_the_model_was_trained(checkpoints, arch, fmt, tmp_path):
   """transformers' AutoTokenizer on the folder `models.save` writes: a text with its
@@ -772,9 +779,9 @@ def test_saved_tokenizer_encodes_for_transformers_as_the_model_was_trained(check
 @pytest.mark.parametrize("arch", ["qwen2", "mistral", "olmo2"])
 def test_generates_what_the_dense_forward_predicts(checkpoints, arch):
   """Qwen 2.5's biased projections, Mistral's window (8 keys; the prompt is 12) and OLMo
-  2's post-norms and q/k norms over all heads through the sequence-sharded KV cache: greedy `generate` on a 4-device ring gives,
-  token by token, the argmax of the dense model's forward over the prompt and the
-  tokens generated so far."""
+  2's post-norms and q/k norms over all heads through the sequence-sharded KV cache:
+  greedy `generate` on a 4-device ring gives, token by token, the argmax of the dense
+  model's forward over the prompt and the tokens generated so far."""
   path = checkpoints[arch]["paths"]["hf4"]
   prompt = _tokens(checkpoints[arch]["config"]["vocab_size"], length=12, seed=3)
   ring, _ = models.load(path, mesh=make_mesh((4,), ("seq",)), attention="ring")

@@ -193,7 +193,9 @@ def test_mistral_without_sliding_window_has_transformers_default_window(written,
   del config["sliding_window"]
   model, _ = models.load(write_folder(tmp_path / "absent", config, w), attention="dense")
   assert model.config.sliding_window == 4096
-  model, _ = models.load(write_folder(tmp_path / "null", config | {"sliding_window": None}, w), attention="dense")
+  model, _ = models.load(
+    write_folder(tmp_path / "null", config | {"sliding_window": None}, w), attention="dense"
+  )
   assert model.config.sliding_window is None
 
 

@@ -246,6 +246,14 @@ def feed_forward(fn, modules, x, placement, most: int | None = None):
   return jax.lax.fori_loop(0, k, one, place(ys)).reshape(b, t, -1)
 
 
+def rotary_attention(config, *, mesh, seq_axis, rngs, batch_axis=None, **options) -> Attention:
+  """`make_attention` with the config's rotary base and scaling (Llama's kind of block)."""
+  rope = dict(rope_base=config.rope_base, rope_scaling=config.rope_scaling)
+  return make_attention(
+    config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs, **rope, **options
+  )
+
+
 class PreNormBlock(nnx.Module):
   """x + attn(norm(x)), then x + mlp(norm(x)) with a SwiGLU MLP: Llama's block, and
   Qwen 3's (whose attention adds an RMSNorm on each query and key head)."""
@@ -253,15 +261,8 @@ class PreNormBlock(nnx.Module):
   def __init__(self, config, *, mesh, seq_axis, rngs: nnx.Rngs, batch_axis=None, **attention_options):
     dt, pdt = dtypes(config)
     self.attn_norm = rms_norm(config, rngs=rngs)
-    self.attn = make_attention(
-      config,
-      mesh=mesh,
-      seq_axis=seq_axis,
-      batch_axis=batch_axis,
-      rngs=rngs,
-      rope_base=config.rope_base,
-      rope_scaling=config.rope_scaling,
-      **attention_options,
+    self.attn = rotary_attention(
+      config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs, **attention_options
     )
     self.mlp_norm = rms_norm(config, rngs=rngs)
     self.mlp = GatedMLP(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)

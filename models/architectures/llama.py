@@ -97,6 +97,25 @@ def config_from_hf(cfg, cls=LlamaConfig, **overrides):
   )
 
 
+def full_attention_only(cfg, family: str) -> None:
+  """Refuses a config.json that makes any layer a sliding-window one (Qwen 2.5's and
+  Qwen 3's): `use_sliding_window` true, or (transformers 4.53 and later) `layer_types`
+  other than every layer "full_attention". `sliding_window` and `max_window_layers`
+  matter only with `use_sliding_window`, so they are read and left."""
+  cfg.expect("use_sliding_window", False)
+  cfg.get("sliding_window")
+  cfg.get("max_window_layers")
+  types = cfg.get("layer_types")
+  layers = cfg.int("num_hidden_layers")
+  if types is not None and (
+    not isinstance(types, list) or len(types) != layers or any(t != "full_attention" for t in types)
+  ):
+    raise ValueError(
+      f"{cfg.where}: layer_types={types!r} must name {layers} layers, all full_attention: sliding-window "
+      f"layers are not applied for {family}, so the checkpoint is refused"
+    )
+
+
 def hf_config(config) -> dict:
   return config_json.decoder_keys(config) | dict(
     hidden_act="silu",

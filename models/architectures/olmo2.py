@@ -17,7 +17,7 @@ from flax import nnx
 from jax_ring import nn as ring_nn
 
 from . import llama, tables
-from .decoder import CausalLM, GatedMLP, dtypes, feed_forward, make_attention, rms_norm
+from .decoder import CausalLM, GatedMLP, dtypes, feed_forward, rms_norm, rotary_attention
 from .record import GGUFFormat, HFFormat
 
 __all__ = ["CONFIGS", "Olmo2", "Olmo2Config"]
@@ -42,16 +42,9 @@ class PostNormBlock(nnx.Module):
 
   def __init__(self, config, *, mesh, seq_axis, rngs: nnx.Rngs, batch_axis=None):
     dt, pdt = dtypes(config)
-    self.attn = make_attention(
-      config,
-      mesh=mesh,
-      seq_axis=seq_axis,
-      batch_axis=batch_axis,
-      rngs=rngs,
-      rope_base=config.rope_base,
-      rope_scaling=config.rope_scaling,
-      qk_norm_epsilon=config.norm_eps,
-      qk_norm_over_heads=True,
+    over_heads = dict(qk_norm_epsilon=config.norm_eps, qk_norm_over_heads=True)
+    self.attn = rotary_attention(
+      config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs, **over_heads
     )
     self.post_attn_norm = rms_norm(config, rngs=rngs)
     self.mlp = GatedMLP(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)

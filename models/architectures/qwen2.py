@@ -87,19 +87,8 @@ def config_from_hf(cfg, **overrides) -> Qwen2Config:
   length extrapolation past the 262,144 tokens those models were trained at;
   transformers' Qwen2 does not read it, and neither does this loader, which runs exact
   attention at the config's rotary base (said in a warning)."""
-  cfg.expect("use_sliding_window", False)
+  llama.full_attention_only(cfg, "Qwen 2.5")
   cfg.expect("use_mrope", False)  # Qwen2-VL's multimodal rotary sections; the text models write false
-  cfg.get("sliding_window")  # read only with use_sliding_window, which is refused above
-  cfg.get("max_window_layers")
-  types = cfg.get("layer_types")
-  layers = cfg.int("num_hidden_layers")
-  if types is not None and (
-    not isinstance(types, list) or len(types) != layers or any(t != "full_attention" for t in types)
-  ):
-    raise ValueError(
-      f"{cfg.where}: layer_types={types!r} must name {layers} layers, all full_attention: sliding-window "
-      "layers are not applied for Qwen 2, so the checkpoint is refused"
-    )
   if cfg.get("dual_chunk_attention_config") is not None:
     warnings.warn(
       f"{cfg.where}: dual_chunk_attention_config is vLLM's length extrapolation; like transformers, this "

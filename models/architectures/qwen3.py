@@ -61,18 +61,7 @@ def config_from_hf(cfg, **overrides) -> Qwen3Config:
   """Qwen 3's config.json: Llama's keys, no sliding windows. transformers 4.53 and later
   write `layer_types`, every layer "full_attention" without `use_sliding_window`
   (which is refused); a sliding layer among them is refused too."""
-  cfg.expect("use_sliding_window", False)
-  cfg.get("sliding_window")  # read only with use_sliding_window, which is refused above
-  cfg.get("max_window_layers")
-  types = cfg.get("layer_types")
-  layers = cfg.int("num_hidden_layers")
-  if types is not None and (
-    not isinstance(types, list) or len(types) != layers or any(t != "full_attention" for t in types)
-  ):
-    raise ValueError(
-      f"{cfg.where}: layer_types={types!r} must name {layers} layers, all full_attention: sliding-window "
-      "layers are not applied for Qwen 3, so the checkpoint is refused"
-    )
+  llama.full_attention_only(cfg, "Qwen 3")
   return llama.config_from_hf(cfg, cls=Qwen3Config, **overrides)
 
 

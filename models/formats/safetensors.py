@@ -117,9 +117,10 @@ class SafetensorsFolder:
       pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
       if pickled:
         raise ValueError(
-          f"{str(folder)!r} holds {pickled[:3]}: pickled torch weights, which this loader never reads (loading "
-          f"them runs code from the file). It reads {SINGLE} or {INDEX}: convert the folder with transformers "
-          "(`AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder)` writes safetensors)"
+          f"{str(folder)!r} holds {pickled[:3]}: pickled torch weights, which this loader never reads "
+          f"(loading them runs code from the file). It reads {SINGLE} or {INDEX}: convert the folder "
+          "with transformers (`AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder)` "
+          "writes safetensors)"
         )
       raise ValueError(f"{str(folder)!r} has neither {SINGLE} nor {INDEX}: no weights to load")
 

@@ -1,6 +1,6 @@
 """Writes the config.json that an installed transformers version's `save_pretrained`
-writes for the tests' small Llama 3, Mistral, Qwen 2.5, Qwen 3, OLMo 2 and Gemma 3 configs (tests/test_config_vintages.py),
-into a folder named after the version:
+writes for the tests' small Llama 3, Mistral, Qwen 2.5, Qwen 3, OLMo 2 and Gemma 3
+configs (tests/test_config_vintages.py), into a folder named after the version:
 
     python -m venv /tmp/tf && /tmp/tf/bin/pip install transformers==4.55.4
     /tmp/tf/bin/python tests/data/transformers_configs/make.py tests/data/transformers_configs
