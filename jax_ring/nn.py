@@ -55,7 +55,12 @@ class RopeScaling:
   longer than original_max_position_embeddings / low_freq_factor are divided by
   `factor`, and the ones between are interpolated smoothly. kind "factors": the
   divisors themselves, one per frequency (what llama.cpp stores in a GGUF file as the
-  `rope_freqs.weight` tensor)."""
+  `rope_freqs.weight` tensor). kind "longrope": LongRoPE (Ding et al. 2024, arXiv
+  2402.13753) as Phi-3 and Phi-4-mini run it: `factors` (the short ones) for a
+  sequence of at most original_max_position_embeddings tokens, `long_factors` for a
+  longer one, chosen per call by the largest position + 1 as transformers chooses
+  them; the rotated dimensions are also multiplied by `attention_factor` (on q and
+  k, so the logits by its square)."""
 
   kind: str
   factor: float = 1.0
@@ -63,11 +68,14 @@ class RopeScaling:
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
   factors: tuple[float, ...] = ()
+  long_factors: tuple[float, ...] = ()
+  attention_factor: float = 1.0
 
   def __post_init__(self):
-    if self.kind not in ("linear", "llama3", "factors"):
-      raise ValueError(f"RopeScaling.kind={self.kind!r} is not one of ('linear', 'llama3', 'factors')")
-    if self.kind == "factors":
+    kinds = ("linear", "llama3", "factors", "longrope")
+    if self.kind not in kinds:
+      raise ValueError(f"RopeScaling.kind={self.kind!r} is not one of {kinds}")
+    if self.kind in ("factors", "longrope"):
       if not self.factors or not all(f > 0 for f in self.factors):
         raise ValueError(f"RopeScaling.factors={self.factors!r} must be positive numbers, one per frequency")
     elif not self.factor > 0:
@@ -78,8 +86,26 @@ class RopeScaling:
         f"{self.low_freq_factor} > 0"
       )
 
-  def divisors(self, inv_freq):
-    """The factor each of `inv_freq`'s frequencies is divided by."""
+    if self.kind == "longrope":
+      if len(self.long_factors) != len(self.factors) or not all(f > 0 for f in self.long_factors):
+        raise ValueError(
+          f"RopeScaling.long_factors={self.long_factors!r} must be {len(self.factors)} positive numbers, "
+          "as many as the short factors"
+        )
+      if self.original_max_position_embeddings < 1:
+        raise ValueError(
+          f"RopeScaling.original_max_position_embeddings={self.original_max_position_embeddings!r} must be "
+          "a positive int"
+        )
+    elif self.long_factors:
+      raise ValueError(f"RopeScaling.long_factors are LongRoPE's; kind={self.kind!r} takes none")
+    if not self.attention_factor > 0:
+      raise ValueError(f"RopeScaling.attention_factor={self.attention_factor!r} must be positive")
+
+  def divisors(self, inv_freq, length=None):
+    """The factor each of `inv_freq`'s frequencies is divided by. `length`: the
+    sequence's length (largest position + 1, an int or a traced scalar), which picks
+    LongRoPE's factors (None: the short ones); the other kinds ignore it."""
     match self.kind:
       case "linear":
         return jnp.full_like(inv_freq, self.factor)
@@ -89,6 +115,16 @@ class RopeScaling:
             f"RopeScaling has {len(self.factors)} factors for {inv_freq.shape[0]} rotary frequencies"
           )
         return jnp.asarray(self.factors, jnp.float32)
+      case "longrope":
+        if len(self.factors) != inv_freq.shape[0]:
+          raise ValueError(
+            f"RopeScaling has {len(self.factors)} LongRoPE factors for {inv_freq.shape[0]} rotary frequencies"
+          )
+        short = jnp.asarray(self.factors, jnp.float32)
+        if length is None:
+          return short
+        long = jnp.asarray(self.long_factors, jnp.float32)
+        return jnp.where(jnp.asarray(length) > self.original_max_position_embeddings, long, short)
       case "llama3":
         old = self.original_max_position_embeddings
         wavelength = 2 * jnp.pi / inv_freq
@@ -107,16 +143,18 @@ def rope_frequencies(
   base: float = 10000.0,
   max_wavelength: float | None = None,
   scaling: RopeScaling | None = None,
+  length=None,
 ):
   """The head_dim / 2 rotary frequencies base^(-2i / head_dim). With `max_wavelength`,
   every frequency whose wavelength 2 pi / f exceeds it is set to 0: those dimension
   pairs carry no position at all (p-RoPE, Barbero et al. 2024, arXiv 2410.06205), so a
   model trained on sequences longer than `max_wavelength` has seen every angle its
   rotations can make, at any distance. `scaling`: a `RopeScaling` (Llama 3.1's rule,
-  linear interpolation), applied first."""
+  linear interpolation, LongRoPE), applied first; `length`: the sequence length
+  LongRoPE picks its factors by (`RopeScaling.divisors`)."""
   inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim // 2, dtype=jnp.float32) / (head_dim // 2)))
   if scaling is not None:
-    inv_freq = inv_freq / scaling.divisors(inv_freq)
+    inv_freq = inv_freq / scaling.divisors(inv_freq, length)
   if max_wavelength is not None:
     inv_freq = jnp.where(2 * jnp.pi / inv_freq > max_wavelength, 0.0, inv_freq)
   return inv_freq
@@ -128,20 +166,29 @@ def apply_rope(
   base: float = 10000.0,
   max_wavelength: float | None = None,
   scaling: RopeScaling | None = None,
+  rotary_dim: int | None = None,
 ):
   """Rotary position embedding (Su et al. 2021, RoFormer) of x [B, T, N, H] at
-  global positions [T] or [B, T]; pairs dimension i with i + H/2. `max_wavelength`,
-  `scaling`: see `rope_frequencies`."""
+  global positions [T] or [B, T]; pairs dimension i with i + R/2 among the first R =
+  `rotary_dim` (default H) and leaves the other H - R as they are (Phi-3's and
+  GPT-NeoX's partial rotary). `max_wavelength`, `scaling`: see `rope_frequencies`;
+  LongRoPE's factors are picked by the largest position + 1, and its attention
+  factor multiplies the rotated dimensions."""
   h = x.shape[-1]
-  if h % 2:
-    raise ValueError(f"head_dim={h} must be even for rotary embeddings")
-  inv_freq = rope_frequencies(h, base, max_wavelength, scaling)
-  angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [(B,) T, H/2]
+  r = h if rotary_dim is None else rotary_dim
+  if isinstance(r, bool) or not isinstance(r, int) or r % 2 or not 0 < r <= h:
+    raise ValueError(f"rotary_dim={rotary_dim!r} must be a positive even int of at most head_dim={h}")
+  positions = jnp.asarray(positions)
+  length = jnp.max(positions) + 1 if scaling is not None and scaling.kind == "longrope" else None
+  inv_freq = rope_frequencies(r, base, max_wavelength, scaling, length)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) T, R/2]
   if angles.ndim == 2:
     angles = angles[None]
-  sin, cos = jnp.sin(angles)[:, :, None], jnp.cos(angles)[:, :, None]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  gain = 1.0 if scaling is None else scaling.attention_factor
+  sin, cos = jnp.sin(angles)[:, :, None] * gain, jnp.cos(angles)[:, :, None] * gain
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32[..., :r], 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., r:]], axis=-1).astype(x.dtype)
 
 
 def _positive_int(name: str, value) -> int:
@@ -197,6 +244,7 @@ class _Projected(nnx.Module):
     rope_scaling: RopeScaling | None = None,
     qkv_bias: bool | None = None,
     qk_norm_over_heads: bool = False,
+    rope_dim: int | None = None,
   ):
     self.num_heads = _positive_int("num_heads", num_heads)
     self.in_features = _positive_int("in_features", in_features)
@@ -220,9 +268,19 @@ class _Projected(nnx.Module):
       raise ValueError(f"rope_max_wavelength={rope_max_wavelength!r} must be a positive number or None")
     if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
       raise TypeError(f"rope_scaling={rope_scaling!r} must be a jax_ring.nn.RopeScaling or None")
+    if rope_dim is not None and (
+      isinstance(rope_dim, bool)
+      or not isinstance(rope_dim, int)
+      or rope_dim % 2
+      or not 0 < rope_dim <= head_dim
+    ):
+      raise ValueError(
+        f"rope_dim={rope_dim!r} must be None or a positive even int of at most head_dim={head_dim}"
+      )
     self.rope_base = rope_base
     self.rope_max_wavelength = rope_max_wavelength
     self.rope_scaling = nnx.static(rope_scaling)
+    self.rope_dim = rope_dim
     out_features = in_features if out_features is None else _positive_int("out_features", out_features)
     init = nnx.initializers.lecun_normal() if kernel_init is None else kernel_init
     common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -266,7 +324,9 @@ class _Projected(nnx.Module):
       q, k = self.query_norm(q), self.key_norm(k)
     if self.rope_base is not None:
       pos = jnp.arange(t) if positions is None else positions
-      rope = lambda x: apply_rope(x, pos, self.rope_base, self.rope_max_wavelength, self.rope_scaling)
+      rope = lambda x: apply_rope(
+        x, pos, self.rope_base, self.rope_max_wavelength, self.rope_scaling, rotary_dim=self.rope_dim
+      )
       q, k = rope(q), rope(k)
     return q, k, v
 
@@ -368,7 +428,9 @@ class RingAttention(_Cached, _Projected):
     rope_base: rotary embeddings with this base on q and k at global positions
       (None: none). rope_max_wavelength: frequencies of longer wavelength are dropped
       (`rope_frequencies`), for models run past the length they were trained at.
-      rope_scaling: a `RopeScaling` of the frequencies (Llama 3.1's, linear), or None.
+      rope_scaling: a `RopeScaling` of the frequencies (Llama 3.1's, linear, LongRoPE),
+      or None. rope_dim: the leading dimensions of each head that rotate (Phi-3's
+      partial rotary; None: all of them).
     qk_norm_epsilon: an RMSNorm over the head dimension (with this epsilon) on each
       query and key head after the projections, before the rotary embeddings (Gemma 3,
       Qwen 3); None: none.
@@ -418,6 +480,7 @@ class RingAttention(_Cached, _Projected):
     rope_scaling: RopeScaling | None = None,
     qk_norm_epsilon: float | None = None,
     qk_norm_over_heads: bool = False,
+    rope_dim: int | None = None,
     use_bias: bool = False,
     qkv_bias: bool | None = None,
     dtype=None,
@@ -447,6 +510,7 @@ class RingAttention(_Cached, _Projected):
       rope_scaling=rope_scaling,
       qkv_bias=qkv_bias,
       qk_norm_over_heads=qk_norm_over_heads,
+      rope_dim=rope_dim,
     )
     self.kind = kind
     self.options = nnx.static(
@@ -496,6 +560,9 @@ class RingAttention(_Cached, _Projected):
     if self.kind == "local":
       segment_ids = shard_segments(q.shape[0], q.shape[1], o["mesh"].shape[o["seq_axis"]], segment_ids)
       o["layout"] = "contiguous"
+    window, t = o["local_window_size"], q.shape[1]
+    if window is not None and window[0] >= t - 1 and (o["is_causal"] or window[1] >= t - 1):
+      o["local_window_size"] = None  # a window wider than the sequence excludes no key (cuDNN stays open)
     if token_order != "natural":
       o["token_order"] = token_order
     return ring_attention(q, k, v, segment_ids=segment_ids, **o, **mods)

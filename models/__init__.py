@@ -23,6 +23,7 @@ from .architectures.llama import Llama, LlamaConfig
 from .architectures.longnet import LongNet, LongNetConfig
 from .architectures.mistral import Mistral, MistralConfig
 from .architectures.olmo2 import Olmo2, Olmo2Config
+from .architectures.phi3 import Phi3, Phi3Config
 from .architectures.qwen2 import Qwen2, Qwen2Config
 from .architectures.qwen3 import Qwen3, Qwen3Config
 from .architectures.scratch import ATTENTION_KINDS, DecoderLM, LMConfig
@@ -49,6 +50,8 @@ __all__ = [
   "MistralConfig",
   "Olmo2",
   "Olmo2Config",
+  "Phi3",
+  "Phi3Config",
   "Qwen2",
   "Qwen2Config",
   "Qwen3",

@@ -179,8 +179,12 @@ def load(
   )
   if path.is_dir():
     arch, cfg, source, table, tokenizer = _open_folder(path, overrides)
+    fused = arch.hf.fused
   else:
     arch, cfg, source, table, tokenizer = _open_gguf(path, overrides, cache_dir)
+    fused = arch.gguf.fused
+  if fused is not None:
+    source = _Split(source, expand_fused(fused(cfg), cfg.num_layers), where=str(path))
   mesh = _default_mesh(mesh, attention, seq_axis)
   placement = dict(mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, fsdp=fsdp, remat=remat)
   model = _place(arch, cfg, source, table, placement, where=str(path))
@@ -277,6 +281,50 @@ class _Only:
 
   def __getitem__(self, name):
     return self.source[name]
+
+
+class _Split:
+  """A source whose fused tensors (`expand_fused`) read as their parts: each part a
+  slice of its fused tensor's rows (a view of the memory-mapped file); a fused tensor
+  of the wrong row count is a ValueError naming it."""
+
+  def __init__(self, source, fused: dict, where: str):
+    self.source, self.where = source, where
+    self.parts = {}  # part -> (fused tensor, first row, rows)
+    for name, parts in fused.items():
+      start = 0
+      for part, rows in parts:
+        self.parts[part] = (name, start, rows)
+        start += rows
+
+  def __contains__(self, name):
+    return name in self.parts and self.parts[name][0] in self.source or name in self.source
+
+  def __iter__(self):
+    fused = {f for f, _, _ in self.parts.values()}
+    yield from (n for n in self.source if n not in fused)
+    yield from (p for p, (f, _, _) in self.parts.items() if f in self.source)
+
+  def __getitem__(self, name):
+    if name not in self.parts:
+      return self.source[name]
+    fused, start, rows = self.parts[name]
+    array = self.source[fused]
+    total = sum(r for f, _, r in self.parts.values() if f == fused)
+    if array.shape[0] != total:
+      raise ValueError(
+        f"tensor {fused!r} of {self.where!r} has {array.shape[0]} rows; the config's parts need {total}"
+      )
+    return array[start : start + rows]
+
+
+def expand_fused(fused: dict, num_layers: int) -> dict:
+  """`HFFormat.fused`'s map with its "{i}" names written out."""
+  out = {}
+  for name, parts in fused.items():
+    for i in range(num_layers) if "{i}" in name else [None]:
+      out[name.format(i=i)] = tuple((part.format(i=i), rows) for part, rows in parts)
+  return out
 
 
 def expand(table, num_layers: int) -> dict:
@@ -413,6 +461,13 @@ def save(model, folder, *, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTE
       nbytes,
       lambda v=value, h=how: np.ascontiguousarray(_write(np.asarray(jax.device_get(v)), h)),
     )
+  if arch.hf.fused is not None:  # parts the file stores as one tensor
+    for name, parts in expand_fused(arch.hf.fused(cfg), cfg.num_layers).items():
+      pieces = [tensors.pop(part) for part, _ in parts]
+      tensors[name] = (
+        sum(n for n, _ in pieces),
+        lambda pieces=pieces: np.concatenate([get() for _, get in pieces], axis=0),
+      )
   safetensors_io.write_shards(folder, tensors, max_shard_bytes)
   values = config_json(cfg)
   values["torch_dtype"] = str(state["embed.embedding"][...].dtype)

@@ -1,6 +1,7 @@
-"""Float64 NumPy forwards of Llama 3, Mistral, Qwen 2.5, Qwen 3, OLMo 2 and Gemma 3, written
-from Hugging Face transformers' descriptions of the architectures (modeling_llama.py,
-modeling_mistral.py, modeling_qwen2.py, modeling_qwen3.py, modeling_olmo2.py,
+"""Float64 NumPy forwards of Llama 3, Mistral, Qwen 2.5, Qwen 3, OLMo 2, Phi-3 and Gemma 3,
+written from Hugging Face transformers' descriptions of the architectures
+(modeling_llama.py, modeling_mistral.py, modeling_qwen2.py, modeling_qwen3.py,
+modeling_olmo2.py, modeling_phi3.py with modeling_rope_utils.py's LongRoPE,
 modeling_gemma3.py) over Hugging Face's tensor names and config.json keys. They share
 no code with `jax_ring.models`: the tests check the loaders against them.
 """
@@ -123,6 +124,55 @@ def olmo2_logits(w, config, tokens):
     x = x + rms(o @ g(p + "self_attn.o_proj.weight").T, g(p + "post_attention_layernorm.weight"), eps)
     mlp = silu(x @ g(p + "mlp.gate_proj.weight").T) * (x @ g(p + "mlp.up_proj.weight").T)
     x = x + rms(mlp @ g(p + "mlp.down_proj.weight").T, g(p + "post_feedforward_layernorm.weight"), eps)
+  x = rms(x, g("model.norm.weight"), eps)
+  head = g("model.embed_tokens.weight") if config.get("tie_word_embeddings") else g("lm_head.weight")
+  return x @ head.T
+
+
+def phi3_logits(w, config, tokens):
+  """Logits [T, V] of a Phi-3 checkpoint: fused qkv_proj (q, k, v rows in that order) and
+  gate_up_proj (gate rows, then up), rotary embeddings on the first
+  int(head_dim * partial_rotary_factor) dimensions of each head, LongRoPE's short
+  factors for T <= original_max_position_embeddings and long ones past it with cos and
+  sin times the attention factor, and the config's sliding window."""
+  g = lambda name: np.asarray(w[name], np.float64)
+  n, kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["hidden_size"]
+  h, f, eps = d // n, config["intermediate_size"], config["rms_norm_eps"]
+  params = config.get("rope_parameters") or {}
+  theta = params.get("rope_theta", config.get("rope_theta"))
+  scaling = config.get("rope_scaling") or (params if "short_factor" in params else None)
+  r = int(h * params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+  t = len(tokens)
+  inv = 1.0 / theta ** (np.arange(0, r, 2, dtype=np.float64) / r)
+  gain = 1.0
+  if scaling is not None:
+    original = config["original_max_position_embeddings"]
+    factors = scaling["long_factor"] if t > original else scaling["short_factor"]
+    inv = inv / np.asarray(factors, np.float64)
+    ratio = config["max_position_embeddings"] / original
+    gain = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0
+
+  def rotate(x):  # x [T, heads, H]: the first r dimensions rotate, the rest pass
+    ang = np.arange(t, dtype=np.float64)[:, None] * inv[None]
+    cos = np.concatenate([np.cos(ang)] * 2, axis=-1)[:, None] * gain
+    sin = np.concatenate([np.sin(ang)] * 2, axis=-1)[:, None] * gain
+    rot, rest = x[..., :r], x[..., r:]
+    half = np.concatenate([-rot[..., r // 2 :], rot[..., : r // 2]], axis=-1)
+    return np.concatenate([rot * cos + half * sin, rest], axis=-1)
+
+  x = g("model.embed_tokens.weight")[tokens]
+  for layer in range(config["num_hidden_layers"]):
+    p = f"model.layers.{layer}."
+    y = rms(x, g(p + "input_layernorm.weight"), eps)
+    qkv = y @ g(p + "self_attn.qkv_proj.weight").T
+    q = qkv[:, : n * h].reshape(t, n, h)
+    k = qkv[:, n * h : (n + kv) * h].reshape(t, kv, h)
+    v = qkv[:, (n + kv) * h :].reshape(t, kv, h)
+    o = attention(rotate(q), rotate(k), v, h**-0.5, config.get("sliding_window")).reshape(t, n * h)
+    x = x + o @ g(p + "self_attn.o_proj.weight").T
+    y = rms(x, g(p + "post_attention_layernorm.weight"), eps)
+    gate_up = y @ g(p + "mlp.gate_up_proj.weight").T
+    x = x + (gate_up[:, f:] * silu(gate_up[:, :f])) @ g(p + "mlp.down_proj.weight").T
   x = rms(x, g("model.norm.weight"), eps)
   head = g("model.embed_tokens.weight") if config.get("tie_word_embeddings") else g("lm_head.weight")
   return x @ head.T

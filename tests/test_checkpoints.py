@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh, rel_err
-from numpy_models import gemma3_logits, inv_frequencies, llama_logits, olmo2_logits
+from numpy_models import gemma3_logits, inv_frequencies, llama_logits, olmo2_logits, phi3_logits
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
 from tokenizers import models as tok_models  # noqa: E402
@@ -156,6 +156,27 @@ def _config(arch, vocab):
       sliding_window=8,
       tie_word_embeddings=False,
     )
+  if arch == "phi3":  # Phi-4-mini's kind: partial rotary, LongRoPE (long factors at 40 tokens), a window
+    config = {k: v for k, v in common.items() if k != "head_dim"}  # Phi-3's config has no head_dim
+    return config | dict(
+      model_type="phi3",
+      architectures=["Phi3ForCausalLM"],
+      num_hidden_layers=2,
+      rope_theta=10000.0,
+      partial_rotary_factor=0.5,
+      original_max_position_embeddings=16,
+      rope_scaling=dict(
+        type="longrope", short_factor=[1.0, 1.2, 1.5, 2.5], long_factor=[1.0, 3.0, 7.0, 16.0]
+      ),
+      rms_norm_eps=1e-5,
+      hidden_act="silu",
+      attention_bias=False,
+      attention_dropout=0.0,
+      resid_pdrop=0.0,
+      embd_pdrop=0.0,
+      sliding_window=24,
+      tie_word_embeddings=False,
+    )
   if arch == "olmo2":
     return common | dict(
       model_type="olmo2",
@@ -227,6 +248,13 @@ def _v5(config):
   if config["model_type"] == "gemma3_text":
     local = {"rope_type": "default", "rope_theta": config.pop("rope_local_base_freq")}
     config["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+  elif config["model_type"] == "phi3":  # 5.x: the partial rotary factor in rope_parameters
+    kind = full.pop("type")
+    config["rope_parameters"] = full | dict(
+      rope_type=kind,
+      partial_rotary_factor=config.pop("partial_rotary_factor"),
+      original_max_position_embeddings=config["original_max_position_embeddings"],
+    )
   else:
     config["rope_parameters"] = full
   return config
@@ -234,8 +262,9 @@ def _v5(config):
 
 def _weights(config, seed):
   rng = np.random.default_rng(seed)
-  d, h, f = config["hidden_size"], config["head_dim"], config["intermediate_size"]
   n, kv = config["num_attention_heads"], config["num_key_value_heads"]
+  d, f = config["hidden_size"], config["intermediate_size"]
+  h = config.get("head_dim") or d // n
   gemma = config["model_type"] == "gemma3_text"
   mat = lambda *shape: (rng.standard_normal(shape) * 0.3 / math.sqrt(shape[-1])).astype(np.float32)
   norm = lambda size: (rng.standard_normal(size) * 0.1 + (0.0 if gemma else 1.0)).astype(np.float32)
@@ -269,6 +298,11 @@ def _weights(config, seed):
     if gemma:
       w[p + "pre_feedforward_layernorm.weight"] = norm(d)
       w[p + "post_feedforward_layernorm.weight"] = norm(d)
+    if config["model_type"] == "phi3":  # one tensor for q, k, v and one for gate, up
+      parts = [w.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+      w[p + "self_attn.qkv_proj.weight"] = np.concatenate(parts)
+      parts = [w.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
+      w[p + "mlp.gate_up_proj.weight"] = np.concatenate(parts)
   return w
 
 
@@ -291,6 +325,7 @@ GEMMA_GGUF_NAMES = GGUF_NAMES | {
   "post_feedforward_layernorm": "post_ffw_norm",
 }
 LLAMA_GGUF_NAMES = GGUF_NAMES | {"post_attention_layernorm": "ffn_norm"}
+PHI3_GGUF_NAMES = LLAMA_GGUF_NAMES | {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 OLMO2_GGUF_NAMES = GGUF_NAMES | {
   "post_attention_layernorm": "post_attention_norm",
   "post_feedforward_layernorm": "post_ffw_norm",
@@ -306,7 +341,9 @@ def _llama_cpp_permute(w, heads):
 def _gguf_tensors(config, w):
   arch = config["model_type"]
   gemma = arch == "gemma3_text"
-  names = GEMMA_GGUF_NAMES if gemma else OLMO2_GGUF_NAMES if arch == "olmo2" else LLAMA_GGUF_NAMES
+  names = {"gemma3_text": GEMMA_GGUF_NAMES, "olmo2": OLMO2_GGUF_NAMES, "phi3": PHI3_GGUF_NAMES}.get(
+    arch, LLAMA_GGUF_NAMES
+  )
   out = {"token_embd.weight": w["model.embed_tokens.weight"]}
   if "lm_head.weight" in w:
     out["output.weight"] = w["lm_head.weight"]
@@ -330,14 +367,16 @@ def _gguf_tensors(config, w):
     out["rope_freqs.weight"] = (plain / inv_frequencies(config["head_dim"], config["rope_theta"], s)).astype(
       np.float32
     )
+  if arch == "phi3":  # LongRoPE's factors as llama.cpp's converter stores them
+    out["rope_factors_long.weight"] = np.asarray(config["rope_scaling"]["long_factor"], np.float32)
+    out["rope_factors_short.weight"] = np.asarray(config["rope_scaling"]["short_factor"], np.float32)
   return out
 
 
 def write_gguf(path, config, w, vocab):
   # llama.cpp converts Mistral as "llama" (its rows reordered; no window).
-  arch = {"llama": "llama", "mistral": "llama", "olmo2": "olmo2", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
-    config["model_type"], "gemma3"
-  )
+  arch = {"llama": "llama", "mistral": "llama", "olmo2": "olmo2", "phi3": "phi3", "qwen2": "qwen2"}
+  arch = (arch | {"qwen3": "qwen3"}).get(config["model_type"], "gemma3")
   writer = gguf.GGUFWriter(str(path), arch)
   writer.add_context_length(config["max_position_embeddings"])
   writer.add_embedding_length(config["hidden_size"])
@@ -345,8 +384,18 @@ def write_gguf(path, config, w, vocab):
   writer.add_feed_forward_length(config["intermediate_size"])
   writer.add_head_count(config["num_attention_heads"])
   writer.add_head_count_kv(config["num_key_value_heads"])
-  writer.add_key_length(config["head_dim"])
-  writer.add_value_length(config["head_dim"])
+  if arch == "phi3":  # as llama.cpp's Phi3MiniModel writes it (no key_length)
+    d, n = config["hidden_size"], config["num_attention_heads"]
+    writer.add_rope_dimension_count(int(config["partial_rotary_factor"] * d) // n)
+    writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+    ratio = config["max_position_embeddings"] / config["original_max_position_embeddings"]
+    writer.add_rope_scaling_attn_factors(
+      math.sqrt(1 + math.log(ratio) / math.log(config["original_max_position_embeddings"]))
+    )
+    writer.add_sliding_window(config["sliding_window"])
+  else:
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
   writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
   writer.add_rope_freq_base(config["rope_theta"])
   if arch == "gemma3":
@@ -362,7 +411,7 @@ def write_gguf(path, config, w, vocab):
   else:
     tokens, merges, types = vocab
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
+    writer.add_tokenizer_pre({"llama": "llama-bpe", "phi3": "gpt-4o"}.get(arch, "qwen2"))  # Phi-4-mini's
     writer.add_add_bos_token(arch == "llama")  # as llama.cpp's converter writes them
     writer.add_token_list(tokens)
     writer.add_token_merges(merges)
@@ -400,7 +449,7 @@ def write_folder(folder, config, w, *, shards=1, tokenizer=None):
   return folder
 
 
-ARCHS = ("llama", "qwen3", "gemma3", "qwen2", "mistral", "olmo2")
+ARCHS = ("llama", "qwen3", "gemma3", "qwen2", "mistral", "olmo2", "phi3")
 # A Gemma 3 folder with what only config.json can say: a global layer every 2nd, the
 # windowed layers' own rotary base, query_pre_attn_scalar apart from head_dim (the 27B's
 # kind).
@@ -422,7 +471,9 @@ def checkpoints(tmp_path_factory):
     tok = (
       None
       if arch == "gemma3"
-      else train_bpe(*((LLAMA3_PATTERN, False) if arch in ("llama", "mistral") else (QWEN2_PATTERN, True)))
+      else train_bpe(
+        *((LLAMA3_PATTERN, False) if arch in ("llama", "mistral", "phi3") else (QWEN2_PATTERN, True))
+      )
     )
     vocab = None if tok is None else bpe_tables(tok)
     config = _config(arch, len(SP_PIECES) if tok is None else len(vocab[0]))
@@ -455,6 +506,8 @@ def _numpy_logits(ckpt, tokens):
       return llama_logits(w, config, tokens, window=config["sliding_window"])
     case "olmo2":
       return olmo2_logits(w, config, tokens)
+    case "phi3":
+      return phi3_logits(w, config, tokens)
   return llama_logits(w, config, tokens)
 
 
@@ -470,6 +523,8 @@ def test_loaders_equal_the_float64_numpy_forward(checkpoints, arch, fmt):
   model, tokenizer = models.load(ckpt["paths"][fmt], attention="dense")
   if arch == "mistral" and fmt == "gguf":  # llama.cpp's "llama": a Llama, without the window
     assert type(model) is models.Llama
+    ckpt = dict(ckpt, config=dict(ckpt["config"], sliding_window=None))
+  if arch == "phi3" and fmt == "gguf":  # llama.cpp runs Phi-3 without its window
     ckpt = dict(ckpt, config=dict(ckpt["config"], sliding_window=None))
   tokens = _tokens(ckpt["config"]["vocab_size"])
   expected = _numpy_logits(ckpt, tokens[0])
@@ -609,6 +664,10 @@ def test_named_configs_have_the_published_sizes():
   assert sum(count("mistral-7b-v0.3").values()) == 7_248_023_552
   # OLMo-2-1124-7B: 7.3B parameters (Hugging Face's count of its safetensors).
   assert round(sum(count("olmo-2-7b").values()) / 1e9, 1) == 7.3
+  # Phi-4-mini-instruct 3,836,021,760 (its safetensors' total on Hugging Face) and
+  # Phi-3-mini 3,821,079,552 (KerasHub's Phi-3 presets).
+  assert sum(count("phi-4-mini").values()) == 3_836_021_760
+  assert sum(count("phi-3-mini-4k").values()) == 3_821_079_552
   long = dict(rope_base=1e7, norm_eps=1e-5, context_length=1_010_000)
   assert models.config("qwen2.5-7b-instruct-1m") == dataclasses.replace(models.config("qwen2.5-7b"), **long)
   gemma = count("gemma-3-270m")
@@ -714,7 +773,7 @@ def test_bad_tokens(checkpoints):
   assert jax.tree.leaves(out.tokens)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "olmo2", "qwen2", "qwen3", "gemma3-variant"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3", "gemma3-variant"])
 def test_saved_config_json_is_the_config_and_transformers_reads_it(checkpoints, arch, tmp_path):
   """The whole config.json `models.save` writes: loaded back, the config equals the
   model's (every field, not only model_type); transformers' own config class reads it
@@ -736,9 +795,16 @@ def test_saved_config_json_is_the_config_and_transformers_reads_it(checkpoints, 
   for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
     assert getattr(theirs, key) == written[key] == ckpt["config"][key], key
   assert theirs.num_key_value_heads == ckpt["config"]["num_key_value_heads"]
-  assert theirs.head_dim == ckpt["config"]["head_dim"]
+  head_dim = ckpt["config"].get("head_dim") or written["hidden_size"] // written["num_attention_heads"]
+  assert getattr(theirs, "head_dim", theirs.hidden_size // theirs.num_attention_heads) == head_dim
   assert theirs.rms_norm_eps == ckpt["config"]["rms_norm_eps"]
-  assert theirs.tie_word_embeddings == (arch not in ("llama", "qwen2", "mistral", "olmo2"))
+  assert theirs.tie_word_embeddings == (arch not in ("llama", "qwen2", "mistral", "olmo2", "phi3"))
+  if arch == "phi3":  # LongRoPE, the partial rotary factor and the window as transformers reads them
+    rope = theirs.rope_parameters
+    assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.5
+    assert rope["long_factor"] == ckpt["config"]["rope_scaling"]["long_factor"]
+    assert rope["short_factor"] == ckpt["config"]["rope_scaling"]["short_factor"]
+    assert theirs.original_max_position_embeddings == 16 and theirs.sliding_window == 24
   if arch.startswith("gemma3"):
     assert written["query_pre_attn_scalar"] == 24 and isinstance(written["query_pre_attn_scalar"], int)
     assert theirs.query_pre_attn_scalar == 24 and theirs.sliding_window == 8
@@ -776,10 +842,11 @@ def test_saved_tokenizer_encodes_for_transformers_as_the_model_was_trained(check
   assert again.add_bos == tok.add_bos
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral", "olmo2"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "olmo2", "phi3"])
 def test_generates_what_the_dense_forward_predicts(checkpoints, arch):
-  """Qwen 2.5's biased projections, Mistral's window (8 keys; the prompt is 12) and OLMo
-  2's post-norms and q/k norms over all heads through the sequence-sharded KV cache:
+  """Qwen 2.5's biased projections, Mistral's window (8 keys; the prompt is 12), OLMo
+  2's post-norms and q/k norms over all heads, and Phi-3's fused tensors and partial
+  rotary (LongRoPE's short factors: 16 tokens in all) through the sequence-sharded KV cache:
   greedy `generate` on a 4-device ring gives, token by token, the argmax of the dense
   model's forward over the prompt and the tokens generated so far."""
   path = checkpoints[arch]["paths"]["hf4"]
@@ -798,12 +865,12 @@ _DENSE_GRADS = {}
 
 
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
-@pytest.mark.parametrize("arch", ["qwen2", "mistral", "olmo2"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "olmo2", "phi3"])
 def test_ring_gradients_equal_dense(checkpoints, arch, devices):
   """The gradient of every weight of a loss on the logits (a fixed random projection),
   the ring on 1, 2, 4 and 8 devices against dense attention: Qwen 2.5's biases,
   Mistral's window (8 keys at 40 tokens), OLMo 2's post-norms and q/k norms over all
-  heads."""
+  heads, Phi-3's partial rotary under LongRoPE's long factors and its window."""
   from flax import nnx
 
   path = checkpoints[arch]["paths"]["hf5"]
@@ -823,3 +890,61 @@ def test_ring_gradients_equal_dense(checkpoints, arch, devices):
   assert set(ring) == set(dense)
   for name, value in dense.items():
     assert rel_err(ring[name], value) < RING_TOL, name
+
+
+def test_longrope_switches_at_the_original_length(checkpoints, tmp_path):
+  """Phi-3's LongRoPE against the float64 forward on both sides of
+  original_max_position_embeddings (16): 16 tokens take the short factors, 17 the long
+  ones (transformers' rule: the largest position + 1), both times the attention factor
+  sqrt(1 + ln 16 / ln 16); a Phi-3 folder without rope_scaling and with a full rotary
+  factor loads as plain rotary embeddings (no window in it either)."""
+  ckpt = checkpoints["phi3"]
+  model, _ = models.load(ckpt["paths"]["hf4"], attention="dense")
+  assert model.config.rope_scaling.attention_factor == pytest.approx(math.sqrt(2.0))
+  tokens = _tokens(ckpt["config"]["vocab_size"], length=17, seed=6)
+  for t in (16, 17):
+    assert rel_err(model(tokens[:, :t])[0], _numpy_logits(ckpt, tokens[0, :t])) < F64_TOL, t
+  short = dict(
+    ckpt["config"], rope_scaling=dict(ckpt["config"]["rope_scaling"], long_factor=[1.0, 1.2, 1.5, 2.5])
+  )
+  same = models.load(write_folder(tmp_path / "short", short, ckpt["weights"]), attention="dense")[0]
+  assert rel_err(same(tokens[:, :16]), model(tokens[:, :16])) < 1e-7
+  assert rel_err(same(tokens), model(tokens)) > 1e-3  # 17 tokens: the long factors are in use
+  plain = dict(ckpt["config"], rope_scaling=None, partial_rotary_factor=1.0, sliding_window=None)
+  loaded = models.load(write_folder(tmp_path / "plain", plain, ckpt["weights"]), attention="dense")[0]
+  assert loaded.config.rope_dim is None and loaded.config.sliding_window is None
+  assert rel_err(loaded(tokens)[0], phi3_logits(ckpt["weights"], plain, tokens[0])) < F64_TOL
+
+
+def test_phi3_bad_configs_are_refused(checkpoints, tmp_path):
+  ckpt = checkpoints["phi3"]
+  config, w = ckpt["config"], ckpt["weights"]
+  cases = [
+    (dict(partial_rotary_factor=0.45), r"partial_rotary_factor=0.45 rotates 7 of 16"),
+    (dict(resid_pdrop=0.1), "resid_pdrop=0.1"),
+    (dict(rope_scaling=dict(config["rope_scaling"], long_factor=[1.0])), "long_factors"),
+    (
+      dict(rope_scaling=dict(config["rope_scaling"], short_factor=[1.0] * 8, long_factor=[2.0] * 8)),
+      "8 LongRoPE",
+    ),
+  ]
+  for i, (change, message) in enumerate(cases):
+    with pytest.raises(ValueError, match=message):
+      models.load(write_folder(tmp_path / str(i), config | change, w), attention="dense")
+  name = "model.layers.1.mlp.gate_up_proj.weight"
+  cut = dict(w, **{name: w[name][:128]})
+  with pytest.raises(ValueError, match=rf"'{name}'.*has 128 rows; the config's parts need 192"):
+    models.load(write_folder(tmp_path / "cut", config, cut), attention="dense")
+
+
+def test_gpt4o_pre_tokenizer_splits_as_o200k(checkpoints):
+  """A GGUF vocabulary with Phi-4-mini's pre-tokenizer ("gpt-4o") splits a text into the
+  pieces OpenAI's o200k_base pattern gives (written out here from the pattern's rules:
+  a word splits before a capital run, an apostrophe suffix stays with its word, digits
+  go in threes, "/" leads the word after it, a lone space before a space or a digit
+  stands alone); Llama 3's split would keep "HelloWorld" whole and cut "'t" off."""
+  _, tok = models.load(checkpoints["phi3"]["paths"]["gguf"], attention="dense")
+  pre = tok.to_tokenizers().pre_tokenizer
+  pieces = [p for p, _ in pre.pre_tokenize_str("HelloWorld don't  stop 1234567 a/b\n\nOK")]
+  expected = ["Hello", "World", " don't", " ", " stop", " ", "123", "456", "7", " a", "/b", "\n\n", "OK"]
+  assert pieces == [p.replace(" ", "\u0120").replace("\n", "\u010a") for p in expected]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import rel_err
-from numpy_models import gemma3_logits, llama_logits, olmo2_logits
+from numpy_models import gemma3_logits, llama_logits, olmo2_logits, phi3_logits
 from test_checkpoints import F64_TOL, _weights, write_folder
 
 from jax_ring import models
@@ -29,6 +29,7 @@ DEFAULTS = {
   "llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False),
   "mistral": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=4096),
   "olmo2": dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
+  "phi3": dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None),
   "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False),
   "qwen3": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, head_dim=128),
   "gemma3_text": dict(
@@ -98,23 +99,25 @@ def _numpy_logits(w, reads, tokens):
       return llama_logits(w, reads, tokens, window=reads["sliding_window"])
     case "olmo2":
       return olmo2_logits(w, reads, tokens)
+    case "phi3":
+      return phi3_logits(w, reads, tokens)
   return llama_logits(w, reads, tokens)
 
 
 def test_every_version_and_architecture_is_here():
   """4.45 to 5.x (the versions whose config.json differ), each architecture from the
-  version that added it (OLMo 2: 4.47, Gemma 3: 4.50, Qwen 3: 4.51; Mistral and Qwen
-  2.5 in every one), and the releases' files."""
+  version that added it (OLMo 2: 4.47, Gemma 3: 4.50, Qwen 3: 4.51; Mistral, Phi-3 and
+  Qwen 2.5 in every one), and the releases' files."""
   assert VERSIONS == ["4.45.2", "4.50.3", "4.51.3", "4.53.3", "4.55.4", "4.56.2", "4.57.6", "5.0.0", "5.24.0"]
   names = {v: sorted(p.stem for p in FILES if p.parent.name == v) for v in VERSIONS}
-  assert names["4.45.2"] == ["llama", "mistral", "qwen2"]
-  assert names["4.50.3"] == ["gemma3", "gemma3-variant", "llama", "mistral", "olmo2", "qwen2"]
-  every = ["gemma3", "gemma3-variant", "llama", "mistral", "olmo2", "qwen2", "qwen3"]
+  assert names["4.45.2"] == ["llama", "mistral", "phi3", "qwen2"]
+  assert names["4.50.3"] == ["gemma3", "gemma3-variant", "llama", "mistral", "olmo2", "phi3", "qwen2"]
+  every = ["gemma3", "gemma3-variant", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3"]
   assert all(names[v] == every for v in VERSIONS[2:])
   releases = sorted(p.stem for p in FILES if p.parent.name == "releases")
   assert releases == [
     *("gemma-3-1b", "gemma-3-270m", "llama-3.1-8b", "llama-3.2-1b", "mistral-7b-v0.3", "mistral-nemo-12b"),
-    *("qwen2.5-0.5b", "qwen2.5-7b-instruct-1m", "qwen3-0.6b"),
+    *("olmo-2-7b", "phi-3-mini-4k", "phi-4-mini", "qwen2.5-0.5b", "qwen2.5-7b-instruct-1m", "qwen3-0.6b"),
   ]
   keys = lambda v, name: set(json.loads((ROOT / v / f"{name}.json").read_text()))
   assert "layer_types" in keys("4.53.3", "qwen3") and "layer_types" not in keys("4.51.3", "qwen3")
@@ -158,6 +161,9 @@ BAD = [
   ("releases/qwen2.5-0.5b.json", {"use_mrope": True}, "use_mrope=True"),
   ("5.24.0/mistral.json", {"layer_types": ["full_attention"] * 2}, "layer_types="),
   ("4.57.6/olmo2.json", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
+  ("releases/phi-4-mini.json", {"full_attn_mod": 2}, "full_attn_mod=2"),
+  ("5.24.0/phi3.json", {"embd_pdrop": 0.1}, "embd_pdrop=0.1"),
+  ("4.45.2/phi3.json", {"rope_scaling": {"type": "yarn", "factor": 2.0}}, "'yarn'"),
 ]
 
 

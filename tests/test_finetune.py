@@ -19,6 +19,7 @@ from conftest import make_mesh, rel_err
 from flax import nnx
 
 from jax_ring import hlo, models
+from jax_ring import nn as ring_nn
 from jax_ring.models.architectures import decoder
 from jax_ring.models.train import finetune
 from jax_ring.models.train import step as train_step
@@ -70,12 +71,27 @@ def test_fsdp_steps_equal_the_replicated_model(shape, names, batch_axis):
   _fsdp_equals_replicated(SMALL, shape, names, batch_axis)
 
 
-@pytest.mark.parametrize("family", [models.Qwen2Config, models.Olmo2Config], ids=lambda c: c.model_type)
-def test_fsdp_steps_of_other_blocks_equal_the_replicated_model(family):
-  """The same for Qwen 2.5's block (its query, key and value biases) and OLMo 2's (norms
-  after the sub-layers, q/k norms over all heads' width): every weight trains split
-  over the 8 devices."""
-  config = family(**{f.name: getattr(SMALL, f.name) for f in dataclasses.fields(SMALL)})
+# Phi-3's kind: half of each head rotates, LongRoPE, a window of 24 keys.
+PHI3 = dict(
+  rope_dim=8,
+  sliding_window=24,
+  rope_scaling=ring_nn.RopeScaling(
+    "longrope", factors=(1.0, 1.2, 1.5, 2.0), long_factors=(1.0, 3.0, 6.0, 9.0),
+    original_max_position_embeddings=16, attention_factor=1.2,
+  ),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "family, extra",
+  [(models.Qwen2Config, {}), (models.Olmo2Config, {}), (models.Phi3Config, PHI3)],
+  ids=["qwen2", "olmo2", "phi3"],
+)
+def test_fsdp_steps_of_other_blocks_equal_the_replicated_model(family, extra):
+  """The same for Qwen 2.5's block (its query, key and value biases), OLMo 2's (norms
+  after the sub-layers, q/k norms over all heads' width) and Phi-3's (partial rotary,
+  LongRoPE, a window): every weight trains split over the 8 devices."""
+  config = family(**{f.name: getattr(SMALL, f.name) for f in dataclasses.fields(SMALL)} | extra)
   _fsdp_equals_replicated(config, *MESHES[0])
 
 

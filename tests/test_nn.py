@@ -488,3 +488,67 @@ def test_flax_linen_consistency_decode_grid():
       assert np.abs(a - b).max() <= (1e-2 if half else 1e-5) * max(scale, 1.0), (options, step)
     points += 1
   assert points == 48
+
+
+def test_longrope_and_partial_rotary_follow_their_formula():
+  """`RopeScaling("longrope")` with `apply_rope(rotary_dim=)` against the formula written
+  out in NumPy (transformers' LongRoPE): inv_freq_i = 1 / (f_i base^(2i/R)) with f the
+  short factors while the largest position + 1 <= original_max_position_embeddings and
+  the long ones past it; cos and sin times the attention factor; pairs (i, i + R/2)
+  among the first R dimensions, the others unchanged. Bad factors are refused by name."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((1, 10, 2, 12)).astype(np.float32)
+  scaling = ring_nn.RopeScaling(
+    "longrope", factors=(1.0, 1.5, 3.0, 4.0), long_factors=(2.0, 4.0, 8.0, 9.0),
+    original_max_position_embeddings=8, attention_factor=1.3,
+  )  # fmt: skip
+
+  def expected(xs, positions):
+    factors = np.array(scaling.long_factors if positions.max() + 1 > 8 else scaling.factors)
+    inv = 1.0 / (factors * 500.0 ** (np.arange(0, 8, 2) / 8))
+    ang = positions[:, None] * inv[None]
+    cos, sin = np.cos(ang)[None, :, None] * 1.3, np.sin(ang)[None, :, None] * 1.3
+    x1, x2 = xs[..., :4].astype(np.float64), xs[..., 4:8].astype(np.float64)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xs[..., 8:]], axis=-1)
+
+  for positions in (np.arange(8), np.arange(10), np.arange(3, 11)):  # short, long, long
+    xs = x[:, : len(positions)]
+    got = ring_nn.apply_rope(xs, positions, 500.0, scaling=scaling, rotary_dim=8)
+    assert rel_err(got, expected(xs, positions)) < 1e-6, positions
+  short = ring_nn.apply_rope(x[:, :8], np.arange(8), 500.0, scaling=scaling, rotary_dim=8)
+  shifted = ring_nn.apply_rope(x[:, :8], np.arange(3, 11), 500.0, scaling=scaling, rotary_dim=8)
+  assert rel_err(short, shifted) > 1e-2  # the switch is taken: the long factors differ
+  with pytest.raises(ValueError, match="long_factors"):
+    ring_nn.RopeScaling("longrope", factors=(1.0, 2.0), long_factors=(1.0,))
+  with pytest.raises(ValueError, match="long_factors are LongRoPE's"):
+    ring_nn.RopeScaling("linear", factor=2.0, long_factors=(1.0,))
+  with pytest.raises(ValueError, match="rotary_dim=7"):
+    ring_nn.apply_rope(x, np.arange(10), 500.0, rotary_dim=7)
+  with pytest.raises(ValueError, match="rope_dim=14"):
+    ring_nn.RingAttention(2, 24, kind="dense", head_dim=12, rope_base=500.0, rope_dim=14, rngs=nnx.Rngs(0))
+
+
+def test_a_window_wider_than_the_sequence_is_no_window(monkeypatch):
+  """A causal window that reaches every earlier key (left >= T - 1) reaches the ring as
+  no window at all (so cuDNN's kernel stays open to it), and the result is unchanged; a
+  window that excludes keys is passed on."""
+  mesh = make_mesh((2,), ("seq",))
+  seen = []
+  real = ring_nn.ring_attention
+
+  def spy(*args, **kwargs):
+    seen.append(kwargs["local_window_size"])
+    return real(*args, **kwargs)
+
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 16, 32)), jnp.float32)
+  out = {}
+  for left in (15, 400, 14):
+    attn = ring_nn.RingAttention(
+      4, 32, mesh=mesh, is_causal=True, local_window_size=(left, 0), rngs=nnx.Rngs(0)
+    )
+    monkeypatch.setattr(ring_nn, "ring_attention", spy)
+    out[left] = np.asarray(attn(x))
+  assert seen == [None, None, (14, 0)]
+  dense = ring_nn.RingAttention(4, 32, kind="dense", is_causal=True, rngs=nnx.Rngs(0))
+  assert rel_err(out[15], dense(x)) < 1e-5 and rel_err(out[400], out[15]) < 1e-7
+  assert rel_err(out[14], out[15]) > 1e-4

@@ -8,7 +8,7 @@ A family module builds its blocks on `decoder.CausalLM` and ends with one
 
 from __future__ import annotations
 
-from . import gemma, llama, mistral, olmo2, qwen2, qwen3
+from . import gemma, llama, mistral, olmo2, phi3, qwen2, qwen3
 from .record import Architecture
 
 REGISTRY: tuple[Architecture, ...] = (
@@ -16,6 +16,7 @@ REGISTRY: tuple[Architecture, ...] = (
   llama.ARCHITECTURE,
   mistral.ARCHITECTURE,
   olmo2.ARCHITECTURE,
+  phi3.ARCHITECTURE,
   qwen2.ARCHITECTURE,
   qwen3.ARCHITECTURE,
 )

@@ -23,6 +23,10 @@ class HFFormat:
     where the reader needs them (None: a missing key is an error).
   multimodal: `model_type`s whose `text_config` holds this family's config (a
     vision-language folder), its tensors under one of `text_prefixes`.
+  fused: fused(config) -> {a file's tensor: ((part, rows), ...)} for tensors the file
+    stores as one and the model holds apart (Phi-3's qkv_proj, gate_up_proj): the
+    parts, names in `tensors`, are the file tensor's rows in that order; `models.load`
+    splits them and `models.save` joins them. None: none.
   """
 
   model_types: tuple[str, ...]
@@ -33,16 +37,19 @@ class HFFormat:
   defaults: Mapping | None = None
   multimodal: tuple[str, ...] = ()
   text_prefixes: tuple[str, ...] = ()
+  fused: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class GGUFFormat:
-  """A family in llama.cpp's GGUF files: `general.architecture`, the tensor table and
-  the config reader (`read_config(gguf_file, **overrides) -> config`)."""
+  """A family in llama.cpp's GGUF files: `general.architecture`, the tensor table, the
+  config reader (`read_config(gguf_file, **overrides) -> config`) and the fused
+  tensors (as `HFFormat.fused`)."""
 
   arch: str
   tensors: Mapping
   read_config: Callable
+  fused: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)

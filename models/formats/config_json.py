@@ -5,6 +5,8 @@ the computation, and the rotary scaling's config forms (`rope_scaling`,
 
 from __future__ import annotations
 
+import math
+
 from jax_ring import nn as ring_nn
 
 # Keys of config.json that describe the file or the run, not the computation.
@@ -34,6 +36,8 @@ HARMLESS = {
   "unsloth_fixed",
   "final_logit_softcapping",
   "attn_logit_softcapping",
+  "ignore_keys_at_rope_validation",  # transformers 5.0's Phi-3: which rope keys its check skips
+  "auto_map",  # the repository's own code for trust_remote_code; transformers' class runs without it
 }
 
 
@@ -71,9 +75,11 @@ class ConfigReader:
           f"(expected {value!r})"
         )
 
-  def rope(self, layer_type=None, default_theta=None):
+  def rope(self, layer_type=None, default_theta=None, **longrope):
     """(rope base, `RopeScaling` or None) of the layers of `layer_type` ("full_attention",
-    "sliding_attention"; None: all layers)."""
+    "sliding_attention"; None: all layers). `longrope`: `rope_scaling`'s context_length
+    and original_max_position_embeddings, for a family whose LongRoPE reads them from
+    the config's top level (Phi-3)."""
     params = self.get("rope_parameters")
     for key in ("rope_theta", "rope_scaling", "rope_local_base_freq"):
       self.read.add(key)
@@ -93,7 +99,7 @@ class ConfigReader:
       raise ValueError(
         f"{self.where}: no rope_theta (nor rope_parameters) for the {layer_type or 'model'}'s layers"
       )
-    return float(theta), rope_scaling(scaling, self.where)
+    return float(theta), rope_scaling(scaling, self.where, **longrope)
 
   def check_all_read(self) -> None:
     for key, value in self.values.items():
@@ -145,11 +151,33 @@ def decoder_keys(config) -> dict:
   )
 
 
-def rope_scaling(values, where: str):
-  """A `jax_ring.nn.RopeScaling` from a rope_scaling / rope_parameters dict (None: none)."""
+def rope_scaling(values, where: str, *, context_length=None, original_max_position_embeddings=None):
+  """A `jax_ring.nn.RopeScaling` from a rope_scaling / rope_parameters dict (None: none).
+
+  "longrope" (and "su", its earlier name) as transformers reads it: the short and long
+  factors, original_max_position_embeddings (in the dict, else the config's top-level
+  value given here), and the attention factor: the dict's `attention_factor`, else
+  sqrt(1 + ln s / ln original) with s the dict's `factor`, else context_length /
+  original (1 where s <= 1)."""
   if values is None:
     return None
   kind = values.get("rope_type", values.get("type", "default"))
+  if kind in ("longrope", "su") and original_max_position_embeddings is not None:
+    original = int(values.get("original_max_position_embeddings") or original_max_position_embeddings)
+    short, long = values.get("short_factor"), values.get("long_factor")
+    if not isinstance(short, list) or not isinstance(long, list):
+      raise ValueError(f"{where}: LongRoPE needs short_factor and long_factor lists; got {short!r}, {long!r}")
+    scale = values.get("factor") or context_length / original
+    gain = values.get("attention_factor")
+    if gain is None:
+      gain = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    return ring_nn.RopeScaling(
+      "longrope",
+      factors=tuple(float(f) for f in short),
+      long_factors=tuple(float(f) for f in long),
+      original_max_position_embeddings=original,
+      attention_factor=float(gain),
+    )
   match kind:
     case "default":
       return None

@@ -19,13 +19,22 @@ import numpy as np
 # Pre-tokenizer patterns by GGUF's `tokenizer.ggml.pre`, as the models' own tokenizer.json
 # files give them (Meta's Llama 3, Qwen's Qwen 2/3) and llama.cpp's llama-vocab.cpp names
 # them; with the NFC normalizer Qwen's tokenizer.json has, and whether a word already in
-# the vocabulary skips the merges (Llama 3's "ignore_merges").
+# the vocabulary skips the merges (Llama 3's "ignore_merges"). "gpt-4o" (Phi-4-mini) is
+# OpenAI's o200k_base split (tiktoken's pattern: words split before capitals, an
+# apostrophe suffix kept with its word, digits in threes).
 BPE_PRE = {
   "llama-bpe": (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+",
     False,
     True,
+  ),
+  "gpt-4o": (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    False,
+    False,
   ),
   "qwen2": (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"

@@ -1,5 +1,5 @@
 """Writes the config.json that an installed transformers version's `save_pretrained`
-writes for the tests' small Llama 3, Mistral, Qwen 2.5, Qwen 3, OLMo 2 and Gemma 3
+writes for the tests' small Llama 3, Mistral, Qwen 2.5, Qwen 3, OLMo 2, Phi-3 and Gemma 3
 configs (tests/test_config_vintages.py), into a folder named after the version:
 
     python -m venv /tmp/tf && /tmp/tf/bin/pip install transformers==4.55.4
@@ -8,9 +8,10 @@ configs (tests/test_config_vintages.py), into a folder named after the version:
 
 No torch is needed: only the configuration classes are used. The files in this folder
 were written so by transformers 4.45.2, 4.50.3, 4.51.3, 4.53.3, 4.55.4, 4.56.2, 4.57.6,
-5.0.0 and 5.24.0 (OLMo 2 from 4.47, Gemma 3 from 4.50, Qwen 3 from 4.51; Qwen 2.5's
-and Mistral's in every one). `releases/` holds the published
-checkpoints' own config.json files, shrunk to a few small layers by `shrink` below.
+5.0.0 and 5.24.0 (OLMo 2 from 4.47, Gemma 3 from 4.50, Qwen 3 from 4.51; Qwen 2.5's,
+Mistral's and Phi-3's in every one; 4.45.2's Phi-3 has no partial rotary factor).
+`releases/` holds the published checkpoints' own config.json files, shrunk to a few
+small layers by `shrink` below.
 """
 
 import json
@@ -77,7 +78,9 @@ def save(config, folder: str, name: str) -> None:
 # (4.45.0.dev0), Qwen/Qwen3-0.6B (4.51.0), google/gemma-3-1b-pt (4.50.0.dev0),
 # google/gemma-3-270m (4.55.0.dev0), Qwen/Qwen2.5-0.5B (4.40.1),
 # Qwen/Qwen2.5-7B-Instruct-1M (4.47.1), mistralai/Mistral-7B-v0.3 (4.42.0.dev0),
-# mistralai/Mistral-Nemo-Base-2407 (4.43.0.dev0).
+# mistralai/Mistral-Nemo-Base-2407 (4.43.0.dev0), allenai/OLMo-2-1124-7B (as copies of it
+# list its keys), microsoft/Phi-4-mini-instruct (4.45.0) and
+# microsoft/Phi-3-mini-4k-instruct (4.40.2).
 _LLAMA3_1 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 _LLAMA = dict(
   architectures=["LlamaForCausalLM"],
@@ -120,6 +123,31 @@ _GEMMA = dict(
   torch_dtype="bfloat16",
   use_cache=True,
   vocab_size=262144,
+)
+_PHI4_LONG = [
+  1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649,
+  2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845, 5.351743533,
+  5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651,
+  14.64173252, 16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 32.03,
+  32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16,
+  47.77,
+]  # fmt: skip
+_PHI3 = dict(
+  architectures=["Phi3ForCausalLM"],
+  attention_dropout=0.0,
+  embd_pdrop=0.0,
+  hidden_act="silu",
+  hidden_size=3072,
+  initializer_range=0.02,
+  intermediate_size=8192,
+  model_type="phi3",
+  num_hidden_layers=32,
+  original_max_position_embeddings=4096,
+  resid_pdrop=0.0,
+  rms_norm_eps=1e-05,
+  rope_theta=10000.0,
+  torch_dtype="bfloat16",
+  use_cache=True,
 )
 RELEASES = {
   "llama-3.1-8b": _LLAMA
@@ -272,6 +300,71 @@ RELEASES = {
     use_sliding_window=False,
     vocab_size=151936,
   ),
+  "olmo-2-7b": dict(
+    architectures=["Olmo2ForCausalLM"],
+    attention_bias=False,
+    attention_dropout=0.0,
+    eos_token_id=100257,
+    hidden_act="silu",
+    hidden_size=4096,
+    initializer_range=0.02,
+    intermediate_size=11008,
+    max_position_embeddings=4096,
+    model_type="olmo2",
+    num_attention_heads=32,
+    num_hidden_layers=32,
+    num_key_value_heads=32,
+    pad_token_id=100277,
+    rms_norm_eps=1e-06,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    use_cache=True,
+    vocab_size=100352,
+  ),
+  "phi-4-mini": _PHI3
+  | dict(
+    attention_bias=False,
+    auto_map={
+      "AutoConfig": "configuration_phi3.Phi3Config",
+      "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM",
+      "AutoTokenizer": "Xenova/gpt-4o",
+    },
+    bos_token_id=199999,
+    eos_token_id=200020,
+    full_attn_mod=1,
+    interpolate_factor=1,
+    lm_head_bias=False,
+    max_position_embeddings=131072,
+    mlp_bias=False,
+    num_attention_heads=24,
+    num_key_value_heads=8,
+    pad_token_id=199999,
+    partial_rotary_factor=0.75,
+    rope_scaling=dict(long_factor=_PHI4_LONG, short_factor=[1.0] * 48, type="longrope"),
+    sliding_window=262144,
+    tie_word_embeddings=True,
+    transformers_version="4.45.0",
+    vocab_size=200064,
+  ),
+  "phi-3-mini-4k": _PHI3
+  | dict(
+    auto_map={
+      "AutoConfig": "configuration_phi3.Phi3Config",
+      "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM",
+    },
+    bos_token_id=1,
+    eos_token_id=32000,
+    max_position_embeddings=4096,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    pad_token_id=32000,
+    rope_scaling=None,
+    sliding_window=2047,
+    tie_word_embeddings=False,
+    transformers_version="4.40.2",
+    vocab_size=32064,
+  ),
   "gemma-3-1b": _GEMMA
   | dict(
     cache_implementation="hybrid",
@@ -317,6 +410,11 @@ def shrink(config: dict) -> dict:
   if gemma:
     out["sliding_window"] = 8
     out["query_pre_attn_scalar"] = 16
+  scaling = config.get("rope_scaling") or {}
+  if "long_factor" in scaling:  # Phi-4-mini: 6 of its 48 LongRoPE frequencies (12 of 16 dimensions rotate)
+    out["rope_scaling"] = dict(
+      scaling, long_factor=scaling["long_factor"][::8], short_factor=scaling["short_factor"][::8]
+    )
   return out
 
 
@@ -354,6 +452,26 @@ def main(root: str) -> None:
     **dtype("bfloat16"),
   )
   save(mistral, folder, "mistral")
+  partial = "partial_rotary_factor" in transformers.Phi3Config().to_dict() or V5
+  half = 4 if partial else 8  # rotary frequencies: 8 of 16 dimensions rotate, or all 16
+  phi3 = transformers.Phi3Config(
+    **{k: v for k, v in COMMON.items() if k != "head_dim"},  # Phi-3's config has no head_dim
+    num_hidden_layers=2,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    original_max_position_embeddings=16,
+    sliding_window=20,
+    rope_theta=10000.0,
+    rope_scaling={
+      "type": "longrope",
+      "short_factor": [1.0, 1.25] * (half // 2),
+      "long_factor": [2.0, 5.0] * (half // 2),
+    },
+    pad_token_id=None,
+    **(dict(partial_rotary_factor=0.5) if partial else {}),
+    **dtype("bfloat16"),
+  )
+  save(phi3, folder, "phi3")
   if hasattr(transformers, "Olmo2Config"):
     olmo2 = transformers.Olmo2Config(
       **{k: v for k, v in COMMON.items() if k != "head_dim"},  # OLMo 2's config has no head_dim
