@@ -145,20 +145,25 @@ def config_from_gguf(gguf_file, arch="llama", cls=LlamaConfig, **overrides):
     if scaling is not None:
       raise ValueError(f"{str(gguf_file.path)!r} has both rope.scaling.type and rope_freqs.weight")
     scaling = scaling_from_factors(np.asarray(gguf_file.tensor("rope_freqs.weight")), head_dim, base)
-  return cls(
+  return cls(**gguf_fields(f, gguf_file, head_dim, base, scaling), **overrides)
+
+
+def gguf_fields(f, gguf_file, head_dim: int, rope_base: float, rope_scaling) -> dict:
+  """The config fields the decoders read alike from a GGUF file's metadata (`f`, its
+  `ArchReader`), with the head width and rotary embeddings the family worked out."""
+  return dict(
     vocab_size=gguf_file.vocab_size,
-    dim=dim,
+    dim=f.int("embedding_length"),
     num_layers=f.int("block_count"),
-    num_heads=heads,
+    num_heads=f.int("attention.head_count"),
     num_kv_heads=f.int("attention.head_count_kv"),
     head_dim=head_dim,
     mlp_hidden=f.int("feed_forward_length"),
-    rope_base=base,
-    rope_scaling=scaling,
+    rope_base=rope_base,
+    rope_scaling=rope_scaling,
     norm_eps=float(f.get("attention.layer_norm_rms_epsilon", 1e-5)),
     context_length=f.int("context_length"),
     tie_embeddings="output.weight" not in gguf_file.tensor_types,
-    **overrides,
   )
 
 

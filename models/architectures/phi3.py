@@ -261,18 +261,7 @@ def config_from_gguf(gguf_file, **overrides) -> Phi3Config:
       f"phi3.rope.scaling.attn_factor={gain} of {str(gguf_file.path)!r} without LongRoPE factors"
     )
   return Phi3Config(
-    vocab_size=gguf_file.vocab_size,
-    dim=dim,
-    num_layers=f.int("block_count"),
-    num_heads=heads,
-    num_kv_heads=f.int("attention.head_count_kv"),
-    head_dim=head_dim,
-    mlp_hidden=f.int("feed_forward_length"),
-    rope_base=base,
-    rope_scaling=scaling,
-    norm_eps=float(f.get("attention.layer_norm_rms_epsilon", 1e-5)),
-    context_length=f.int("context_length"),
-    tie_embeddings="output.weight" not in gguf_file.tensor_types,
+    **llama.gguf_fields(f, gguf_file, head_dim, base, scaling),
     sliding_window=None,
     rope_dim=None if rope_dim == head_dim else rope_dim,
     **overrides,
