@@ -728,29 +728,46 @@ def test_bad_folders_and_files(checkpoints, tmp_path):
     models.load(ckpt["paths"]["hf4"], attention="dense", fsdp=True)
 
 
-def test_unknown_gguf_key_is_refused(checkpoints, tmp_path):
-  ckpt = checkpoints["qwen3"]
-  path = tmp_path / "softcap.gguf"
-  writer_config = ckpt["config"]
-  write_gguf(path, writer_config, ckpt["weights"], bpe_tables(ckpt["tokenizer"]))
-  reader = gguf.GGUFReader(str(path))
-  writer = gguf.GGUFWriter(str(tmp_path / "more.gguf"), "qwen3")
+def _rewrite_gguf(source, path, arch, drop=(), add=None):
+  """A copy of the GGUF file `source` at `path` without the metadata keys `drop`, with
+  `add(writer)`'s."""
+  reader = gguf.GGUFReader(str(source))
+  writer = gguf.GGUFWriter(str(path), arch)
   for field in reader.fields.values():
-    if field.name.startswith(("GGUF.", "general.architecture")):
+    if field.name.startswith(("GGUF.", "general.architecture")) or field.name in drop:
       continue
     value = field.contents()
     kind = field.types[0]
     sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
     writer.add_key_value(field.name, value, kind, sub_type=sub)
-  writer.add_float32("qwen3.attn_logit_softcapping", 30.0)
+  if add is not None:
+    add(writer)
   for t in reader.tensors:
     writer.add_tensor(t.name, np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))))
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
+  return path
+
+
+def test_unknown_gguf_key_is_refused(checkpoints, tmp_path):
+  ckpt = checkpoints["qwen3"]
+  path = tmp_path / "softcap.gguf"
+  writer_config = ckpt["config"]
+  write_gguf(path, writer_config, ckpt["weights"], bpe_tables(ckpt["tokenizer"]))
+  more = _rewrite_gguf(
+    path, tmp_path / "more.gguf", "qwen3", add=lambda w: w.add_float32("qwen3.attn_logit_softcapping", 30.0)
+  )
   with pytest.raises(ValueError, match="qwen3.attn_logit_softcapping=30.0"):
-    models.load(tmp_path / "more.gguf", cache_dir=tmp_path)
+    models.load(more, cache_dir=tmp_path)
+  # A Phi-3 file with LongRoPE's factors but not the length they switch at.
+  source = checkpoints["phi3"]["paths"]["gguf"]
+  cut = _rewrite_gguf(
+    source, tmp_path / "phi3.gguf", "phi3", drop=("phi3.rope.scaling.original_context_length",)
+  )
+  with pytest.raises(ValueError, match="phi3.rope.scaling.original_context_length is missing"):
+    models.load(cut, cache_dir=tmp_path)
 
 
 def test_bad_tokens(checkpoints):

@@ -248,6 +248,11 @@ def config_from_gguf(gguf_file, **overrides) -> Phi3Config:
   gain = float(f.get("rope.scaling.attn_factor", 1.0))
   scaling = None
   if "rope_factors_long.weight" in gguf_file.tensor_types:
+    if original is None:
+      raise ValueError(
+        f"phi3.rope.scaling.original_context_length is missing from {str(gguf_file.path)!r}: LongRoPE's "
+        "factors (rope_factors_long.weight) switch at it"
+      )
     factor = lambda name: tuple(float(x) for x in np.asarray(gguf_file.tensor(name), np.float64).reshape(-1))
     scaling = ring_nn.RopeScaling(
       "longrope",
