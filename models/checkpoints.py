@@ -291,6 +291,7 @@ class _Split:
   def __init__(self, source, fused: dict, where: str):
     self.source, self.where = source, where
     self.parts = {}  # part -> (fused tensor, first row, rows)
+    self.rows = {name: sum(rows for _, rows in parts) for name, parts in fused.items()}
     for name, parts in fused.items():
       start = 0
       for part, rows in parts:
@@ -310,10 +311,10 @@ class _Split:
       return self.source[name]
     fused, start, rows = self.parts[name]
     array = self.source[fused]
-    total = sum(r for f, _, r in self.parts.values() if f == fused)
-    if array.shape[0] != total:
+    if array.shape[0] != self.rows[fused]:
       raise ValueError(
-        f"tensor {fused!r} of {self.where!r} has {array.shape[0]} rows; the config's parts need {total}"
+        f"tensor {fused!r} of {self.where!r} has {array.shape[0]} rows; the config's parts need "
+        f"{self.rows[fused]}"
       )
     return array[start : start + rows]
 

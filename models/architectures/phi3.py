@@ -42,7 +42,7 @@ _PHI4_MINI_ROPE = ring_nn.RopeScaling(
   factors=(1.0,) * 48,
   long_factors=_PHI4_MINI_LONG,
   original_max_position_embeddings=4096,
-  attention_factor=math.sqrt(1 + math.log(131072 / 4096) / math.log(4096)),
+  attention_factor=config_json.longrope_attention_factor(131072 / 4096, 4096),
 )
 
 
@@ -224,9 +224,7 @@ def hf_config(config) -> dict:
       "long_factor": list(s.long_factors),
     }
     scale = config.context_length / s.original_max_position_embeddings
-    default = (
-      math.sqrt(1 + math.log(scale) / math.log(s.original_max_position_embeddings)) if scale > 1 else 1.0
-    )
+    default = config_json.longrope_attention_factor(scale, s.original_max_position_embeddings)
     if not math.isclose(s.attention_factor, default, rel_tol=1e-12):
       values["rope_scaling"]["attention_factor"] = s.attention_factor
   return values

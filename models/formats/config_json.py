@@ -170,7 +170,7 @@ def rope_scaling(values, where: str, *, context_length=None, original_max_positi
     scale = values.get("factor") or context_length / original
     gain = values.get("attention_factor")
     if gain is None:
-      gain = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+      gain = longrope_attention_factor(scale, original)
     return ring_nn.RopeScaling(
       "longrope",
       factors=tuple(float(f) for f in short),
@@ -194,6 +194,13 @@ def rope_scaling(values, where: str, *, context_length=None, original_max_positi
   raise ValueError(
     f"{where}: rope scaling rope_type={kind!r} is not supported (supported: 'default', 'linear', 'llama3')"
   )
+
+
+def longrope_attention_factor(scale: float, original: int) -> float:
+  """LongRoPE's default attention factor for a context `scale` times the original
+  length: sqrt(1 + ln scale / ln original), 1 where scale <= 1 (transformers' and
+  llama.cpp's rule)."""
+  return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
 
 
 def rope_scaling_json(scaling) -> dict | None:
