@@ -405,8 +405,10 @@ def _place(arch, cfg, source, table, placement, *, where):
     else:  # each device reads its own slice of the (memory-mapped) tensor
       sharding = weight_sharding(key, array.shape, cfg, mesh, seq_axis, placement["fsdp"])
     dtype = variable.dtype
+    # A copy of each slice: a CPU device's buffer over the memory-mapped slice itself
+    # kept the file mapped, and a step could not donate it.
     value = jax.make_array_from_callback(
-      tuple(array.shape), sharding, lambda index, a=array, d=dtype: np.asarray(a[index], dtype=d)
+      tuple(array.shape), sharding, lambda index, a=array, d=dtype: np.array(a[index], dtype=d)
     )
     flat.append((path, variable.replace(value)))
     del array

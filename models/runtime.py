@@ -13,6 +13,8 @@ Cloud TPU, ...); otherwise one process.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import importlib.metadata
 import logging
 import os
@@ -73,6 +75,23 @@ def safe_cpu_pool(count: int) -> None:
   collectives cannot deadlock it (see INFLIGHT_PER_DEVICE): NPROC = 32 x count, unless
   NPROC is set already. Before the first JAX computation."""
   os.environ.setdefault("NPROC", str(INFLIGHT_PER_DEVICE * max(1, int(count))))
+
+
+def release_free_memory() -> bool:
+  """Hand the host memory the process has freed back to the system (glibc's
+  `malloc_trim`); True where it could. A compile frees most of what it used, but glibc
+  keeps the freed heap, and a step's temporaries are fresh mappings that cannot reuse
+  it: on 8 simulated devices, fine-tuning Gemma 3 270M held 1.1 GiB of a finished
+  compile's garbage through its first step. No-op on other C libraries."""
+  name = ctypes.util.find_library("c")
+  try:
+    trim = ctypes.CDLL(name).malloc_trim if name else None
+  except (OSError, AttributeError):
+    trim = None
+  if trim is None:
+    return False
+  trim(ctypes.c_size_t(0))
+  return True
 
 
 def simulate_devices(count: int) -> None:

@@ -965,3 +965,25 @@ def test_gpt4o_pre_tokenizer_splits_as_o200k(checkpoints):
   pieces = [p for p, _ in pre.pre_tokenize_str("HelloWorld don't  stop 1234567 a/b\n\nOK")]
   expected = ["Hello", "World", " don't", " ", " stop", " ", "123", "456", "7", " a", "/b", "\n\n", "OK"]
   assert pieces == [p.replace(" ", "\u0120").replace("\n", "\u010a") for p in expected]
+
+
+def test_loaded_weights_are_copies_of_the_gguf_cache(checkpoints):
+  """A GGUF load reads the dequantized tensors memory-mapped from the file's cache
+  folder and places copies: a device buffer made over the mapping (NumPy's view of it)
+  kept the file mapped, resident beside the step's donated outputs, which could not
+  take its place (Gemma 3 270M on 8 devices: 1 GiB more at the first step)."""
+  import gc
+
+  from flax import nnx
+
+  from jax_ring.models.formats.gguf import GGUFFile
+
+  path = checkpoints["llama"]["paths"]["gguf"]
+  folder = str(GGUFFile(path).folder)
+  model, _ = models.load(path, mesh=make_mesh((2,), ("seq",)), fsdp=True)
+  gc.collect()
+  with open("/proc/self/maps") as maps:
+    mapped = [line.split()[-1] for line in maps if folder in line]
+  assert not mapped, mapped
+  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert leaves and all(np.isfinite(np.asarray(x)).all() for x in leaves)

@@ -318,6 +318,75 @@ def test_loss_ring_moving_the_table_or_the_rows(moving, transposed, shape, names
   )
 
 
+@pytest.mark.parametrize("moving", ["table", "rows"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_loss_ring_adds_the_table_gradient_in_row_blocks(monkeypatch, moving, transposed):
+  """The shard's gradient taking each chunk's share in blocks of rows (4 of a device's
+  8 rows at a time, in place): the same values and gradients as above, against float64."""
+  from jax_ring.models.architectures import vocabulary as vocab
+
+  monkeypatch.setattr(vocab, "ROW_BLOCK", 4)
+  monkeypatch.setattr(vocab, "MIN_ROW_BLOCK", 1)
+  assert vocab._row_block(8) == 4
+  jax.clear_caches()  # read when traced
+  test_loss_ring_moving_the_table_or_the_rows(moving, transposed, (8,), ("seq",), ("seq",), (None, "seq"))
+
+
+def test_loss_ring_holds_one_table_gradient():
+  """Compiled on 8 devices with a 65,536 x 256 table (a device's shard: 8 MiB) and the
+  hidden states traveling (`moving="rows"`, as a device with fewer tokens than a shard
+  has rows runs it): the backward's temporaries hold the shard's gradient and a block
+  of it, not a second array of the shard's size for each chunk's share."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jax_ring.models.architectures import vocabulary as vocab
+
+  jax.clear_caches()
+  mesh = make_mesh((8,), ("seq",))
+  loss = jax.shard_map(
+    lambda h, w, t: vocab.cross_entropy(h, w, t, ("seq",), 64, ("seq",), moving="rows").sum(),
+    mesh=mesh,
+    in_specs=(P(None, "seq", None), P("seq", None), P(None, "seq")),
+    out_specs=P(),
+    check_vma=False,
+  )
+  h = jax.ShapeDtypeStruct((1, 1024, 256), jnp.float32, sharding=NamedSharding(mesh, P(None, "seq", None)))
+  table = jax.ShapeDtypeStruct((65536, 256), jnp.float32, sharding=NamedSharding(mesh, P("seq", None)))
+  t = jax.ShapeDtypeStruct((1, 1024), jnp.int32, sharding=NamedSharding(mesh, P(None, "seq")))
+  compiled = jax.jit(jax.grad(loss, (0, 1))).lower(h, table, t).compile()
+  shard = 65536 // 8 * 256 * 4
+  # The gradient is the output here: whole shares took 1.56 shards of temporaries, in
+  # blocks 0.94 (logits and the like).
+  assert compiled.memory_analysis().temp_size_in_bytes < 1.25 * shard
+
+
+def test_clip_by_global_norm_equals_optax():
+  """The step's clipping (one multiplication by min(1, max / norm)) against optax's
+  `clip_by_global_norm`, above and below the threshold."""
+  rng = np.random.default_rng(3)
+  grads = {
+    "a": jnp.asarray(rng.standard_normal((8, 4)), jnp.float32),
+    "b": jnp.asarray(rng.standard_normal(5)),
+  }
+  norm = float(optax.tree.norm(grads))
+  for max_norm in (0.25 * norm, 4.0 * norm):
+    ours = train_step.clip_by_global_norm(max_norm)
+    theirs = optax.clip_by_global_norm(max_norm)
+    got, _ = ours.update(grads, ours.init(grads))
+    expected, _ = theirs.update(grads, theirs.init(grads))
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)
+    assert abs(float(optax.tree.norm(got)) - min(norm, max_norm)) < 1e-5 * norm
+
+
+def test_free_host_memory_goes_back_after_a_compile():
+  """glibc's malloc_trim is reached (Linux CI): the trainer calls it after each compile."""
+  from jax_ring.models import runtime
+
+  assert runtime.release_free_memory()
+
+
 def test_training_loss_in_the_ring_order_equals_natural_order():
   """At 512 tokens a device (the balanced causal layout) the loss runs every layer in
   the ring's token order (tokens, targets and weights permuted once; no relayout per
@@ -615,30 +684,34 @@ def test_document_batch_scores_exactly_the_answer():
 
 @pytest.mark.slow  # 45 s: the scanned and the unrolled model's gradients, compiled
 def test_blocks_that_repeat_with_a_period_train_as_a_scan():
-  """Gemma 3's blocks repeat with a period (windowed, then global): with FSDP and remat
-  its training call runs them as a scan over whole periods (the backward then holds one
-  period's gradients at a time), and its loss and gradients equal the unrolled model's
-  (no FSDP, no remat) on 4 devices."""
+  """Gemma 3's blocks repeat with a period (windowed ones, then a global one): with FSDP
+  and remat its training call runs them as a scan over whole periods, and a period's
+  alike windowed blocks as a scan of their own inside it (the backward then holds one
+  layer's gathered weights and gradients at a time), and its loss and gradients equal
+  the unrolled model's (no FSDP, no remat) on 4 devices."""
   config = models.GemmaConfig(
     vocab_size=256,
     dim=64,
-    num_layers=4,
+    num_layers=8,
     num_heads=4,
     num_kv_heads=2,
     head_dim=16,
     mlp_hidden=128,
     window=8,
-    global_every=2,
+    global_every=4,
     context_length=512,
   )
   mesh = make_mesh((4,), ("seq",))
   scanned = models.build(config, mesh=mesh, fsdp=True, remat="attention", rngs=nnx.Rngs(3))
   unrolled = models.build(config, mesh=mesh, rngs=nnx.Rngs(3))
   graphdefs = [nnx.split(b, nnx.Param, ...)[0] for b in scanned.blocks]
-  assert decoder._period(graphdefs) == 2
+  assert decoder._period(graphdefs) == 4
   batch = train_step.place_batch(scanned, *_batch(batch=1, length=64))
   jaxpr = str(jax.make_jaxpr(lambda m: train_step.loss(m, *batch, chunk=16))(scanned))
   assert "length=2" in jaxpr  # the scan over the two periods
+  # ... and each period's three windowed blocks as a scan over their weights stacked
+  # [periods, 3, ...] (an MLP kernel: [2, 3, 64, 128]).
+  assert "f32[2,3,64,128]" in jaxpr
   value, grads = nnx.value_and_grad(lambda m: train_step.loss(m, *batch, chunk=16))(scanned)
   expected, expected_grads = nnx.value_and_grad(lambda m: train_step.loss(m, *batch, chunk=16))(unrolled)
   assert abs(float(value) - float(expected)) < 1e-6 * abs(float(expected))

@@ -489,15 +489,26 @@ class CausalLM(nnx.Module):
     if period is None or len(splits) // period < 2:
       return None
     groups = len(splits) // period
+    # A period's consecutive alike blocks (Gemma 3's five windowed ones) run as a scan of
+    # their own inside the period's: unrolled, XLA combined their gradients' reductions
+    # into one and held all five layers' gathered weights and gradients at once.
+    runs = []
+    for k in range(period):
+      if runs and splits[k][0] == splits[runs[-1][-1]][0]:
+        runs[-1].append(k)
+      else:
+        runs.append([k])
     stack = lambda *xs: jnp.stack(xs)
     stacked = [
-      (
-        jax.tree.map(stack, *[splits[g * period + k][1] for g in range(groups)]),
-        jax.tree.map(stack, *[splits[g * period + k][2] for g in range(groups)]),
+      tuple(
+        jax.tree.map(
+          stack, *[jax.tree.map(stack, *[splits[g * period + k][part] for k in run]) for g in range(groups)]
+        )
+        for part in (1, 2)
       )
-      for k in range(period)
+      for run in runs
     ]
-    graphdefs = [splits[k][0] for k in range(period)]
+    graphdefs = [splits[run[0]][0] for run in runs]
 
     # The layer inputs the backward pass keeps (a stack [layers, B, T, D]) travel as
     # [B, T D / 128, 128]: as [B, T, D], XLA's GPU layout assignment gave the backward
@@ -519,10 +530,16 @@ class CausalLM(nnx.Module):
       # one block's activations, gathered weights and gradients at a time.
       one = jax.checkpoint(one, policy=policy, static_argnums=(0,))
 
+    def run_of(graphdef, x, layers):
+      if jax.tree.leaves(layers)[0].shape[0] == 1:
+        return one(graphdef, x, *jax.tree.map(lambda a: a[0], layers))
+      step = lambda x, layer: (folded(one(graphdef, x.reshape(b, t, d), *layer)), None)
+      return jax.lax.scan(step, folded(x), layers)[0].reshape(b, t, d)
+
     def body(x, layers):
       x = x.reshape(b, t, d)
-      for graphdef, (p, r) in zip(graphdefs, layers):
-        x = one(graphdef, x, p, r)
+      for graphdef, run_layers in zip(graphdefs, layers):
+        x = run_of(graphdef, x, run_layers)
       return folded(x), None
 
     if policy is not None:

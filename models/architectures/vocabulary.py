@@ -185,6 +185,39 @@ _embed_rows.defvjp(_embed_rows_fwd, _embed_rows_bwd)
 
 # --- The head's cross-entropy. ---
 
+# The shard's gradient takes each chunk's share [rows, D] in blocks of at most this many
+# rows, added where the gradient lies: whole, the share was a second array of the
+# shard's size beside the gradient (Gemma 3 270M on 8 devices: 80 MiB a device).
+# Blocks thinner than MIN_ROW_BLOCK are not worth a loop: the share is added whole.
+ROW_BLOCK, MIN_ROW_BLOCK = 4096, 256
+
+
+def _row_block(rows: int) -> int:
+  """The largest divisor of `rows` up to ROW_BLOCK, or `rows` where that is under
+  MIN_ROW_BLOCK."""
+  block = max(d for d in range(1, min(rows, ROW_BLOCK) + 1) if rows % d == 0)
+  return block if block >= MIN_ROW_BLOCK else rows
+
+
+def _add_share(grad, dlogits, hh, spec, scale):
+  """grad + scale x the shard gradient of one chunk (dlogits [B, c, rows] against hh
+  [B, c, D]), in row blocks updated in place."""
+  axis = spec.index("v")
+  rows = grad.shape[axis]
+  hh = hh.astype(jnp.float32)
+  block = _row_block(rows)
+  if block == rows:
+    return grad + scale * jnp.einsum(f"bcv,bcd->{spec}", dlogits, hh)
+
+  def one(j, grad):
+    start = j * block
+    part = lax.dynamic_slice_in_dim(dlogits, start, block, axis=2)
+    add = scale * jnp.einsum(f"bcv,bcd->{spec}", part, hh)
+    old = lax.dynamic_slice_in_dim(grad, start, block, axis)
+    return lax.dynamic_update_slice_in_dim(grad, old + add, start, axis)
+
+  return lax.fori_loop(0, rows // block, one, grad)
+
 
 def _chunks(x, chunk):
   """[B, T, ...] -> [T / chunk, B, chunk, ...] (T a multiple of chunk)."""
@@ -279,7 +312,7 @@ def _ce_bwd(axes, chunk, token_axes, transposed, res, g):
       onehot = jnp.arange(rows) == (tt - offset)[..., None]  # no column where the target is elsewhere
       dlogits = gg[..., None] * (jnp.exp(logits - ll[..., None]) - onehot)
       dd = dd + jnp.einsum(f"bcv,{spec}->bcd", dlogits, whole)
-      grad = grad + share * jnp.einsum(f"bcv,bcd->{spec}", dlogits, hh.astype(jnp.float32))
+      grad = _add_share(grad, dlogits, hh, spec, share)
       return grad, dd
 
     return lax.scan(per_chunk, _no_grad(table, h, targets, g), (hc, tc, lse, gc, dh))
@@ -370,7 +403,7 @@ def _ce_rows_bwd(axes, chunk, token_axes, transposed, res, g):
       onehot = jnp.arange(rows) == (tt - offset)[..., None]
       dlogits = gg[..., None] * (jnp.exp(logits - ll[..., None]) - onehot)
       dd = dd + jnp.einsum(f"bcv,{spec}->bcd", dlogits, whole)
-      grad = grad + share * jnp.einsum(f"bcv,bcd->{spec}", dlogits, hh.astype(jnp.float32))
+      grad = _add_share(grad, dlogits, hh, spec, share)
       return grad, dd
 
     return lax.scan(per_chunk, grad, (hc, tc, lc, gc, dh))

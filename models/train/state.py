@@ -7,6 +7,8 @@ import os
 
 from flax import nnx
 
+SAVE_GB = 1
+
 
 class Checkpoints:
   """Model and optimizer state with orbax; data order is a function of the step, so a
@@ -17,7 +19,11 @@ class Checkpoints:
 
     self.ocp = ocp
     options = ocp.CheckpointManagerOptions(max_to_keep=keep or None, save_interval_steps=every)
-    self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+    # At most SAVE_GB of the state in host memory at once while it is written (orbax's
+    # default, 96 GB, copied Gemma 3 270M's whole 3 GiB of weights and moments at once
+    # on 8 simulated devices, the run's peak).
+    handler = ocp.StandardCheckpointHandler(save_concurrent_gb=SAVE_GB)
+    self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=handler)
 
   def latest(self):
     return self.manager.latest_step()

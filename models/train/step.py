@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import checkpoints
+from .. import checkpoints, runtime
 from ..architectures import vocabulary
 from ..architectures.decoder import fsdp_spec
 
@@ -182,7 +182,21 @@ def make_tx(lr: float, warmup: int, steps: int, weight_decay: float, clip: float
   schedule = optax.warmup_cosine_decay_schedule(
     0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1), end_value=lr * end
   )
-  return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
+  return optax.chain(clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """optax's `clip_by_global_norm` as one multiplication by min(1, max_norm / norm).
+  optax divides by the norm and selects between the two, which XLA's CPU fusion kept as
+  a second array of each gradient's size where two updates (the moments) read it: the
+  embedding's 80 MiB a device for Gemma 3 270M on 8 devices."""
+
+  def update(updates, state, params=None):
+    del params
+    scale = jnp.minimum(1.0, max_norm / optax.tree.norm(updates))
+    return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def per_device_bytes(tree) -> int:
@@ -244,6 +258,7 @@ class Trainer:
     if key not in self._programs:
       lowered = self._step.lower(self.params, self.rest, self.opt_state, tokens, targets, weights)
       self._programs[key] = lowered.compile()
+      runtime.release_free_memory()
     return self._programs[key]
 
   def step(self, tokens, targets, weights):
