@@ -153,7 +153,11 @@ class Attention(ring_nn.RingAttention):
     return q, k, v
 
   def attend(self, q, k, v, segment_ids, token_order: str = "natural"):
-    if self.kind != "dense":
+    modified = self.sinks is not None or self.alibi_slopes is not None or self.attention_dropout_rate > 0
+    modified = modified or any(o is not None for o in dict(self.score_options).values())
+    if self.kind != "dense" or segment_ids is not None or modified:
+      # jax.nn.dot_product_attention has no segments or score modifiers: the dense kind
+      # with them is jax_ring's reference (`jax_ring.reference_attention`).
       return super().attend(q, k, v, segment_ids, token_order)
     o = dict(self.options)
     return jax.nn.dot_product_attention(
@@ -325,11 +329,8 @@ class CausalLM(nnx.Module):
     self.fsdp, self.remat = fsdp, remat
     dt, pdt = dtypes(config)
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
-    make = lambda i: self.make_block(
-      config, i, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs
-    )
-    self.blocks = nnx.List([make(i) for i in range(config.num_layers)])
-    self.norm = rms_norm(config, rngs=rngs)
+    self.blocks = self.make_blocks(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
+    self.norm = self.make_norm(config, rngs=rngs)
     if config.tie_embeddings:
       self.head = nnx.data(None)
     else:
@@ -339,6 +340,18 @@ class CausalLM(nnx.Module):
 
   def make_block(self, config, layer: int, *, mesh, seq_axis, batch_axis, rngs):
     raise NotImplementedError
+
+  def make_blocks(self, config, *, mesh, seq_axis, batch_axis, rngs):
+    """The blocks, `make_block`'s for each layer in an `nnx.List` (run one by one, or as
+    a scan over their stacked weights in training: `_scanned_blocks`)."""
+    make = lambda i: self.make_block(
+      config, i, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs
+    )
+    return nnx.List([make(i) for i in range(config.num_layers)])
+
+  def make_norm(self, config, *, rngs):
+    """The final norm, before the head."""
+    return rms_norm(config, rngs=rngs)
 
   @staticmethod
   def embed_scale(config) -> float:
@@ -446,11 +459,26 @@ class CausalLM(nnx.Module):
       return None
     return layouts.permutation(layout, length, shards)
 
-  def hidden(self, tokens, attend=None, *, shard: bool = True, token_order: str = "natural"):
+  def hidden(
+    self,
+    tokens,
+    attend=None,
+    *,
+    shard: bool = True,
+    token_order: str = "natural",
+    segment_ids=None,
+    positions=None,
+  ):
     """The final normed hidden states [B, T, D] (the head's input). `token_order=
     "layout"`: the tokens come in `ring_permutation(T)`'s order, and the states go out
     in it (training calls). `shard=False` (decoding a few tokens): the tokens stay
-    whole on every device and FSDP's weights are used where they lie, not gathered."""
+    whole on every device and FSDP's weights are used where they lie, not gathered.
+
+    `attend(module, h)` runs one of a block's sequence-mixing modules (its attention,
+    and a short convolution where the block has one) on its normed input `h` in the
+    call's mode: None for a training call (`module(h, ...)` with `token_order`,
+    `segment_ids` and `positions` where given), `module.prefill(h, ...)` filling the
+    caches, `module.decode(h)` appending to them."""
     tokens = self.check_tokens(tokens)
     training = attend is None
     if token_order not in ("natural", "layout") or (token_order == "layout" and not training):
@@ -458,18 +486,33 @@ class CausalLM(nnx.Module):
     if token_order == "layout" and self.ring_permutation(tokens.shape[1]) is None:
       raise ValueError(f"token_order='layout': no single ring layout at length {tokens.shape[1]}")
     if training:
-      attend = lambda attn, h: attn(h, token_order=token_order)
+      given = dict(token_order=token_order, segment_ids=segment_ids, positions=positions)
+      given = {
+        k: v for k, v in given.items() if v is not None and not (k == "token_order" and v == "natural")
+      }
+      attend = lambda module, h: module(h, **given)
+    x = self.embed_input(tokens, shard)
+    return self.norm(self.run_blocks(x, attend, training=training, gather=shard))
+
+  def embed_input(self, tokens, shard: bool = True):
+    """The blocks' input [B, T, D]: the tokens' embeddings (scaled where the family
+    scales them), split over the sequence (`shard`) or whole (decoding)."""
     x = self._lookup(tokens) if shard else self.embed(tokens)
     scale = self.embed_scale(self.config)
     if scale != 1.0:
       x = x * jnp.asarray(scale, x.dtype)
-    x = self._shard(x) if shard else x
+    return self._shard(x) if shard else x
+
+  def run_blocks(self, x, attend, *, training: bool, gather: bool = True):
+    """x through every block: in training as a scan over their stacked weights where
+    they repeat (`_scanned_blocks`), else one by one (`_run_block`)."""
     scanned = self._scanned_blocks(x, attend) if training else None
     if scanned is not None:
-      return self.norm(scanned)
-    for block in self.blocks:
-      x = self._run_block(block, x, attend, training, gather=shard)
-    return self.norm(x)
+      return scanned
+    for i, block in enumerate(self.blocks):
+      with jax.named_scope(f"layer_{i}"):  # names the compiled program's ops by layer (scripts/aot.py)
+        x = self._run_block(block, x, attend, training, gather=gather)
+    return x
 
   def _scanned_blocks(self, x, attend):
     """A training call's blocks as one `lax.scan` over their stacked weights, where the

@@ -14,12 +14,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jax_ring import nn as ring_nn
 
-from .scratch import decode_model, forward, prefill_model
+from .scratch import NO_LIMIT, DecoderLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +35,21 @@ class LongNetConfig:
   reference: bool = False  # dense reference dilated attention (tests)
   policy: str | None = None
 
-  def validate(self) -> None:
+  # What the shared decoder (`decoder.CausalLM`, through `DecoderLM`) reads of every config.
+  dtype = None
+  param_dtype = "float32"
+  tie_embeddings = False
+  conv = 0
+  ulysses_axis = None
+  ring_order = None
+  scan_layers = False
+  context_length = NO_LIMIT
+
+  @property
+  def attention(self) -> str:
+    return "dilated_dense" if self.reference else "dilated"
+
+  def validate(self, mesh=None, seq_axis="seq") -> None:
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "ffn_hidden"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -78,41 +91,26 @@ class LongNetBlock(nnx.Module):
     self.ffn_norm = nnx.LayerNorm(config.dim, rngs=rngs)
     self.ffn = SubLNFeedForward(config.dim, config.ffn_hidden, rngs=rngs)
 
-  def __call__(self, x, attend, mix=None):  # mix: DecoderLM's convolutions; none here
+  def __call__(self, x, attend):
     x = x + attend(self.attn, self.attn_norm(x))
     return x + self.ffn(self.ffn_norm(x))
 
 
-class LongNet(nnx.Module):
+class LongNet(DecoderLM):
   """tokens int [B, T] -> logits float32 [B, T, V]; distributed over `seq_axis` of
-  `mesh` when given (segments longer than a shard run on sub-rings)."""
+  `mesh` when given (segments longer than a shard run on sub-rings). The shared decoder
+  (`decoder.CausalLM`, as `DecoderLM`'s calls) with LongNet's blocks and final
+  LayerNorm.
+
+  Generation: `init_cache(batch_size, max_length)` empties a KV cache in every layer,
+  then `prefill` and `decode` (or `models.generate`); each new token attends to the
+  cached keys its dilated patterns select."""
 
   def __init__(self, config: LongNetConfig, *, mesh=None, seq_axis="seq", rngs: nnx.Rngs):
-    config.validate()
-    self.embed = nnx.Embed(config.vocab_size, config.dim, rngs=rngs)
-    self.blocks = nnx.List(
-      [LongNetBlock(config, mesh=mesh, seq_axis=seq_axis, rngs=rngs) for _ in range(config.num_layers)]
-    )
-    self.norm = nnx.LayerNorm(config.dim, rngs=rngs)
-    self.head = nnx.Linear(config.dim, config.vocab_size, use_bias=False, rngs=rngs)
+    super().__init__(config, mesh=mesh, seq_axis=seq_axis, rngs=rngs)
 
-  def __call__(self, tokens, *, segment_ids=None, positions=None):
-    if positions is None and tokens.ndim == 2:
-      positions = jnp.arange(tokens.shape[1])
-    return forward(self, tokens, lambda attn, h: attn(h, segment_ids=segment_ids, positions=positions))
+  def make_block(self, config, layer: int, *, mesh, seq_axis, batch_axis, rngs):
+    return LongNetBlock(config, mesh=mesh, seq_axis=seq_axis, rngs=rngs)
 
-  def init_cache(self, batch_size: int, max_length: int, *, dtype=None) -> None:
-    """Empty KV caches in every layer for `max_length` tokens per row (then `prefill`
-    and `decode`, or `models.generate`); each new token attends to the cached keys
-    its dilated patterns select."""
-    for block in self.blocks:
-      block.attn.init_cache(batch_size, max_length, dtype=dtype)
-
-  def prefill(self, tokens, *, lengths=None, segment_ids=None):
-    """Logits [B, T, V] of a prompt (row b: its first lengths[b] tokens), filling the
-    caches from scratch."""
-    return prefill_model(self, tokens, lengths=lengths, segment_ids=segment_ids)
-
-  def decode(self, tokens, *, segment_ids=None):
-    """Logits [B, Tq, V] of each row's next Tq tokens, appended to the caches."""
-    return decode_model(self, tokens, segment_ids=segment_ids)
+  def make_norm(self, config, *, rngs):
+    return nnx.LayerNorm(config.dim, rngs=rngs)

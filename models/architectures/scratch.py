@@ -18,9 +18,11 @@ from jax.sharding import PartitionSpec as P
 from jax_ring import layouts
 from jax_ring import nn as ring_nn
 
-from .decoder import GatedMLP
+from . import decoder
 
 ATTENTION_KINDS = ("dense", "ring", "local", "dilated", "dilated_dense")
+# The context length of a model with none built in (`LMConfig`, `LongNetConfig`).
+NO_LIMIT = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +36,9 @@ class LMConfig:
   window: a sliding window for "ring" and "dense": each token attends to itself and the
   `window` tokens before it (`local_window_size=(window, 0)`); None: all before it.
   remat: recompute each block's feed-forward activations in the backward pass
-  (`nnx.remat`) instead of storing them (see `run_blocks` for why attention's are kept).
+  (`nnx.remat`) instead of storing them; attention's are kept (the ring's custom VJP
+  keeps only O(T / devices) residuals, where `jax.checkpoint` around it made JAX 0.10
+  save the forward scan's per-step score tiles: 10x the temp memory at T=8192).
   conv: width of a causal depthwise convolution on each attention input (`ShortConv`;
   0: none). rope_max_wavelength: rotary frequencies of longer wavelength are dropped
   (`jax_ring.nn.rope_frequencies`), so the model runs past its training length without
@@ -94,6 +98,16 @@ class LMConfig:
   alibi: bool = False
   attention_dropout: float = 0.0
   ring_order: bool | None = None
+
+  # What the shared decoder (`decoder.CausalLM`) reads of every config.
+  tie_embeddings = False
+  rope_scaling = None
+  norm_eps = 1e-6  # flax's RMSNorm default
+  context_length = NO_LIMIT  # rotary from global positions: no length is built in
+
+  @property
+  def head_dim(self) -> int:
+    return self.dim // self.num_heads
 
   def validate(self, mesh=None, seq_axis="seq") -> None:
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden"):
@@ -177,42 +191,40 @@ class LMConfig:
         )
 
 
-def _dtype(name):
-  return None if name is None else jnp.dtype(name)
-
-
 def make_attention(config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs, layer: int = 0):
-  """The attention module of block `layer`, as the config selects."""
+  """The attention module of block `layer`: the shared decoder's (`decoder.make_attention`)
+  with the config's window, Ulysses axis and score modifiers, or LongNet's dilated
+  attention for the dilated kinds."""
   common = dict(
-    num_kv_heads=config.num_kv_heads,
-    mesh=mesh,
-    seq_axis=seq_axis,
-    batch_axis=batch_axis,
-    is_causal=True,
-    policy=config.policy,
-    rope_base=config.rope_base,
-    rope_max_wavelength=config.rope_max_wavelength,
-    dtype=_dtype(config.dtype),
-    param_dtype=_dtype(config.param_dtype),
-    attention_kernel=config.attention_kernel,
-    rngs=rngs,
+    policy=config.policy, rope_base=config.rope_base, rope_max_wavelength=config.rope_max_wavelength
   )
   if config.attention.startswith("dilated"):
-    kind = "dense" if config.attention == "dilated_dense" else "dilated"
+    dt, pdt = decoder.dtypes(config)
     return ring_nn.DilatedAttention(
       config.num_heads,
       config.dim,
       segment_lengths=config.segment_lengths,
       dilation_rates=config.dilation_rates,
-      kind=kind,
+      kind="dense" if config.attention == "dilated_dense" else "dilated",
+      num_kv_heads=config.num_kv_heads,
+      mesh=mesh,
+      seq_axis=seq_axis,
+      batch_axis=batch_axis,
+      is_causal=True,
+      attention_kernel=config.attention_kernel,
+      dtype=dt,
+      param_dtype=pdt,
+      rngs=rngs,
       **common,
     )
   every = config.global_every
   windowed = config.window is not None and not (every and layer % every == every - 1)
-  return ring_nn.RingAttention(
-    config.num_heads,
-    config.dim,
-    kind=config.attention,
+  return decoder.make_attention(
+    config,
+    mesh=mesh,
+    seq_axis=seq_axis,
+    batch_axis=batch_axis,
+    rngs=rngs,
     local_window_size=(config.window, 0) if windowed else None,
     ulysses_axis=config.ulysses_axis if config.attention != "dense" else None,
     logit_soft_cap=config.logit_soft_cap,
@@ -235,11 +247,15 @@ class ShortConv(nnx.Module):
   array the shift needs only the last width-1 tokens of the neighbouring shard, which
   XLA exchanges by itself.
 
-  Decoding keeps the last width-1 inputs of each row (`state`, nnx.Cache).
+  A block calls it as it calls its attention (`CausalLM.hidden`'s `attend`): `__call__`
+  in training (`token_order="layout"`: the tokens in the ring's causal layout over
+  `shards` devices), `prefill` and `decode`. Segments do not reset it. Decoding keeps
+  the last width-1 inputs of each row (`state`, nnx.Cache).
   """
 
-  def __init__(self, dim: int, width: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, dim: int, width: int, *, dtype, param_dtype, rngs: nnx.Rngs, shards: int = 1):
     self.width = width
+    self.shards = shards
     init = nnx.initializers.normal(1.0 / width)
     self.kernel = nnx.Param(init(rngs.params(), (width, dim), param_dtype))
     self.dtype = dtype
@@ -253,8 +269,12 @@ class ShortConv(nnx.Module):
       out = out + w[s] * padded[..., k - 1 - s : k - 1 - s + t, :]
     return out
 
-  def __call__(self, h):
+  def __call__(self, h, *, token_order: str = "natural", segment_ids=None, positions=None):
+    del segment_ids, positions  # the convolution runs across segments, on the token order
     t = h.shape[1]
+    if token_order == "layout":
+      layout = layouts.resolve("auto", True, shard_len=-(-t // self.shards))
+      return self.chunks(h, _natural_chunks(layout, t, self.shards))
     return self._mix(jnp.pad(h, ((0, 0), (self.width - 1, 0), (0, 0))), t)
 
   def chunks(self, h, natural):
@@ -276,8 +296,9 @@ class ShortConv(nnx.Module):
   def init_cache(self, batch_size: int, dtype) -> None:
     self.state = nnx.Cache(jnp.zeros((batch_size, self.width - 1, self.kernel.shape[1]), dtype))
 
-  def prefill(self, h, lengths):
+  def prefill(self, h, lengths=None, segment_ids=None):
     """As __call__; the state becomes each row's last width-1 inputs before lengths[b]."""
+    del segment_ids
     b, t, _ = h.shape
     padded = jnp.pad(h, ((0, 0), (self.width - 1, 0), (0, 0)))
     ends = jnp.full((b,), t) if lengths is None else jnp.asarray(lengths)
@@ -285,8 +306,9 @@ class ShortConv(nnx.Module):
     self.state[...] = jnp.take_along_axis(padded, index[:, :, None], axis=1).astype(self.state.dtype)
     return self._mix(padded, t)
 
-  def decode(self, h):
+  def decode(self, h, segment_ids=None):
     """h [B, Tq, D]: the next Tq inputs of each row, after the state."""
+    del segment_ids
     t = h.shape[1]
     padded = jnp.concatenate([self.state[...].astype(h.dtype), h], axis=1)
     self.state[...] = padded[:, t:].astype(self.state.dtype)
@@ -294,37 +316,51 @@ class ShortConv(nnx.Module):
 
 
 class Block(nnx.Module):
+  """Llama's pre-norm block (`decoder.PreNormBlock`) with the toy's options: a short
+  convolution before attention (`LMConfig.conv`) and the feed-forward sub-layer
+  recomputed in the backward pass (`LMConfig.remat`)."""
+
   def __init__(self, config: LMConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs, layer: int = 0):
-    dt, pdt = _dtype(config.dtype), _dtype(config.param_dtype)
-    self.attn_norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
+    dt, pdt = decoder.dtypes(config)
+    self.attn_norm = decoder.rms_norm(config, rngs=rngs)
+    shards = mesh.shape[seq_axis] if mesh is not None and seq_axis in mesh.axis_names else 1
     self.conv = (
-      ShortConv(config.dim, config.conv, dtype=dt, param_dtype=pdt, rngs=rngs) if config.conv else None
+      ShortConv(config.dim, config.conv, dtype=dt, param_dtype=pdt, rngs=rngs, shards=shards)
+      if config.conv
+      else None
     )
     self.attn = make_attention(
       config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs, layer=layer
     )
-    self.mlp_norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
-    self.mlp = GatedMLP(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)  # SwiGLU
+    self.mlp_norm = decoder.rms_norm(config, rngs=rngs)
+    self.mlp = decoder.GatedMLP(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.remat = config.remat
 
-  def __call__(self, x, attend, remat: bool = False, mix=None):
-    """attend(attention module, normalized x) -> the attention sub-layer's output;
-    mix(ShortConv, normalized x) -> its input when the block has a conv (default: call it).
-    remat: the feed-forward sub-layer (norm, SwiGLU) is recomputed in the backward pass."""
+  def __call__(self, x, attend):
+    """attend(module, normalized x) -> a sequence-mixing sub-layer's output in the call's
+    mode (`CausalLM.hidden`): the short convolution's, then attention's."""
     h = self.attn_norm(x)
     if self.conv is not None:
-      h = mix(self.conv, h) if mix is not None else self.conv(h)
+      h = attend(self.conv, h)
     x = x + attend(self.attn, h)
     feed_forward = lambda norm, mlp, x: mlp(norm(x))
-    if remat:
+    if self.remat:
       feed_forward = nnx.remat(feed_forward)
     return x + feed_forward(self.mlp_norm, self.mlp, x)
 
 
-class DecoderLM(nnx.Module):
-  """Decoder-only LM: tokens int [B, T] -> logits float32 [B, T, V].
+class DecoderLM(decoder.CausalLM):
+  """Decoder-only LM trained from scratch, on the shared decoder (`decoder.CausalLM`):
+  tokens int [B, T] -> logits float32 [B, T, V].
 
   Rotary embeddings use global token positions (natural order), so the numbers do
   not depend on how the ring lays tokens out on devices.
+
+  Beyond `CausalLM`'s calls: `__call__` and `hidden` take `segment_ids` and `positions`,
+  and run every layer on the ring's token order where that order is not the natural one
+  (`LMConfig.ring_order`), handing back natural order or (`logits_order="ring"`) that
+  order; `scan_layers` stacks the blocks' weights; `prefill` gives every position's
+  logits.
 
   Generation (`models.generate`): `init_cache(batch_size, max_length)`, then
   `prefill(prompts, lengths=...)` once and `decode(tokens)` per step; the cache of each
@@ -333,23 +369,33 @@ class DecoderLM(nnx.Module):
   """
 
   def __init__(self, config: LMConfig, *, mesh=None, seq_axis="seq", batch_axis=None, rngs: nnx.Rngs):
-    config.validate(mesh, seq_axis)
-    self.config = config
+    super().__init__(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
+    # Every kind keeps the mesh it was given (the loss and the batches are placed on it).
     self.placement = nnx.static((mesh, seq_axis, batch_axis))
-    dt, pdt = _dtype(config.dtype), _dtype(config.param_dtype)
-    self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
-    make = lambda rngs, layer: Block(
-      config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs, layer=layer
+
+  def make_block(self, config, layer: int, *, mesh, seq_axis, batch_axis, rngs):
+    return Block(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs, layer=layer)
+
+  def make_blocks(self, config, *, mesh, seq_axis, batch_axis, rngs):
+    if not config.scan_layers:
+      return super().make_blocks(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
+    # One block for every layer (global_every is refused with it), stacked by nnx.vmap.
+    one = lambda rngs: self.make_block(
+      config, 0, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs
     )
-    if config.scan_layers:  # one block for every layer (global_every is refused with it)
-      one = lambda rngs: make(rngs, 0)
-      self.blocks = nnx.split_rngs(splits=config.num_layers)(nnx.vmap(one, in_axes=0, out_axes=0))(rngs)
-    else:
-      self.blocks = nnx.List([make(rngs, i) for i in range(config.num_layers)])
-    self.norm = nnx.RMSNorm(config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
-    self.head = nnx.Linear(
-      config.dim, config.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs
-    )
+    return nnx.split_rngs(splits=config.num_layers)(nnx.vmap(one, in_axes=0, out_axes=0))(rngs)
+
+  def run_blocks(self, x, attend, *, training: bool, gather: bool = True):
+    if not self.config.scan_layers:
+      return super().run_blocks(x, attend, training=training, gather=gather)
+    step = lambda block, x: block(x, attend)
+    return nnx.scan(step, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
+
+  def vocab_axes(self):
+    return None  # the tables are used whole (`models.train.scratch` places them)
+
+  def embed_input(self, tokens, shard: bool = True):
+    return self.embed_tokens(tokens)
 
   def ring_layout(self, length: int) -> str | None:
     """The layout whose token order every layer runs on for `length` tokens
@@ -389,34 +435,32 @@ class DecoderLM(nnx.Module):
     """Logits [B, T, V] of tokens int [B, T]. `logits_order="ring"`: in the order the
     layers ran on (`ring_permutation(T)`, natural where it is None), so that a loss can
     permute its targets instead of the logits."""
-    return self._forward(tokens, segment_ids, positions, logits_order, head=True)
-
-  def hidden(self, tokens, *, segment_ids=None, positions=None, order: str = "natural"):
-    """The final normed hidden states [B, T, D] (the head's input, `head.kernel` [D, V]);
-    `order` as `__call__`'s `logits_order`. A loss over chunks of them never holds the
-    [T, V] logits (`models.training.loss_and_accuracy`)."""
-    return self._forward(tokens, segment_ids, positions, order, head=False)
-
-  def _forward(self, tokens, segment_ids, positions, logits_order, head):
     if logits_order not in ("natural", "ring"):
       raise ValueError(f"logits_order={logits_order!r} must be 'natural' or 'ring'")
-    if positions is None and tokens.ndim == 2:
+    return self.logits(self.hidden(tokens, segment_ids=segment_ids, positions=positions, order=logits_order))
+
+  def hidden(
+    self, tokens, attend=None, *, segment_ids=None, positions=None, order: str = "natural", **options
+  ):
+    """The final normed hidden states [B, T, D] (the head's input, `head.kernel` [D, V]).
+    A training call on natural-order tokens runs the layers on the ring's order where
+    that differs and hands the states back in natural order, or in the ring's
+    (`order="ring"`, as `__call__`'s `logits_order`). `attend` or `options` (`shard`,
+    `token_order`): `CausalLM.hidden`'s calls, the tokens already in their order."""
+    if order not in ("natural", "ring"):
+      raise ValueError(f"order={order!r} must be 'natural' or 'ring'")
+    if attend is not None or options.get("token_order", "natural") != "natural":
+      return super().hidden(tokens, attend, segment_ids=segment_ids, positions=positions, **options)
+    tokens = self.check_tokens(tokens)
+    if positions is None:
       positions = jnp.arange(tokens.shape[1])
-    layout = self.ring_layout(tokens.shape[1]) if tokens.ndim == 2 else None
-    if layout is None:
-      attend = lambda attn, h: attn(h, segment_ids=segment_ids, positions=positions)
-      return forward(self, tokens, attend, head=head)
     perm = self.ring_permutation(tokens.shape[1])
+    if perm is None:
+      return super().hidden(tokens, segment_ids=segment_ids, positions=positions)
     tokens, segment_ids = self.to_ring_order(tokens), self.to_ring_order(segment_ids)
     positions = jnp.take(positions, perm, axis=-1)
-    attend = lambda attn, h: attn(h, segment_ids=segment_ids, positions=positions, token_order="layout")
-    chunks = _natural_chunks(layout, tokens.shape[1], self.placement[0].shape[self.placement[1]])
-    mix = lambda conv, h: conv.chunks(h, chunks)
-    unpermute = None
-    if logits_order == "natural":
-      inverse = np.argsort(perm)
-      unpermute = lambda x: self._permute(x, inverse)
-    return forward(self, tokens, attend, mix=mix, before_head=unpermute, head=head)
+    h = super().hidden(tokens, token_order="layout", segment_ids=segment_ids, positions=positions)
+    return h if order == "ring" else self._permute(h, np.argsort(perm))
 
   def to_ring_order(self, x):
     """x [B, T, ...] in natural order (targets, loss weights) -> the order the layers
@@ -471,17 +515,19 @@ class DecoderLM(nnx.Module):
       )
     for block in self.blocks:
       block.attn.init_cache(batch_size, max_length, dtype=dtype)
-      if block.conv is not None:
-        block.conv.init_cache(batch_size, jnp.dtype(dtype or _dtype(self.config.dtype) or jnp.float32))
+      if getattr(block, "conv", None) is not None:
+        block.conv.init_cache(batch_size, jnp.dtype(dtype or decoder.dtypes(self.config)[0] or jnp.float32))
 
   def prefill(self, tokens, *, lengths=None, segment_ids=None):
     """Logits [B, T, V] of a prompt (row b: its first lengths[b] tokens), filling the
     caches from scratch."""
-    return prefill_model(self, tokens, lengths=lengths, segment_ids=segment_ids)
+    attend = lambda module, h: module.prefill(h, lengths=lengths, segment_ids=segment_ids)
+    return self.logits(super().hidden(tokens, attend))
 
   def decode(self, tokens, *, segment_ids=None):
     """Logits [B, Tq, V] of each row's next Tq tokens, appended to the caches."""
-    return decode_model(self, tokens, segment_ids=segment_ids)
+    attend = lambda module, h: module.decode(h, segment_ids=segment_ids)
+    return self.logits(super().hidden(tokens, attend, shard=False))
 
 
 def _natural_chunks(layout: str, length: int, num_shards: int) -> np.ndarray:
@@ -492,52 +538,3 @@ def _natural_chunks(layout: str, length: int, num_shards: int) -> np.ndarray:
   if not (np.diff(starts, axis=1) == 1).all():
     raise ValueError(f"layout={layout!r} does not keep chunks of {length // n} tokens together")
   return starts[:, 0] // (length // n)
-
-
-def prefill_model(model, tokens, *, lengths=None, segment_ids=None):
-  """Logits [B, T, V] of a prompt (row b: its first lengths[b] tokens), filling the
-  model's caches (`init_cache` first) from scratch."""
-  attend = lambda attn, h: attn.prefill(h, lengths=lengths, segment_ids=segment_ids)
-  return forward(model, tokens, attend, mix=lambda conv, h: conv.prefill(h, lengths))
-
-
-def decode_model(model, tokens, *, segment_ids=None):
-  """Logits [B, Tq, V] of each row's next Tq tokens, appended to the model's caches."""
-  attend = lambda attn, h: attn.decode(h, segment_ids=segment_ids)
-  return forward(model, tokens, attend, mix=lambda conv, h: conv.decode(h))
-
-
-def forward(model, tokens, attend, mix=None, before_head=None, head: bool = True):
-  """embed -> blocks (attention by `attend`, short convolutions by `mix`) -> norm ->
-  (`before_head`) -> head: the forward pass the models share; logits in float32
-  (`head=False`: the hidden states before the head)."""
-  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise ValueError(f"tokens shape={tuple(tokens.shape)} dtype={tokens.dtype} must be int [batch, seq]")
-  x = model.embed_tokens(tokens) if hasattr(model, "embed_tokens") else model.embed(tokens)
-  config = getattr(model, "config", None)  # LongNet shares this forward, without remat or scan
-  remat, scan = getattr(config, "remat", False), getattr(config, "scan_layers", False)
-  x = run_blocks(model.blocks, x, attend, remat=remat, scan=scan, mix=mix)
-  x = model.norm(x)
-  if before_head is not None:
-    x = before_head(x)
-  return model.head(x).astype(jnp.float32) if head else x
-
-
-def run_blocks(blocks, x, attend, *, remat: bool, scan: bool, mix=None):
-  """x through every block: a Python loop over `nnx.List` blocks, or `nnx.scan` over
-  blocks stacked on a leading axis.
-
-  remat: each block's feed-forward sub-layer runs under `nnx.remat`. The attention
-  call is not rematerialized: the ring's custom VJP keeps only O(T / devices) residuals
-  (q, k, v, output, lse), while `jax.checkpoint` around it makes JAX 0.10 save the
-  forward scan's per-step score tiles (measured: 10x the temp memory at T=8192)."""
-  kw = {"remat": True} if remat else {}
-  if mix is not None:
-    kw["mix"] = mix
-  step = lambda block, x: block(x, attend, **kw)
-  if scan:
-    return nnx.scan(step, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(blocks, x)
-  for i, block in enumerate(blocks):
-    with jax.named_scope(f"layer_{i}"):  # names the compiled program's ops by layer (scripts/aot.py)
-      x = step(block, x)
-  return x
