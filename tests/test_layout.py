@@ -144,6 +144,44 @@ def test_every_family_module_is_registered_once():
       assert models.config(name) is cfg
 
 
+def test_every_model_is_the_one_decoder_stack(monkeypatch):
+  """Every model class the package exports is a `CausalLM`, and the small models'
+  forward, prompt fill and decoding all run through its blocks loop (`run_blocks`):
+  no second stack with a forward of its own."""
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  from jax_ring.models.architectures import decoder
+
+  classes = [r.model_class for r in architectures.registry()] + [models.DecoderLM, models.LongNet]
+  for cls in classes:
+    assert issubclass(cls, decoder.CausalLM), cls
+  calls = []
+  original = decoder.CausalLM.run_blocks
+
+  def counted(self, *args, **kwargs):
+    calls.append(type(self).__name__)
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(decoder.CausalLM, "run_blocks", counted)
+  tokens = jax.numpy.asarray(np.arange(16).reshape(2, 8) % 32)
+  small = [
+    models.DecoderLM(models.LMConfig(vocab_size=32, attention="dense", conv=2), rngs=nnx.Rngs(0)),
+    models.LongNet(
+      models.LongNetConfig(vocab_size=32, segment_lengths=(8,), dilation_rates=(1,), reference=True),
+      rngs=nnx.Rngs(0),
+    ),
+  ]
+  for model in small:
+    name = type(model).__name__
+    model(tokens)
+    model.init_cache(2, 12)
+    model.prefill(tokens)
+    model.decode(tokens[:, :1])
+    assert calls.count(name) == 3, (name, calls)
+
+
 def test_of_config_refuses_a_stranger():
   with pytest.raises(TypeError, match=r"config=.*LMConfig.*expected one of \('GemmaConfig'"):
     architectures.of_config(models.LMConfig(vocab_size=8))
