@@ -22,10 +22,12 @@ from .architectures.gemma import Gemma, GemmaConfig
 from .architectures.llama import Llama, LlamaConfig
 from .architectures.longnet import LongNet, LongNetConfig
 from .architectures.mistral import Mistral, MistralConfig
+from .architectures.mixtral import Mixtral, MixtralConfig
 from .architectures.olmo2 import Olmo2, Olmo2Config
 from .architectures.phi3 import Phi3, Phi3Config
 from .architectures.qwen2 import Qwen2, Qwen2Config
 from .architectures.qwen3 import Qwen3, Qwen3Config
+from .architectures.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 from .architectures.scratch import ATTENTION_KINDS, DecoderLM, LMConfig
 from .checkpoints import build, config, load, load_gguf, save, shardings
 from .formats.gguf import GGUFFile, Tokenizer
@@ -48,6 +50,8 @@ __all__ = [
   "LongNetConfig",
   "Mistral",
   "MistralConfig",
+  "Mixtral",
+  "MixtralConfig",
   "Olmo2",
   "Olmo2Config",
   "Phi3",
@@ -56,6 +60,8 @@ __all__ = [
   "Qwen2Config",
   "Qwen3",
   "Qwen3Config",
+  "Qwen3Moe",
+  "Qwen3MoeConfig",
   "Tokenizer",
   "build",
   "config",

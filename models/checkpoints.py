@@ -329,12 +329,42 @@ def expand_fused(fused: dict, num_layers: int) -> dict:
 
 
 def expand(table, num_layers: int) -> dict:
-  """A tensor table with its "{i}" names written out: file name -> (parameter path, how)."""
+  """A tensor table with its "{i}" names written out: file name -> (parameter path,
+  how). An expert's "{e}" stays: such a name stands for its tensors stacked over the
+  experts (`_Stacked`)."""
   out = {}
   for name, (target, how) in table.items():
     for i in range(num_layers) if "{i}" in name else [None]:
-      out[name.format(i=i)] = (target.format(i=i), how)
+      out[name.replace("{i}", str(i))] = (target.replace("{i}", str(i)), how)
   return out
+
+
+class _Stacked:
+  """A source whose per-expert tensors read as one: a name with "{e}" (`expand`) is
+  its tensors for e = 0 .. experts-1 stacked along a new first axis; iterating yields
+  that name in place of theirs."""
+
+  def __init__(self, source, names, experts: int):
+    self.source, self.experts = source, experts
+    self.names = [n for n in names if "{e}" in n]
+    self.each = {n.replace("{e}", str(e)): n for n in self.names for e in range(experts)}
+
+  def _parts(self, name):
+    return [name.replace("{e}", str(e)) for e in range(self.experts)]
+
+  def __contains__(self, name):
+    if "{e}" in name:
+      return all(p in self.source for p in self._parts(name))
+    return name in self.source
+
+  def __iter__(self):
+    yield from (n for n in self.source if n not in self.each)
+    yield from (n for n in self.names if n in self)
+
+  def __getitem__(self, name):
+    if "{e}" not in name:
+      return self.source[name]
+    return np.stack([np.asarray(self.source[p]) for p in self._parts(name)])
 
 
 def _read(array, how: str, cfg):
@@ -344,6 +374,8 @@ def _read(array, how: str, cfg):
       return array
     case "T":
       return array.T
+    case "Te":  # experts stacked first, each one's matrix transposed
+      return np.swapaxes(array, -1, -2)
     case "+1":
       return np.asarray(array, np.float32) + np.float32(1)
     case "Tq" | "Tk":
@@ -361,6 +393,8 @@ def _write(array, how: str):
       return array
     case "T":
       return array.T
+    case "Te":
+      return np.swapaxes(array, -1, -2)
     case "+1":
       return (np.asarray(array, np.float32) - np.float32(1)).astype(array.dtype)
   raise ValueError(f"Unsupported tensor transform {how!r} for saving")
@@ -381,6 +415,8 @@ def _place(arch, cfg, source, table, placement, *, where):
   by_target = {}
   for name, (target, how) in expand(table, cfg.num_layers).items():
     by_target[target] = (name, how)
+  if any("{e}" in name for name, _ in by_target.values()):
+    source = _Stacked(source, [name for name, _ in by_target.values()], cfg.num_experts)
   used = set()
   single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   flat = []
@@ -459,11 +495,12 @@ def save(model, folder, *, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTE
   tensors = {}
   for name, (target, how) in table.items():
     value = state[target][...]
-    nbytes = value.size * value.dtype.itemsize
-    tensors[name] = (
-      nbytes,
-      lambda v=value, h=how: np.ascontiguousarray(_write(np.asarray(jax.device_get(v)), h)),
-    )
+    for e in range(value.shape[0]) if "{e}" in name else [None]:  # an expert's tensor each
+      part = value if e is None else value[e]
+      tensors[name if e is None else name.replace("{e}", str(e))] = (
+        part.size * part.dtype.itemsize,
+        lambda v=part, h=how: np.ascontiguousarray(_write(np.asarray(jax.device_get(v)), h)),
+      )
   if arch.hf.fused is not None:  # parts the file stores as one tensor
     for name, parts in expand_fused(arch.hf.fused(cfg), cfg.num_layers).items():
       pieces = [tensors.pop(part) for part, _ in parts]

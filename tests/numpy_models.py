@@ -1,8 +1,9 @@
-"""Float64 NumPy forwards of Llama 3, Mistral, Qwen 2.5, Qwen 3, OLMo 2, Phi-3 and Gemma 3,
-written from Hugging Face transformers' descriptions of the architectures
-(modeling_llama.py, modeling_mistral.py, modeling_qwen2.py, modeling_qwen3.py,
-modeling_olmo2.py, modeling_phi3.py with modeling_rope_utils.py's LongRoPE,
-modeling_gemma3.py) over Hugging Face's tensor names and config.json keys. They share
+"""Float64 NumPy forwards of Llama 3, Mistral, Qwen 2.5, Qwen 3, OLMo 2, Phi-3, Gemma 3
+and the mixtures of experts Qwen3-MoE and Mixtral, written from Hugging Face
+transformers' descriptions of the architectures (modeling_llama.py,
+modeling_mistral.py, modeling_qwen2.py, modeling_qwen3.py, modeling_qwen3_moe.py,
+modeling_mixtral.py, modeling_olmo2.py, modeling_phi3.py with modeling_rope_utils.py's
+LongRoPE, modeling_gemma3.py) over Hugging Face's tensor names and config.json keys. They share
 no code with `jax_ring.models`: the tests check the loaders against them.
 """
 
@@ -98,11 +99,48 @@ def llama_logits(w, config, tokens, qk_norm=False, qkv_bias=False, window=None):
     o = attention(rope(q, inv), rope(k, inv), v, h**-0.5, window).reshape(t, n * h)
     x = x + o @ g(p + "self_attn.o_proj.weight").T
     y = rms(x, g(p + "post_attention_layernorm.weight"), eps)
+    if (p + "mlp.gate.weight") in w:  # Qwen3-MoE's sparse layer
+      x = x + moe(y, lambda name, p=p: g(p + "mlp." + name), config)
+      continue
+    if (p + "block_sparse_moe.gate.weight") in w:  # Mixtral's: w1 gate, w3 up, w2 down, renormalized
+      mixtral = config | {"norm_topk_prob": True}
+      x = x + moe(y, lambda name, p=p: g(p + "block_sparse_moe." + name), mixtral, ("w1", "w3", "w2"))
+      continue
     mlp = silu(y @ g(p + "mlp.gate_proj.weight").T) * (y @ g(p + "mlp.up_proj.weight").T)
     x = x + mlp @ g(p + "mlp.down_proj.weight").T
   x = rms(x, g("model.norm.weight"), eps)
   head = g("model.embed_tokens.weight") if config.get("tie_word_embeddings") else g("lm_head.weight")
   return x @ head.T
+
+
+def moe_choices(y, router, config):
+  """(experts [T, K], weights [T, K]) of Qwen3-MoE's router (modeling_qwen3_moe.py):
+  softmax over the experts, the K largest probabilities (ties: the lower expert index
+  first), renormalized where `norm_topk_prob`."""
+  logits = y @ router.T
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p = p / p.sum(-1, keepdims=True)
+  k = config["num_experts_per_tok"]
+  chosen = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+  weights = np.take_along_axis(p, chosen, axis=-1)
+  if config.get("norm_topk_prob"):
+    weights = weights / weights.sum(-1, keepdims=True)
+  return chosen, weights
+
+
+def moe(y, g, config, names=("gate_proj", "up_proj", "down_proj")):
+  """A sparse MLP on y [T, D] (Qwen3-MoE's, or Mixtral's with its `names`), token by
+  token: each of its K experts' gated MLP, weighted by the router (`g(name)`: the
+  layer's MoE tensors)."""
+  chosen, weights = moe_choices(y, g("gate.weight"), config)
+  gate, up, down = names
+  out = np.zeros_like(y)
+  for t in range(y.shape[0]):
+    for e, wt in zip(chosen[t], weights[t]):
+      f = lambda name, e=e: g(f"experts.{e}.{name}.weight")
+      h = silu(y[t] @ f(gate).T) * (y[t] @ f(up).T)
+      out[t] += wt * (h @ f(down).T)
+  return out
 
 
 def olmo2_logits(w, config, tokens):

@@ -8,17 +8,19 @@ A family module builds its blocks on `decoder.CausalLM` and ends with one
 
 from __future__ import annotations
 
-from . import gemma, llama, mistral, olmo2, phi3, qwen2, qwen3
+from . import gemma, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe
 from .record import Architecture
 
 REGISTRY: tuple[Architecture, ...] = (
   gemma.ARCHITECTURE,
   llama.ARCHITECTURE,
   mistral.ARCHITECTURE,
+  mixtral.ARCHITECTURE,
   olmo2.ARCHITECTURE,
   phi3.ARCHITECTURE,
   qwen2.ARCHITECTURE,
   qwen3.ARCHITECTURE,
+  qwen3_moe.ARCHITECTURE,
 )
 
 

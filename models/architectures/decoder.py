@@ -262,14 +262,21 @@ class PreNormBlock(nnx.Module):
   """x + attn(norm(x)), then x + mlp(norm(x)) with a SwiGLU MLP: Llama's block, and
   Qwen 3's (whose attention adds an RMSNorm on each query and key head)."""
 
-  def __init__(self, config, *, mesh, seq_axis, rngs: nnx.Rngs, batch_axis=None, **attention_options):
+  def __init__(
+    self, config, *, mesh, seq_axis, rngs: nnx.Rngs, batch_axis=None, make_mlp=None, **attention_options
+  ):
+    """`make_mlp(rngs)`: the feed-forward module, where it is not the gated MLP of the
+    config's width (a mixture of experts: `moe.MoE`)."""
     dt, pdt = dtypes(config)
     self.attn_norm = rms_norm(config, rngs=rngs)
     self.attn = rotary_attention(
       config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs, **attention_options
     )
     self.mlp_norm = rms_norm(config, rngs=rngs)
-    self.mlp = GatedMLP(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
+    if make_mlp is None:
+      self.mlp = GatedMLP(config.dim, config.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
+    else:
+      self.mlp = make_mlp(rngs)
     self.placement = nnx.static((mesh, seq_axis, batch_axis))
 
   def __call__(self, x, attend):

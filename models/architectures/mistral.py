@@ -65,10 +65,10 @@ CONFIGS = {
 }
 
 
-def config_from_hf(cfg, **overrides) -> MistralConfig:
+def config_from_hf(cfg, cls=MistralConfig, **overrides) -> MistralConfig:
   """Mistral's config.json: Llama's keys and `sliding_window` (null: none). transformers
   5 writes `layer_types`, which must agree with it (every layer "sliding_attention"
-  with a window, "full_attention" without)."""
+  with a window, "full_attention" without). `cls`: the config class (Mixtral's)."""
   window = cfg.get("sliding_window")
   if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
     raise ValueError(f"{cfg.where}: sliding_window={window!r} must be a positive int or null")
@@ -80,7 +80,7 @@ def config_from_hf(cfg, **overrides) -> MistralConfig:
       f"{cfg.where}: layer_types={types!r} must name {layers} layers, all {kind} (sliding_window="
       f"{window!r}): layers of other kinds are not applied for Mistral, so the checkpoint is refused"
     )
-  return llama.config_from_hf(cfg, cls=MistralConfig, sliding_window=window, **overrides)
+  return llama.config_from_hf(cfg, cls=cls, sliding_window=window, **overrides)
 
 
 def hf_config(config) -> dict:

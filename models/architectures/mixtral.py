@@ -1,0 +1,123 @@
+"""Mixtral (Jiang et al. 2024, "Mixtral of Experts", arXiv 2401.04088): Mistral's
+block with a mixture of experts in place of every MLP (`moe.MoE`: softmax router, the
+top 2 of 8 experts, their probabilities renormalized to sum to one).
+
+Legend: B batch, T sequence length, D model width, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from . import decoder, llama, mistral, tables
+from .decoder import PreNormBlock
+from .moe import MoE
+from .record import HFFormat
+
+__all__ = ["CONFIGS", "Mixtral", "MixtralConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtralConfig(mistral.MistralConfig):
+  """Mixtral's hyper-parameters (Mistral's fields and the experts': `mlp_hidden` is each
+  expert's hidden width); the defaults are Mixtral-8x7B-v0.1's."""
+
+  model_type: ClassVar[str] = "mixtral"
+  vocab_size: int = 32000
+  num_experts: int = 8
+  num_experts_per_tok: int = 2
+  router_aux_loss_coef: float = 0.02
+
+  def validate(self, mesh, seq_axis) -> None:
+    for name in ("num_experts", "num_experts_per_tok"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"MixtralConfig.{name}={value!r} must be a positive int")
+    if self.num_experts_per_tok > self.num_experts:
+      raise ValueError(
+        f"MixtralConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+        f"num_experts={self.num_experts}: a token cannot go to more experts than there are"
+      )
+    super().validate(mesh, seq_axis)
+
+
+class Mixtral(mistral.Mistral):
+  """Mixtral: tokens int [B, T] -> logits float32 [B, T, V] (`decoder.CausalLM`)."""
+
+  def make_block(self, config, layer, *, mesh, seq_axis, batch_axis, rngs):
+    dt, pdt = decoder.dtypes(config)
+    placement = (mesh if config.attention != "dense" else None, seq_axis, batch_axis)
+    w = config.sliding_window
+    return PreNormBlock(
+      config,
+      mesh=mesh,
+      seq_axis=seq_axis,
+      batch_axis=batch_axis,
+      rngs=rngs,
+      local_window_size=None if w is None else (w - 1, 0),
+      make_mlp=lambda rngs: MoE(
+        config.dim,
+        config.mlp_hidden,
+        config.num_experts,
+        config.num_experts_per_tok,
+        normalize=True,
+        placement=placement,
+        dtype=dt,
+        param_dtype=pdt,
+        rngs=rngs,
+      ),
+    )
+
+
+# Released config: config.json of mistralai/Mixtral-8x7B-v0.1 on Hugging Face.
+CONFIGS = {"mixtral-8x7b": MixtralConfig(norm_eps=1e-5)}
+
+_MOE = "model.layers.{i}.block_sparse_moe."
+# Mistral's attention and norms; each layer's router ("gate", [E, D]) and its experts' w1
+# (gate), w3 (up) and w2 (down), one file tensor per expert, stacked on loading.
+HF_TENSORS = tables.table(
+  tables.HF_NAMES, [p for p in tables.LLAMA_PARTS if p not in ("gate", "up", "down")]
+) | {
+  _MOE + "gate.weight": ("blocks.{i}.mlp.router.kernel", "T"),
+  _MOE + "experts.{e}.w1.weight": ("blocks.{i}.mlp.gate", "Te"),
+  _MOE + "experts.{e}.w3.weight": ("blocks.{i}.mlp.up", "Te"),
+  _MOE + "experts.{e}.w2.weight": ("blocks.{i}.mlp.down", "Te"),
+}
+
+
+def config_from_hf(cfg, **overrides) -> MixtralConfig:
+  """Mixtral's config.json: Mistral's keys and the experts'. `router_jitter_noise`
+  (noise on the router's logits in training) must be 0; `output_router_logits` and
+  `router_aux_loss_coef` concern training's loss only."""
+  cfg.expect("router_jitter_noise", 0.0)
+  cfg.get("output_router_logits")
+  return mistral.config_from_hf(
+    cfg,
+    cls=MixtralConfig,
+    num_experts=cfg.int("num_local_experts"),
+    num_experts_per_tok=cfg.int("num_experts_per_tok"),
+    router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
+    **overrides,
+  )
+
+
+def hf_config(config) -> dict:
+  return mistral.hf_config(config) | dict(
+    num_local_experts=config.num_experts,
+    num_experts_per_tok=config.num_experts_per_tok,
+    router_aux_loss_coef=config.router_aux_loss_coef,
+    router_jitter_noise=0.0,
+    output_router_logits=False,
+  )
+
+
+ARCHITECTURE = dataclasses.replace(
+  llama.ARCHITECTURE,
+  name="mixtral",
+  config_class=MixtralConfig,
+  model_class=Mixtral,
+  configs=CONFIGS,
+  hf=HFFormat(("mixtral",), "MixtralForCausalLM", HF_TENSORS, config_from_hf, hf_config),
+  gguf=None,
+)

@@ -1,0 +1,110 @@
+"""A mixture-of-experts feed-forward (Shazeer et al. 2017, "Outrageously Large Neural
+Networks"; Mixtral and Qwen3-MoE's form): a router scores each token against every
+expert, the token goes to its `top_k` experts, and its output is their gated MLPs'
+outputs weighted by the router's probabilities.
+
+The experts run as grouped matrix products (`jax.lax.ragged_dot`) over the tokens
+sorted by expert: each expert multiplies only the tokens routed to it, with no
+capacity and no token dropped (`dropped_tokens` is 0 by construction). Over a mesh
+every device routes its own tokens (a `shard_map` over the sequence and batch axes):
+the tokens keep their places in the ring's sequence order, and the experts' weights
+come to the tokens (whole on every device: FSDP gathers them where the block runs).
+
+Legend: N tokens, D model width, E experts, K experts per token, F an expert's hidden
+width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["MoE", "route", "run_experts"]
+
+
+def route(x, router, top_k: int, normalize: bool):
+  """(weights float32 [N, K], experts int32 [N, K], router logits float32 [N, E]) of
+  tokens x [N, D] under router [D, E]: the softmax of the logits over experts, its
+  `top_k` largest (exact ties to the lower expert index, `jax.lax.top_k`'s order;
+  transformers' `torch.topk` leaves theirs unspecified), renormalized to sum to one
+  where `normalize` (Qwen3-MoE's `norm_topk_prob`; Mixtral always)."""
+  logits = jnp.einsum("nd,de->ne", x, router.astype(x.dtype)).astype(jnp.float32)
+  probs = jax.nn.softmax(logits, axis=-1)
+  weights, experts = jax.lax.top_k(probs, top_k)
+  if normalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, experts, logits
+
+
+def run_experts(x, weights, experts, gate, up, down, activation=jax.nn.silu):
+  """sum_k weights[n, k] * down(activation(gate(x[n])) * up(x[n])) of expert
+  experts[n, k], for x [N, D] and the experts' stacked weights gate, up [E, D, F] and
+  down [E, F, D]: the N K (token, expert) pairs sorted by expert, three grouped matrix
+  products, and each pair's output added back to its token."""
+  n, k = experts.shape
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  rows = order // k  # the token of each sorted pair
+  sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+  xs = jnp.take(x, rows, axis=0)
+  h = activation(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
+  y = jax.lax.ragged_dot(h.astype(down.dtype), down, sizes)
+  y = y * jnp.take(weights.reshape(-1), order)[:, None].astype(y.dtype)
+  return jnp.zeros((n, y.shape[-1]), y.dtype).at[rows].add(y)
+
+
+class MoE(nnx.Module):
+  """The mixture-of-experts feed-forward: x [..., D] -> [..., D].
+
+  router: nnx.Linear [D, E] (no bias); gate, up [E, D, F] and down [E, F, D] stacked
+  over the experts. `placement` (mesh, seq_axis, batch_axis): where the tokens lie;
+  each device routes its own.
+  """
+
+  def __init__(
+    self,
+    dim: int,
+    hidden: int,
+    num_experts: int,
+    top_k: int,
+    *,
+    normalize: bool,
+    placement=(None, "seq", None),
+    activation=jax.nn.silu,
+    dtype=None,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    self.router = nnx.Linear(
+      dim, num_experts, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
+    init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    self.gate = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), param_dtype))
+    self.up = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), param_dtype))
+    self.down = nnx.Param(init(rngs.params(), (num_experts, hidden, dim), param_dtype))
+    self.top_k, self.normalize, self.activation = top_k, normalize, activation
+    self.dtype = dtype
+    self.placement = nnx.static(tuple(placement))
+
+  def _local(self, x, router, gate, up, down):
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    weights, experts, _ = route(x2, router, self.top_k, self.normalize)
+    return run_experts(x2, weights, experts, gate, up, down, self.activation).reshape(shape)
+
+  def __call__(self, x):
+    dt = self.dtype or x.dtype
+    x = x.astype(dt)
+    params = [p[...].astype(dt) for p in (self.router.kernel, self.gate, self.up, self.down)]
+    mesh, seq_axis, batch_axis = self.placement
+    if mesh is None or x.ndim < 3 or x.shape[1] % mesh.shape[seq_axis]:
+      return self._local(x, *params)  # one device, or tokens the mesh does not split evenly
+    if batch_axis is not None and x.shape[0] % mesh.shape[batch_axis]:
+      batch_axis = None
+    rows = P(batch_axis, seq_axis, *([None] * (x.ndim - 2)))
+    auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    return jax.shard_map(
+      self._local, mesh=auto, in_specs=(rows, P(), P(), P(), P()), out_specs=rows, check_vma=False
+    )(x, *params)

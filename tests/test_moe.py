@@ -1,0 +1,342 @@
+"""Qwen3-MoE and Mixtral: small random checkpoints written here as transformers writes
+them (one tensor per expert), loaded and compared with the float64 NumPy forward of
+tests/numpy_models.py (which shares no code with the loader); the router's choices
+against NumPy's, ties included; the ring over 1, 2, 4 and 8 devices against dense,
+forward and gradients; saving back; bad configs refused."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh, rel_err
+from flax import nnx
+from numpy_models import llama_logits, moe_choices
+from safetensors.numpy import load_file, save_file
+
+from jax_ring import models
+from jax_ring.models.architectures import moe
+
+F64_TOL, RING_TOL = 1e-6, 1e-5
+EXPERTS, TOP_K = 8, 2
+
+
+def _config(arch):
+  common = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_experts_per_tok=TOP_K,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rope_theta=1_000_000.0,
+    hidden_act="silu",
+    attention_dropout=0.0,
+    output_router_logits=False,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+    bos_token_id=0,
+    eos_token_id=1,
+  )
+  if arch == "mixtral":
+    return common | dict(
+      model_type="mixtral",
+      architectures=["MixtralForCausalLM"],
+      intermediate_size=32,  # each expert's
+      num_local_experts=EXPERTS,
+      num_hidden_layers=2,
+      rms_norm_eps=1e-5,
+      sliding_window=None,
+      router_aux_loss_coef=0.02,
+      router_jitter_noise=0.0,
+    )
+  return common | dict(
+    model_type="qwen3_moe",
+    architectures=["Qwen3MoeForCausalLM"],
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_experts=EXPERTS,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],  # layer 1 keeps a dense MLP
+    num_hidden_layers=3,
+    rope_scaling=None,
+    rms_norm_eps=1e-6,
+    attention_bias=False,
+    use_sliding_window=False,
+    sliding_window=None,
+    max_window_layers=3,
+    router_aux_loss_coef=0.001,
+  )
+
+
+def _weights(arch, config, seed=0):
+  rng = np.random.default_rng(seed)
+  d, n, kv, h = (config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+  w = lambda *shape, s=0.15: (rng.standard_normal(shape) * s).astype(np.float32)
+  out = {"model.embed_tokens.weight": w(config["vocab_size"], d, s=1.0), "model.norm.weight": 1 + w(d)}
+  out["lm_head.weight"] = w(config["vocab_size"], d)
+  for i in range(config["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    out |= {
+      p + "input_layernorm.weight": 1 + w(d),
+      p + "post_attention_layernorm.weight": 1 + w(d),
+      p + "self_attn.q_proj.weight": w(n * h, d),
+      p + "self_attn.k_proj.weight": w(kv * h, d),
+      p + "self_attn.v_proj.weight": w(kv * h, d),
+      p + "self_attn.o_proj.weight": w(d, n * h),
+    }
+    if arch == "mixtral":  # w1 gate, w3 up, w2 down
+      f = config["intermediate_size"]
+      out[p + "block_sparse_moe.gate.weight"] = w(EXPERTS, d, s=1.0)
+      for j in range(EXPERTS):
+        q = p + f"block_sparse_moe.experts.{j}."
+        out |= {q + "w1.weight": w(f, d), q + "w3.weight": w(f, d), q + "w2.weight": w(d, f)}
+      continue
+    out |= {p + "self_attn.q_norm.weight": 1 + w(h), p + "self_attn.k_norm.weight": 1 + w(h)}
+    if i in config["mlp_only_layers"]:
+      m = config["intermediate_size"]
+      out |= {p + "mlp.gate_proj.weight": w(m, d), p + "mlp.up_proj.weight": w(m, d)}
+      out[p + "mlp.down_proj.weight"] = w(d, m)
+      continue
+    f = config["moe_intermediate_size"]
+    out[p + "mlp.gate.weight"] = w(EXPERTS, d, s=1.0)
+    for j in range(EXPERTS):
+      q = p + f"mlp.experts.{j}."
+      out |= {q + "gate_proj.weight": w(f, d), q + "up_proj.weight": w(f, d), q + "down_proj.weight": w(d, f)}
+  return out
+
+
+ARCHS = ("qwen3_moe", "mixtral")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def checkpoint(request, tmp_path_factory):
+  arch = request.param
+  folder = tmp_path_factory.mktemp(arch)
+  config = _config(arch)
+  weights = _weights(arch, config)
+  (folder / "config.json").write_text(json.dumps(config))
+  save_file(weights, str(folder / "model.safetensors"))
+  return folder, config, weights
+
+
+def _tokens(length, seed=1, batch=2):
+  return np.random.default_rng(seed).integers(0, 128, (batch, length)).astype(np.int32)
+
+
+@pytest.mark.parametrize("length", [40, 64])
+def test_loaded_logits_equal_the_numpy_forward(checkpoint, length):
+  folder, config, weights = checkpoint
+  model, _ = models.load(folder, attention="dense")
+  qwen = config["model_type"] == "qwen3_moe"
+  assert isinstance(model, models.Qwen3Moe if qwen else models.Mixtral)
+  assert model.config.num_experts == EXPERTS and model.config.num_experts_per_tok == TOP_K
+  tokens = _tokens(length)
+  got = np.asarray(model(jnp.asarray(tokens)))
+  for b in range(tokens.shape[0]):
+    want = llama_logits(weights, config, tokens[b], qk_norm=qwen)
+    assert rel_err(got[b], want) < F64_TOL
+
+
+def test_router_choices_equal_numpys_ties_to_the_lower_expert():
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((50, 16)).astype(np.float32)
+  router = rng.standard_normal((EXPERTS, 16)).astype(np.float32)
+  router[5] = router[2]  # experts 2 and 5 tie for every token
+  router[7] = router[2]
+  config = dict(num_experts_per_tok=3, norm_topk_prob=True)
+  weights, experts, _ = moe.route(jnp.asarray(x), jnp.asarray(router.T), 3, True)
+  want_experts, want_weights = moe_choices(x.astype(np.float64), router.astype(np.float64), config)
+  np.testing.assert_array_equal(np.asarray(experts), want_experts)
+  np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-5)
+  tied = np.asarray(experts)[np.isin(np.asarray(experts), [2, 5, 7]).any(-1)]
+  for row in tied:  # where they are chosen, 2 before 5 before 7
+    picked = [e for e in row if e in (2, 5, 7)]
+    assert picked == sorted(picked)
+
+
+def test_experts_as_grouped_products_equal_every_expert_dense():
+  """`run_experts` (ragged_dot over tokens sorted by expert) against each token's
+  experts computed one by one, in float64."""
+  rng = np.random.default_rng(4)
+  n, d, f = 37, 8, 6
+  x = rng.standard_normal((n, d))
+  gate, up, down = (rng.standard_normal(s) for s in ((EXPERTS, d, f), (EXPERTS, d, f), (EXPERTS, f, d)))
+  experts = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(n)])
+  experts[:10] = [3, 4]  # a crowded expert pair; some experts get no token
+  weights = rng.random((n, TOP_K))
+  with jax.enable_x64():
+    got = np.asarray(moe.run_experts(*(jnp.asarray(a) for a in (x, weights, experts, gate, up, down))))
+  silu = lambda z: z / (1 + np.exp(-z))
+  want = np.zeros_like(x)
+  for t in range(n):
+    for e, wt in zip(experts[t], weights[t]):
+      want[t] += wt * ((silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
+  np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _loss(model, tokens):
+  logits = model(tokens)
+  return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_ring_equals_dense_forward_and_gradients(checkpoint, devices):
+  folder, _, _ = checkpoint
+  dense, _ = models.load(folder, attention="dense")
+  ring, _ = models.load(folder, mesh=make_mesh((devices,), ("seq",)))
+  tokens = jnp.asarray(_tokens(64, seed=devices))
+  assert rel_err(ring(tokens), dense(tokens)) < RING_TOL
+  grad = lambda m: nnx.grad(_loss)(m, tokens)
+  g_ring, g_dense = nnx.to_flat_state(grad(ring)), dict(nnx.to_flat_state(grad(dense)))
+  for path, value in g_ring:
+    assert rel_err(value[...], g_dense[path][...]) < RING_TOL, path
+
+
+def test_fsdp_equals_replicated(checkpoint):
+  folder, _, _ = checkpoint
+  mesh = make_mesh((4,), ("seq",))
+  split, _ = models.load(folder, mesh=mesh, fsdp=True)
+  whole, _ = models.load(folder, mesh=mesh)
+  tokens = jnp.asarray(_tokens(64, seed=9))
+  assert rel_err(split(tokens), whole(tokens)) < RING_TOL
+  assert split.blocks[0].mlp.gate[...].sharding.spec != whole.blocks[0].mlp.gate[...].sharding.spec
+
+
+def test_save_writes_one_tensor_per_expert_and_loads_back(checkpoint, tmp_path):
+  folder, config, weights = checkpoint
+  model, _ = models.load(folder, attention="dense")
+  models.save(model, tmp_path / "saved")
+  saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+  assert set(saved) == set(weights)
+  for name, value in weights.items():
+    np.testing.assert_array_equal(saved[name], value, err_msg=name)
+  written = json.loads((tmp_path / "saved" / "config.json").read_text())
+  keys = ("num_experts", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step")
+  keys = ("num_local_experts", "intermediate_size") if config["model_type"] == "mixtral" else keys
+  for key in ("num_experts_per_tok", "model_type", *keys):
+    assert written[key] == config[key], key
+  reloaded, _ = models.load(tmp_path / "saved", attention="dense")
+  tokens = jnp.asarray(_tokens(24))
+  np.testing.assert_array_equal(np.asarray(reloaded(tokens)), np.asarray(model(tokens)))
+
+
+@pytest.mark.parametrize("cls", ["Qwen3MoeConfig", "MixtralConfig"])
+def test_more_experts_per_token_than_experts_is_refused(cls):
+  with pytest.raises(ValueError, match=r"num_experts_per_tok=9 exceeds num_experts=8"):
+    models.build(getattr(models, cls)(num_experts=8, num_experts_per_tok=9), attention="dense")
+
+
+def test_bad_moe_configs_are_refused(checkpoint, tmp_path):
+  folder, config, _ = checkpoint
+  kind = config["model_type"]
+  bad = {"mixtral": {"router_jitter_noise": 0.1}, "qwen3_moe": {"mlp_only_layers": [7]}}[kind]
+  message = {"mixtral": r"router_jitter_noise=0.1", "qwen3_moe": r"mlp_only_layers=\(7,\)"}[kind]
+  (tmp_path / "config.json").write_text(json.dumps(config | bad))
+  (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+  with pytest.raises(ValueError, match=message):
+    models.load(tmp_path, attention="dense")
+  one = tmp_path / "missing"
+  one.mkdir()
+  (one / "config.json").write_text(json.dumps(config))
+  weights = load_file(str(folder / "model.safetensors"))
+  gone = next(n for n in weights if ".experts.3." in n)
+  save_file({n: v for n, v in weights.items() if n != gone}, str(one / "model.safetensors"))
+  with pytest.raises(ValueError, match=r"experts\.\{e\}.* is missing"):
+    models.load(one, attention="dense")
+
+
+def test_named_configs_cite_the_released_sizes():
+  cfg = models.config("qwen3-30b-a3b")
+  assert (cfg.dim, cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_hidden) == (
+    2048,
+    48,
+    128,
+    8,
+    768,
+  )
+  big = models.config("qwen3-235b-a22b")
+  assert (big.dim, big.num_layers, big.num_heads, big.moe_hidden) == (4096, 94, 64, 1536)
+  mixtral = models.config("mixtral-8x7b")
+  sizes = (mixtral.dim, mixtral.num_layers, mixtral.mlp_hidden, mixtral.num_experts, mixtral.vocab_size)
+  assert sizes == (4096, 32, 14336, 8, 32000)
+
+
+SMALL_MOE = dict(
+  vocab_size=128,
+  dim=64,
+  num_layers=3,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=16,
+  mlp_hidden=96,
+  context_length=512,
+  num_experts=EXPERTS,
+  num_experts_per_tok=TOP_K,
+  moe_hidden=32,
+  mlp_only_layers=(1,),
+)
+
+
+def test_fsdp_training_steps_equal_the_replicated_model():
+  """Three AdamW steps of a Qwen3-MoE with every weight (the experts' stacks included)
+  split over 8 devices, against the replicated model: the same losses and weights."""
+  from jax_ring.models.train import step as train_step
+
+  mesh = make_mesh((8,), ("seq",))
+  config = models.Qwen3MoeConfig(**SMALL_MOE)
+  tx = train_step.make_tx(3e-3, 1, 10, 0.01, 1.0)
+  trainers = [
+    train_step.Trainer(models.build(config, mesh=mesh, fsdp=f, rngs=nnx.Rngs(3)), tx, chunk=16)
+    for f in (False, True)
+  ]
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    tokens = rng.integers(0, 128, (2, 64)).astype(np.int32)
+    batch = train_step.place_batch(
+      trainers[0].model(), tokens, np.roll(tokens, -1, 1), np.ones((2, 64), np.float32)
+    )
+    (l0, _), (l1, _) = (t.step(*batch) for t in trainers)
+    assert abs(float(l0) - float(l1)) <= RING_TOL * abs(float(l0))
+  for (path, a), (_, b) in zip(nnx.to_flat_state(trainers[0].params), nnx.to_flat_state(trainers[1].params)):
+    assert rel_err(b[...], a[...]) < RING_TOL, path
+  gate = trainers[1].params["blocks"][0]["mlp"]["gate"][...]
+  assert gate.addressable_shards[0].data.size * 8 == gate.size  # the experts' stack is split 8 ways
+
+
+def test_ring_generates_the_dense_tokens():
+  config = models.Qwen3MoeConfig(**SMALL_MOE)
+  dense = models.build(config, attention="dense", rngs=nnx.Rngs(5))
+  ring = models.build(config, mesh=make_mesh((4,), ("seq",)), rngs=nnx.Rngs(5))
+  prompts = _tokens(20, seed=11)
+  lengths = np.array([20, 13])
+  got = models.generate(ring, prompts, max_new_tokens=6, prompt_lengths=lengths)
+  want = models.generate(dense, prompts, max_new_tokens=6, prompt_lengths=lengths)
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+def test_finetune_script_trains_an_moe_folder(tmp_path):
+  """scripts/finetune.py on a small Qwen3-MoE folder and a text: two steps with FSDP over
+  4 devices, a report, and a checkpoint that loads as Qwen3-MoE."""
+  import finetune as script  # scripts/finetune.py
+  import tokenizers
+
+  from jax_ring.models.formats.tokenizer_json import HFTokenizer
+
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  model = models.build(models.Qwen3MoeConfig(**SMALL_MOE), attention="dense")
+  models.save(model, tmp_path / "model", tokenizer=HFTokenizer(tok, bos_id=1, eos_id=2, pad_id=0))
+  text = tmp_path / "text.txt"
+  text.write_text(" ".join(f"w{(i * 7) % 50 + 3}" for i in range(300)))
+  out = tmp_path / "run"
+  args = [str(tmp_path / "model"), "--text", str(text), "--length", "64", "--devices", "4", "--out", str(out)]
+  script.main(args + ["--steps", "2", "--fsdp"])
+  report = json.loads((out / "report.json").read_text())
+  assert len(report["steps"]) == 2 and all(np.isfinite(s["loss"]) for s in report["steps"])
+  tuned, _ = models.load(out / "checkpoint", attention="dense")
+  assert isinstance(tuned, models.Qwen3Moe)
+  assert rel_err(tuned.blocks[0].mlp.gate[...], model.blocks[0].mlp.gate[...]) > 1e-5  # the experts trained
