@@ -157,8 +157,9 @@ def load(
     fsdp: every weight split over all the mesh's devices (`decoder.fsdp_spec`), each
       block's gathered where it runs, gradients reduce-scattered; each device reads
       only its own slice of each tensor.
-    remat: what each block keeps for the backward pass: "none", "full" (its input) or
-      "attention" (its input, attention's output and log-sum-exp).
+    remat: what each block keeps for the backward pass: "none", "full" (its input),
+      "attention" (its input, attention's output and log-sum-exp) or "offload" (its
+      input, in host memory).
     dtype: compute and parameter dtype (None: float32).
     cache_dir: where a GGUF file's dequantized tensors are kept (`gguf.cache_root`).
     attention_kernel: the ring's block kernel, `jax_ring.ring_attention`'s `kernel`

@@ -103,7 +103,10 @@ def parse_args(argv=None):
     "--train", action="store_true", help="--model NAME: one whole AdamW step (FSDP, remat, chunked loss)"
   )
   p.add_argument(
-    "--remat", default="full", choices=("none", "full", "attention"), help="--train: what a layer keeps"
+    "--remat",
+    default="full",
+    choices=("none", "full", "attention", "offload"),
+    help="--train: what a layer keeps (offload: its input, in host memory)",
   )
   p.add_argument("--param-dtype", default="float32", help="--train: weights and AdamW moments")
   p.add_argument("--chunk", type=int, default=1024, help="--train: tokens per chunk of the loss")
@@ -284,6 +287,8 @@ def main(argv=None):
       f"outputs {m['output_bytes']:.2f}, aliased {m['alias_bytes']:.2f}, temp {m['temp_bytes']:.2f}): "
       f"{'fits' if result['fits'] else 'does NOT fit'}"
     )
+    if m.get("host_temp_bytes"):
+      print(f"  host memory per device (offloaded layer inputs): {m['host_temp_bytes']:.2f} GiB")
   for op, n in sorted(result["collective_bytes"].items()):
     print(f"  {op}: {n / 2**20:.1f} MiB per device")
   for op, (count, n) in sorted(result["outside_loops"].items()):

@@ -41,7 +41,10 @@ def parse_args(argv=None):
   p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
   p.add_argument("--chunk", type=int, default=512, help="tokens per chunk of the loss")
   p.add_argument(
-    "--remat", default="attention", choices=("none", "full", "attention"), help="what a layer keeps"
+    "--remat",
+    default="attention",
+    choices=("none", "full", "attention", "offload"),
+    help="what a layer keeps (offload: its input, in host memory)",
   )
   p.add_argument("--dtype", default=None, help="compute and weight dtype (default float32)")
   p.add_argument("--text", default=None, help="train on windows of this text file instead of the documents")

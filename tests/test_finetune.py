@@ -534,6 +534,27 @@ def test_feed_forward_in_chunks_equals_it_whole(monkeypatch):
   assert chunked_temp < 0.85 * whole_temp, (chunked_temp, whole_temp)
 
 
+def test_offload_remat_equals_full_and_keeps_the_layer_inputs_in_host_memory():
+  """remat="offload": the same loss and gradients as "full" (FSDP over 4 devices), and
+  the backward pass's stack of layer inputs is a host-memory array in the program."""
+  mesh = make_mesh((4,), ("seq",))
+  tokens, targets, weights = (jnp.asarray(a) for a in _batch())
+  results = {}
+  for remat in ("full", "offload"):
+    model = _model(SMALL, mesh, True, None, remat=remat)
+    graphdef, state = nnx.split(model)
+    loss = lambda s, g=graphdef: train_step.loss(nnx.merge(g, s), tokens, targets, weights, chunk=16)
+    results[remat] = jax.jit(jax.value_and_grad(loss))(state)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(state))
+    # [layers, batch, ...]: every layer's input, kept on the host for the backward pass
+    stacks = re.findall(rf"f32<host>\[{SMALL.num_layers},{tokens.shape[0]},\d+", jaxpr)
+    assert bool(stacks) == (remat == "offload"), stacks
+  (v0, g0), (v1, g1) = results["full"], results["offload"]
+  assert float(v0) == float(v1)
+  for (path, a), (_, b) in zip(nnx.to_flat_state(g0), nnx.to_flat_state(g1)):
+    np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+
+
 def test_remat_policies_keep_what_they_name():
   """The two policies' compiled steps give the same loss, gradient norm and updated
   weights; under "full" the backward pass runs the ring's forward again (a forward ring

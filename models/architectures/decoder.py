@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -30,12 +31,22 @@ KERNELS = ("auto", "xla", "pallas", "cudnn")
 # What each block keeps for the backward pass (`CausalLM`'s `remat`): "none" keeps every
 # activation; "full" its input alone (the rest recomputed); "attention" its input and
 # attention's output and log-sum-exp (jax_ring names them), so the ring's forward is not
-# run again in the backward; the projections and MLP are recomputed.
+# run again in the backward; the projections and MLP are recomputed. "offload": as
+# "full", with each layer's input kept in host memory (`pinned_host`) instead of the
+# device's, copied out in the forward pass and back in the backward pass (MaxText's
+# offloaded decoder-layer inputs are the model).
+LAYER_INPUT = "jax_ring.layer_input"
 REMAT_POLICIES = {
   "none": None,
   "full": jax.checkpoint_policies.nothing_saveable,
   "attention": jax.checkpoint_policies.save_only_these_names(
     "jax_ring.attention_out", "jax_ring.attention_lse"
+  ),
+  "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=[LAYER_INPUT],
+    offload_src="device",
+    offload_dst="pinned_host",
   ),
 }
 # The most of its own tokens a device runs through a block's feed-forward at once in a
@@ -437,6 +448,7 @@ class CausalLM(nnx.Module):
     graphdef, params, rest = nnx.split(block, nnx.Param, ...)
 
     def run(params, rest, x):
+      x = checkpoint_name(x, LAYER_INPUT)  # what "offload" keeps, in host memory
       if self.fsdp and gather:
         params = self._gathered(params, after=None if training else x)
       copy = nnx.merge(graphdef, params, rest)
@@ -587,7 +599,7 @@ class CausalLM(nnx.Module):
       return jax.lax.scan(step, folded(x), layers)[0].reshape(b, t, d)
 
     def body(x, layers):
-      x = x.reshape(b, t, d)
+      x = checkpoint_name(x, LAYER_INPUT).reshape(b, t, d)  # what "offload" keeps, in host memory
       for graphdef, run_layers in zip(graphdefs, layers):
         x = run_of(graphdef, x, run_layers)
       return folded(x), None

@@ -391,7 +391,8 @@ def step_memory(compiled, device_bytes: int) -> dict:
   """A compiled step's memory per device: its arguments (weights, optimizer state,
   batch), outputs, temporaries, the outputs that reuse donated arguments (alias), and
   the peak the device must hold at once (arguments + outputs - alias + temporaries);
-  `fits`: the peak within `device_bytes`."""
+  `fits`: the peak within `device_bytes`. `host_temp_bytes`: the temporaries the step
+  keeps in host memory for the device (remat "offload": the layers' inputs)."""
   m = compiled.memory_analysis()
   out = dict(
     argument_bytes=int(m.argument_size_in_bytes),
@@ -401,4 +402,5 @@ def step_memory(compiled, device_bytes: int) -> dict:
   )
   out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
   out["fits"] = out["peak_bytes"] <= device_bytes
+  out["host_temp_bytes"] = int(getattr(m, "host_temp_size_in_bytes", 0) or 0)
   return out
