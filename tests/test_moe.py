@@ -340,3 +340,57 @@ def test_finetune_script_trains_an_moe_folder(tmp_path):
   tuned, _ = models.load(out / "checkpoint", attention="dense")
   assert isinstance(tuned, models.Qwen3Moe)
   assert rel_err(tuned.blocks[0].mlp.gate[...], model.blocks[0].mlp.gate[...]) > 1e-5  # the experts trained
+
+
+def _reference_choices(params, x, top_k):
+  """Each token's experts: the router's probabilities sorted stably, largest first."""
+  p = jax.nn.softmax(x.reshape(-1, x.shape[-1]) @ params[0], axis=-1)
+  return jnp.asarray(np.argsort(-np.asarray(p), axis=-1, kind="stable")[:, :top_k])
+
+
+def _reference_objective(params, x, r, chosen, coef):
+  """sum(MoE(x) * r) + coef x transformers' load-balancing loss of one layer, written
+  apart from `moe`: each token's experts gathered and run as dense products, the loss
+  from one-hot masks of the chosen experts (load_balancing_loss_func)."""
+  router, gate, up, down = params
+  x2 = x.reshape(-1, x.shape[-1])
+  p = jax.nn.softmax(x2 @ router, axis=-1)
+  w = jnp.take_along_axis(p, chosen, axis=-1)
+  w = w / w.sum(-1, keepdims=True)
+  h = jax.nn.silu(jnp.einsum("nd,nkdf->nkf", x2, gate[chosen])) * jnp.einsum("nd,nkdf->nkf", x2, up[chosen])
+  y = jnp.einsum("nk,nkf,nkfd->nd", w, h, down[chosen])
+  mask = jax.nn.one_hot(chosen, p.shape[-1])  # [N, K, E]
+  aux = p.shape[-1] * jnp.sum(jnp.mean(mask, axis=0) * jnp.mean(p, axis=0)[None])
+  return jnp.sum(y.reshape(x.shape) * r) + coef * aux
+
+
+@pytest.mark.parametrize("devices", [1, 4, 8])
+def test_balance_loss_gradients_equal_transformers_formula(devices):
+  """The experts' and router's gradients with the load-balancing loss in them (weight
+  0.5, large so it shows) equal those of the reference objective, in float64, with the
+  tokens split over `devices` (the counts and token total summed over them)."""
+  rng = np.random.default_rng(devices)
+  b, t, d, f = 2, 32, 8, 6
+  with jax.enable_x64():
+    mesh = make_mesh((devices,), ("seq",))
+    layer = moe.MoE(
+      d, f, EXPERTS, TOP_K, normalize=True, balance=0.5, placement=(mesh, "seq", None),
+      param_dtype=jnp.float64, rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    x = jnp.asarray(rng.standard_normal((b, t, d)))
+    r = jnp.asarray(rng.standard_normal((b, t, d)))
+    layer.router.kernel[...] = jnp.asarray(rng.standard_normal((d, EXPERTS)))
+    graphdef, state = nnx.split(layer)
+    got = jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(x) * r))(state)
+    params = (layer.router.kernel[...], layer.gate[...], layer.up[...], layer.down[...])
+    chosen = _reference_choices(params, x, TOP_K)
+    want = jax.grad(_reference_objective)(params, x, r, chosen, 0.5)
+    without = jax.grad(_reference_objective)(params, x, r, chosen, 0.0)
+    for name, g, w in zip(("router", "gate", "up", "down"), _leaves(got), want):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-10, atol=1e-12, err_msg=name)
+    assert rel_err(want[0], without[0]) > 1e-3  # the loss moves the router's gradient
+
+
+def _leaves(state):
+  flat = dict((".".join(map(str, path)), v[...]) for path, v in nnx.to_flat_state(state))
+  return flat["router.kernel"], flat["gate"], flat["up"], flat["down"]

@@ -62,6 +62,7 @@ class Mixtral(mistral.Mistral):
         config.num_experts,
         config.num_experts_per_tok,
         normalize=True,
+        balance=config.router_aux_loss_coef / config.num_layers,
         placement=placement,
         dtype=dt,
         param_dtype=pdt,

@@ -21,16 +21,17 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["MoE", "route", "run_experts"]
+__all__ = ["MoE", "balance_loss", "route", "run_experts"]
 
 
 def route(x, router, top_k: int, normalize: bool):
-  """(weights float32 [N, K], experts int32 [N, K], router logits float32 [N, E]) of
+  """(weights [N, K], experts int32 [N, K], router logits [N, E], both float32 or wider) of
   tokens x [N, D] under router [D, E]: the softmax of the logits over experts, its
   `top_k` largest (exact ties to the lower expert index, `jax.lax.top_k`'s order;
   transformers' `torch.topk` leaves theirs unspecified), renormalized to sum to one
   where `normalize` (Qwen3-MoE's `norm_topk_prob`; Mixtral always)."""
-  logits = jnp.einsum("nd,de->ne", x, router.astype(x.dtype)).astype(jnp.float32)
+  wide = jnp.promote_types(x.dtype, jnp.float32)  # float32 at least (float64 stays)
+  logits = jnp.einsum("nd,de->ne", x, router.astype(x.dtype)).astype(wide)
   probs = jax.nn.softmax(logits, axis=-1)
   weights, experts = jax.lax.top_k(probs, top_k)
   if normalize:
@@ -55,12 +56,46 @@ def run_experts(x, weights, experts, gate, up, down, activation=jax.nn.silu):
   return jnp.zeros((n, y.shape[-1]), y.dtype).at[rows].add(y)
 
 
+@jax.custom_vjp
+def _with_loss(y, loss):
+  """y, unchanged; in the backward pass `loss` receives the gradient 1, as if it were
+  added to the training loss (DeepSeek-V2's AddAuxiliaryLoss does this in PyTorch)."""
+  return y
+
+
+_with_loss.defvjp(lambda y, loss: (y, loss), lambda loss, g: (g, jnp.ones_like(loss)))
+
+
+def balance_loss(logits, experts, num_experts: int, axes=None):
+  """This device's part of the router's load-balancing loss (Switch Transformer, Fedus
+  et al. 2021; transformers' `load_balancing_loss_func` for one layer): E sum_e f_e P_e,
+  f_e the (token, expert) pairs that chose expert e over the N tokens, P_e expert e's
+  mean router probability over them. N and the counts are over every device of `axes`
+  (psum); the value is E sum_e f_e (this device's probabilities of e, summed) / N, so
+  the devices' values add up to the loss and each one's gradient reaches its own
+  tokens."""
+  counts = jnp.zeros((num_experts,), logits.dtype).at[experts.reshape(-1)].add(1.0)
+  tokens = jnp.asarray(logits.shape[0], logits.dtype)
+  if axes:
+    counts, tokens = jax.lax.psum(counts, axes), jax.lax.psum(tokens, axes)
+  f = jax.lax.stop_gradient(counts / tokens)
+  probs = jax.nn.softmax(logits, axis=-1)
+  return num_experts * jnp.sum(f * jnp.sum(probs, axis=0)) / tokens
+
+
 class MoE(nnx.Module):
   """The mixture-of-experts feed-forward: x [..., D] -> [..., D].
 
   router: nnx.Linear [D, E] (no bias); gate, up [E, D, F] and down [E, F, D] stacked
   over the experts. `placement` (mesh, seq_axis, batch_axis): where the tokens lie;
   each device routes its own.
+
+  `balance`: the weight of this layer's load-balancing loss (`balance_loss`) in the
+  gradients: the architectures give the config's `router_aux_loss_coef` divided by the
+  number of sparse layers (the mean over layers). The loss is added in the backward
+  pass alone, so a training step's gradients include it while the loss it reports and
+  every forward value are the model's. Its statistics are over the call's tokens: a
+  long call's feed-forward chunks (`decoder.feed_forward`) each count their own.
   """
 
   def __init__(
@@ -71,6 +106,7 @@ class MoE(nnx.Module):
     top_k: int,
     *,
     normalize: bool,
+    balance: float = 0.0,
     placement=(None, "seq", None),
     activation=jax.nn.silu,
     dtype=None,
@@ -85,14 +121,18 @@ class MoE(nnx.Module):
     self.up = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), param_dtype))
     self.down = nnx.Param(init(rngs.params(), (num_experts, hidden, dim), param_dtype))
     self.top_k, self.normalize, self.activation = top_k, normalize, activation
+    self.balance = float(balance)
     self.dtype = dtype
     self.placement = nnx.static(tuple(placement))
 
-  def _local(self, x, router, gate, up, down):
+  def _local(self, x, router, gate, up, down, axes=None):
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    weights, experts, _ = route(x2, router, self.top_k, self.normalize)
-    return run_experts(x2, weights, experts, gate, up, down, self.activation).reshape(shape)
+    weights, experts, logits = route(x2, router, self.top_k, self.normalize)
+    y = run_experts(x2, weights, experts, gate, up, down, self.activation)
+    if self.balance:
+      y = _with_loss(y, self.balance * balance_loss(logits, experts, gate.shape[0], axes))
+    return y.reshape(shape)
 
   def __call__(self, x):
     dt = self.dtype or x.dtype
@@ -104,7 +144,9 @@ class MoE(nnx.Module):
     if batch_axis is not None and x.shape[0] % mesh.shape[batch_axis]:
       batch_axis = None
     rows = P(batch_axis, seq_axis, *([None] * (x.ndim - 2)))
+    axes = (seq_axis,) if batch_axis is None else (batch_axis, seq_axis)
     auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    local = lambda x, *params: self._local(x, *params, axes=axes)
     return jax.shard_map(
-      self._local, mesh=auto, in_specs=(rows, P(), P(), P(), P()), out_specs=rows, check_vma=False
+      local, mesh=auto, in_specs=(rows, P(), P(), P(), P()), out_specs=rows, check_vma=False
     )(x, *params)

@@ -82,6 +82,7 @@ class Qwen3Moe(CausalLM):
         config.num_experts,
         config.num_experts_per_tok,
         normalize=config.norm_topk_prob,
+        balance=config.router_aux_loss_coef / sum(map(config.sparse, range(config.num_layers))),
         placement=placement,
         dtype=dt,
         param_dtype=pdt,
