@@ -394,3 +394,82 @@ def test_balance_loss_gradients_equal_transformers_formula(devices):
 def _leaves(state):
   flat = dict((".".join(map(str, path)), v[...]) for path, v in nnx.to_flat_state(state))
   return flat["router.kernel"], flat["gate"], flat["up"], flat["down"]
+
+
+def _write_qwen3moe_gguf(path, config, w, vocab):
+  """A GGUF file as llama.cpp's converter writes a Qwen3-MoE: its qwen3moe names, each
+  layer's experts stacked in one tensor, a byte-level BPE vocabulary."""
+  import gguf  # the [models] extra
+
+  writer = gguf.GGUFWriter(str(path), "qwen3moe")
+  writer.add_context_length(config["max_position_embeddings"])
+  writer.add_embedding_length(config["hidden_size"])
+  writer.add_block_count(config["num_hidden_layers"])
+  writer.add_feed_forward_length(config["intermediate_size"])
+  writer.add_head_count(config["num_attention_heads"])
+  writer.add_head_count_kv(config["num_key_value_heads"])
+  writer.add_key_length(config["head_dim"])
+  writer.add_value_length(config["head_dim"])
+  writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+  writer.add_rope_freq_base(config["rope_theta"])
+  writer.add_expert_count(config["num_experts"])
+  writer.add_expert_used_count(config["num_experts_per_tok"])
+  writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+  tokens, merges, types = vocab
+  writer.add_tokenizer_model("gpt2")
+  writer.add_tokenizer_pre("qwen2")
+  writer.add_token_list(tokens)
+  writer.add_token_merges(merges)
+  writer.add_token_types(types)
+  writer.add_bos_token_id(0)
+  writer.add_eos_token_id(1)
+  names = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
+  }
+  out = {"token_embd.weight": w["model.embed_tokens.weight"], "output.weight": w["lm_head.weight"]}
+  out["output_norm.weight"] = w["model.norm.weight"]
+  for i in range(config["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    for hf, gg in names.items():
+      out[f"blk.{i}.{gg}.weight"] = w[p + hf + ".weight"]
+    for part, gg in (
+      ("gate_proj", "ffn_gate_exps"),
+      ("up_proj", "ffn_up_exps"),
+      ("down_proj", "ffn_down_exps"),
+    ):
+      out[f"blk.{i}.{gg}.weight"] = np.stack(
+        [w[p + f"mlp.experts.{e}.{part}.weight"] for e in range(EXPERTS)]
+      )
+  for name, value in out.items():
+    writer.add_tensor(name, np.ascontiguousarray(value))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def test_qwen3moe_gguf_equals_the_numpy_forward_and_the_ring(tmp_path):
+  """A qwen3moe GGUF file (every layer sparse, as llama.cpp runs it) loads as Qwen3-MoE
+  with the NumPy forward's logits, and the ring over 4 devices equals dense."""
+  from test_checkpoints import QWEN2_PATTERN, bpe_tables, train_bpe
+
+  vocab = bpe_tables(train_bpe(QWEN2_PATTERN, nfc=True))
+  config = _config("qwen3_moe") | {"mlp_only_layers": [], "num_hidden_layers": 2, "vocab_size": len(vocab[0])}
+  weights = _weights("qwen3_moe", config, seed=7)
+  _write_qwen3moe_gguf(tmp_path / "moe.gguf", config, weights, vocab)
+  model, tokenizer = models.load(tmp_path / "moe.gguf", attention="dense", cache_dir=tmp_path / "cache")
+  assert isinstance(model, models.Qwen3Moe) and model.config.norm_topk_prob and tokenizer is not None
+  tokens = _tokens(40) % config["vocab_size"]
+  got = np.asarray(model(jnp.asarray(tokens)))
+  for b in range(tokens.shape[0]):
+    assert rel_err(got[b], llama_logits(weights, config, tokens[b], qk_norm=True)) < F64_TOL
+  ring, _ = models.load(tmp_path / "moe.gguf", mesh=make_mesh((4,), ("seq",)), cache_dir=tmp_path / "cache")
+  assert rel_err(ring(jnp.asarray(tokens)), got) < RING_TOL

@@ -125,11 +125,16 @@ def hf_config(config) -> dict:
   )
 
 
-def config_from_gguf(gguf_file, arch="llama", cls=LlamaConfig, **overrides):
-  """The config a llama (or qwen3: `arch`, `cls`) GGUF file's metadata describes."""
+def config_from_gguf(gguf_file, arch="llama", cls=LlamaConfig, experts=None, **overrides):
+  """The config a llama (or qwen3: `arch`, `cls`) GGUF file's metadata describes.
+  `experts(reader) -> fields`: a mixture of experts' own fields, read from the same
+  metadata (None: the file must have no experts)."""
   f = gguf_file.arch_reader(arch)
-  f.expect("expert_count", 0)
-  f.expect("expert_used_count", 0)
+  if experts is None:
+    f.expect("expert_count", 0)
+    f.expect("expert_used_count", 0)
+  else:
+    overrides = experts(f) | overrides
   dim, heads = f.int("embedding_length"), f.int("attention.head_count")
   head_dim = int(f.get("attention.key_length", dim // heads))
   if f.get("attention.value_length", head_dim) != head_dim:

@@ -16,7 +16,7 @@ from typing import ClassVar
 from . import decoder, llama, qwen3, tables
 from .decoder import CausalLM, PreNormBlock
 from .moe import MoE
-from .record import HFFormat
+from .record import GGUFFormat, HFFormat
 
 __all__ = ["CONFIGS", "Qwen3Moe", "Qwen3MoeConfig"]
 
@@ -108,6 +108,7 @@ CONFIGS = {
 }
 
 _HF_LAYER = "model.layers.{i}."
+_ATTENTION_PARTS = tuple(p for p in tables.LLAMA_PARTS if p not in ("gate", "up", "down"))
 # The dense layers' MLP as Qwen 3's; a sparse layer's router ("mlp.gate", [E, D]) and its
 # experts, one file tensor per expert ("{e}"), stacked over the experts on loading ("Te":
 # each expert's matrix transposed).
@@ -141,6 +142,34 @@ def config_from_hf(cfg, **overrides) -> Qwen3MoeConfig:
   )
 
 
+# llama.cpp's qwen3moe: Qwen 3's attention, and in every layer the router
+# ("ffn_gate_inp", [E, D]) and the experts stacked in one tensor each ([E, F, D]; down
+# [E, D, F]).
+GGUF_TENSORS = tables.table(tables.GGUF_NAMES, _ATTENTION_PARTS + tables.QK_NORMS) | {
+  "blk.{i}.ffn_gate_inp.weight": ("blocks.{i}.mlp.router.kernel", "T"),
+  "blk.{i}.ffn_gate_exps.weight": ("blocks.{i}.mlp.gate", "Te"),
+  "blk.{i}.ffn_up_exps.weight": ("blocks.{i}.mlp.up", "Te"),
+  "blk.{i}.ffn_down_exps.weight": ("blocks.{i}.mlp.down", "Te"),
+}
+
+
+def _gguf_experts(f) -> dict:
+  """llama.cpp's qwen3moe runs experts in every layer and always renormalizes the top-k
+  probabilities (`build_moe_ffn(..., norm_w=true)`)."""
+  return dict(
+    num_experts=f.int("expert_count"),
+    num_experts_per_tok=f.int("expert_used_count"),
+    moe_hidden=f.int("expert_feed_forward_length"),
+    norm_topk_prob=True,
+  )
+
+
+def config_from_gguf(gguf_file, **overrides) -> Qwen3MoeConfig:
+  return llama.config_from_gguf(
+    gguf_file, arch="qwen3moe", cls=Qwen3MoeConfig, experts=_gguf_experts, **overrides
+  )
+
+
 def hf_config(config) -> dict:
   return qwen3.hf_config(config) | dict(
     num_experts=config.num_experts,
@@ -166,5 +195,5 @@ ARCHITECTURE = dataclasses.replace(
   hf=HFFormat(
     ("qwen3_moe",), "Qwen3MoeForCausalLM", HF_TENSORS, config_from_hf, hf_config, defaults=HF_DEFAULTS
   ),
-  gguf=None,
+  gguf=GGUFFormat("qwen3moe", GGUF_TENSORS, config_from_gguf),
 )
