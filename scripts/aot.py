@@ -250,6 +250,12 @@ def main(argv=None):
     budget = (args.budget_gib * 2**30) if args.budget_gib else target.memory_bytes
     result["memory"] = train_step.step_memory(compiled, int(budget))
     result["fits"] = result["memory"]["fits"]
+    from jax_ring import models
+
+    if hasattr(models.config(args.model), "num_experts"):
+      # The experts take exactly the tokens routed to them (`moe.run_experts`): no
+      # capacity, so none is dropped.
+      result["dropped_tokens"] = 0
   if not args.model:
     shape = dict(
       heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, is_causal=not args.no_causal

@@ -281,6 +281,20 @@ def test_llama_8b_step_holds_its_weights_and_moments_split_8_ways():
   assert loss and all(s["exposed"] == 0 and s["synchronous"] == 0 for s in loss), loss
 
 
+def test_moe_step_splits_its_experts_8_ways_and_drops_no_token():
+  """--model qwen3-30b-a3b --train with one block at 8K tokens on 8 x H100: the
+  arguments are the float32 weights (the 128 experts' stacks and the router included)
+  and both AdamW moments / 8 plus the batch, and no token is dropped (no capacity)."""
+  report = aot("--target=h100x8", "--model=qwen3-30b-a3b", "--train", "--layers=1", "--seq-len=8192")
+  # q (2,048 x 32 x 128), k and v (2,048 x 4 x 128), o; q/k norms, two norms; the router
+  # (2,048 x 128) and the experts (3 x 128 x 2,048 x 768); embedding, head, final norm.
+  layer = 2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 128 + 2 * 2048 + 2048 * 128 + 3 * 128 * 2048 * 768
+  params = layer + 2 * 151_936 * 2048 + 2048
+  batch = 8192 // 8 * (4 + 4 + 4)
+  assert abs(report["memory"]["argument_bytes"] - params * 12 / 8 - batch) < 2**16
+  assert report["dropped_tokens"] == 0
+
+
 def test_offloaded_layer_inputs_live_in_host_memory():
   """--remat offload: the step keeps each layer's input in host memory, exactly the
   stack of the layers' inputs (2 layers x 2,048 tokens a device x 4,096 in bfloat16),
