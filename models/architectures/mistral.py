@@ -45,11 +45,18 @@ class MistralConfig(llama.LlamaConfig):
 class Mistral(CausalLM):
   """Mistral: tokens int [B, T] -> logits float32 [B, T, V] (`decoder.CausalLM`)."""
 
-  def make_block(self, config, layer, *, mesh, seq_axis, batch_axis, rngs):
+  def make_block(self, config, layer, *, mesh, seq_axis, batch_axis, rngs, make_mlp=None):
+    """`make_mlp`: another feed-forward (Mixtral's experts)."""
     w = config.sliding_window
     window = None if w is None else (w - 1, 0)
     return PreNormBlock(
-      config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs, local_window_size=window
+      config,
+      mesh=mesh,
+      seq_axis=seq_axis,
+      batch_axis=batch_axis,
+      rngs=rngs,
+      local_window_size=window,
+      make_mlp=make_mlp,
     )
 
 

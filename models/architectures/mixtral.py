@@ -10,9 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from . import decoder, llama, mistral, tables
-from .decoder import PreNormBlock
-from .moe import MoE
+from . import llama, mistral, moe, tables
 from .record import HFFormat
 
 __all__ = ["CONFIGS", "Mixtral", "MixtralConfig"]
@@ -46,29 +44,11 @@ class Mixtral(mistral.Mistral):
   """Mixtral: tokens int [B, T] -> logits float32 [B, T, V] (`decoder.CausalLM`)."""
 
   def make_block(self, config, layer, *, mesh, seq_axis, batch_axis, rngs):
-    dt, pdt = decoder.dtypes(config)
-    placement = (mesh if config.attention != "dense" else None, seq_axis, batch_axis)
-    w = config.sliding_window
-    return PreNormBlock(
-      config,
-      mesh=mesh,
-      seq_axis=seq_axis,
-      batch_axis=batch_axis,
-      rngs=rngs,
-      local_window_size=None if w is None else (w - 1, 0),
-      make_mlp=lambda rngs: MoE(
-        config.dim,
-        config.mlp_hidden,
-        config.num_experts,
-        config.num_experts_per_tok,
-        normalize=True,
-        balance=config.router_aux_loss_coef / config.num_layers,
-        placement=placement,
-        dtype=dt,
-        param_dtype=pdt,
-        rngs=rngs,
-      ),
+    place = dict(mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis)
+    experts = moe.make_mlp(
+      config, config.mlp_hidden, normalize=True, sparse_layers=config.num_layers, **place
     )
+    return super().make_block(config, layer, **place, rngs=rngs, make_mlp=experts)
 
 
 # Released config: config.json of mistralai/Mixtral-8x7B-v0.1 on Hugging Face.

@@ -21,7 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["MoE", "balance_loss", "route", "run_experts"]
+from . import decoder
+
+__all__ = ["MoE", "balance_loss", "make_mlp", "route", "run_experts"]
 
 
 def route(x, router, top_k: int, normalize: bool):
@@ -150,3 +152,24 @@ class MoE(nnx.Module):
     return jax.shard_map(
       local, mesh=auto, in_specs=(rows, P(), P(), P(), P()), out_specs=rows, check_vma=False
     )(x, *params)
+
+
+def make_mlp(config, hidden: int, *, normalize: bool, sparse_layers: int, mesh, seq_axis, batch_axis):
+  """`decoder.PreNormBlock`'s `make_mlp` for a config's mixture of experts: its expert
+  count, experts per token and compute dtypes, experts of width `hidden`, the
+  load-balancing loss's weight `router_aux_loss_coef` / `sparse_layers` (its mean over
+  the layers), and the tokens placed as the model's (none with dense attention)."""
+  dt, pdt = decoder.dtypes(config)
+  placement = (mesh if config.attention != "dense" else None, seq_axis, batch_axis)
+  return lambda rngs: MoE(
+    config.dim,
+    hidden,
+    config.num_experts,
+    config.num_experts_per_tok,
+    normalize=normalize,
+    balance=config.router_aux_loss_coef / sparse_layers,
+    placement=placement,
+    dtype=dt,
+    param_dtype=pdt,
+    rngs=rngs,
+  )

@@ -13,9 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from . import decoder, llama, qwen3, tables
+from . import decoder, llama, moe, qwen3, tables
 from .decoder import CausalLM, PreNormBlock
-from .moe import MoE
 from .record import GGUFFormat, HFFormat
 
 __all__ = ["CONFIGS", "Qwen3Moe", "Qwen3MoeConfig"]
@@ -72,31 +71,14 @@ class Qwen3Moe(CausalLM):
   """Qwen3-MoE: tokens int [B, T] -> logits float32 [B, T, V] (`decoder.CausalLM`)."""
 
   def make_block(self, config, layer, *, mesh, seq_axis, batch_axis, rngs):
-    make_mlp = None
-    if config.sparse(layer):
-      dt, pdt = decoder.dtypes(config)
-      placement = (mesh if config.attention != "dense" else None, seq_axis, batch_axis)
-      make_mlp = lambda rngs: MoE(
-        config.dim,
-        config.moe_hidden,
-        config.num_experts,
-        config.num_experts_per_tok,
-        normalize=config.norm_topk_prob,
-        balance=config.router_aux_loss_coef / sum(map(config.sparse, range(config.num_layers))),
-        placement=placement,
-        dtype=dt,
-        param_dtype=pdt,
-        rngs=rngs,
-      )
-    return PreNormBlock(
-      config,
-      mesh=mesh,
-      seq_axis=seq_axis,
-      batch_axis=batch_axis,
-      rngs=rngs,
-      make_mlp=make_mlp,
-      qk_norm_epsilon=config.norm_eps,
+    place = dict(mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis)
+    sparse = sum(map(config.sparse, range(config.num_layers)))
+    experts = (
+      moe.make_mlp(config, config.moe_hidden, normalize=config.norm_topk_prob, sparse_layers=sparse, **place)
+      if config.sparse(layer)
+      else None
     )
+    return PreNormBlock(config, **place, rngs=rngs, make_mlp=experts, qk_norm_epsilon=config.norm_eps)
 
 
 # Released configs: config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B on Hugging Face.
