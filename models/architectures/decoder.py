@@ -505,10 +505,10 @@ class CausalLM(nnx.Module):
     if token_order == "layout" and self.ring_permutation(tokens.shape[1]) is None:
       raise ValueError(f"token_order='layout': no single ring layout at length {tokens.shape[1]}")
     if training:
-      given = dict(token_order=token_order, segment_ids=segment_ids, positions=positions)
-      given = {
-        k: v for k, v in given.items() if v is not None and not (k == "token_order" and v == "natural")
-      }
+      given = dict(segment_ids=segment_ids, positions=positions)
+      given = {k: v for k, v in given.items() if v is not None}
+      if token_order == "layout":
+        given["token_order"] = token_order
       attend = lambda module, h: module(h, **given)
     x = self.embed_input(tokens, shard)
     return self.norm(self.run_blocks(x, attend, training=training, gather=shard))

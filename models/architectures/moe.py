@@ -27,7 +27,7 @@ __all__ = ["MoE", "balance_loss", "make_mlp", "route", "run_experts"]
 
 
 def route(x, router, top_k: int, normalize: bool):
-  """(weights [N, K], experts int32 [N, K], router logits [N, E], both float32 or wider) of
+  """(weights [N, K], experts int32 [N, K], router probabilities [N, E]; float32 or wider) of
   tokens x [N, D] under router [D, E]: the softmax of the logits over experts, its
   `top_k` largest (exact ties to the lower expert index, `jax.lax.top_k`'s order;
   transformers' `torch.topk` leaves theirs unspecified), renormalized to sum to one
@@ -38,7 +38,7 @@ def route(x, router, top_k: int, normalize: bool):
   weights, experts = jax.lax.top_k(probs, top_k)
   if normalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  return weights, experts, logits
+  return weights, experts, probs
 
 
 def run_experts(x, weights, experts, gate, up, down, activation=jax.nn.silu):
@@ -68,7 +68,7 @@ def _with_loss(y, loss):
 _with_loss.defvjp(lambda y, loss: (y, loss), lambda loss, g: (g, jnp.ones_like(loss)))
 
 
-def balance_loss(logits, experts, num_experts: int, axes=None):
+def balance_loss(probs, experts, num_experts: int, axes=None):
   """This device's part of the router's load-balancing loss (Switch Transformer, Fedus
   et al. 2021; transformers' `load_balancing_loss_func` for one layer): E sum_e f_e P_e,
   f_e the (token, expert) pairs that chose expert e over the N tokens, P_e expert e's
@@ -76,12 +76,11 @@ def balance_loss(logits, experts, num_experts: int, axes=None):
   (psum); the value is E sum_e f_e (this device's probabilities of e, summed) / N, so
   the devices' values add up to the loss and each one's gradient reaches its own
   tokens."""
-  counts = jnp.zeros((num_experts,), logits.dtype).at[experts.reshape(-1)].add(1.0)
-  tokens = jnp.asarray(logits.shape[0], logits.dtype)
+  counts = jnp.zeros((num_experts,), probs.dtype).at[experts.reshape(-1)].add(1.0)
+  tokens = jnp.asarray(probs.shape[0], probs.dtype)
   if axes:
     counts, tokens = jax.lax.psum(counts, axes), jax.lax.psum(tokens, axes)
   f = jax.lax.stop_gradient(counts / tokens)
-  probs = jax.nn.softmax(logits, axis=-1)
   return num_experts * jnp.sum(f * jnp.sum(probs, axis=0)) / tokens
 
 
@@ -130,10 +129,10 @@ class MoE(nnx.Module):
   def _local(self, x, router, gate, up, down, axes=None):
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    weights, experts, logits = route(x2, router, self.top_k, self.normalize)
+    weights, experts, probs = route(x2, router, self.top_k, self.normalize)
     y = run_experts(x2, weights, experts, gate, up, down, self.activation)
     if self.balance:
-      y = _with_loss(y, self.balance * balance_loss(logits, experts, gate.shape[0], axes))
+      y = _with_loss(y, self.balance * balance_loss(probs, experts, gate.shape[0], axes))
     return y.reshape(shape)
 
   def __call__(self, x):
