@@ -202,13 +202,24 @@ def load_gguf(path, *, mesh=None, attention: str = "ring", seq_axis="seq", dtype
 def _open_gguf(path, overrides, cache_dir):
   file = gguf_io.GGUFFile(path, cache_dir)
   arch = file.architecture
-  modules = {a.gguf.arch: a for a in architectures.registry() if a.gguf is not None}
-  if arch not in modules:
+  families = [a for a in architectures.registry() if a.gguf is not None]
+  supported = tuple(dict.fromkeys(a.gguf.arch for a in families))
+  if arch not in supported:
     raise ValueError(
-      f"general.architecture={arch!r} of {str(file.path)!r} is not supported; supported: {tuple(modules)}"
+      f"general.architecture={arch!r} of {str(file.path)!r} is not supported; supported: {supported}"
     )
   file.check_types()
-  arch_record = modules[arch]
+  # One family per file: those of its architecture that accept it (Llama, or Mixtral
+  # where a "llama" file has experts).
+  accepting = [
+    a for a in families if a.gguf.arch == arch and (a.gguf.accepts is None or a.gguf.accepts(file))
+  ]
+  if len(accepting) != 1:
+    raise ValueError(
+      f"general.architecture={arch!r} of {str(file.path)!r} is read by {len(accepting)} families "
+      f"({[a.name for a in accepting]}); expected exactly one"
+    )
+  arch_record = accepting[0]
   reader_calls = []
   original = file.arch_reader
 

@@ -396,12 +396,15 @@ def _leaves(state):
   return flat["router.kernel"], flat["gate"], flat["up"], flat["down"]
 
 
-def _write_qwen3moe_gguf(path, config, w, vocab):
-  """A GGUF file as llama.cpp's converter writes a Qwen3-MoE: its qwen3moe names, each
+def _write_moe_gguf(path, config, w, vocab):
+  """A GGUF file as llama.cpp's converter writes a Qwen3-MoE (its qwen3moe names) or a
+  Mixtral ("llama" with experts, query and key rows reordered as Llama's): each
   layer's experts stacked in one tensor, a byte-level BPE vocabulary."""
   import gguf  # the [models] extra
+  from test_checkpoints import _llama_cpp_permute
 
-  writer = gguf.GGUFWriter(str(path), "qwen3moe")
+  mixtral = config["model_type"] == "mixtral"
+  writer = gguf.GGUFWriter(str(path), "llama" if mixtral else "qwen3moe")
   writer.add_context_length(config["max_position_embeddings"])
   writer.add_embedding_length(config["hidden_size"])
   writer.add_block_count(config["num_hidden_layers"])
@@ -412,9 +415,10 @@ def _write_qwen3moe_gguf(path, config, w, vocab):
   writer.add_value_length(config["head_dim"])
   writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
   writer.add_rope_freq_base(config["rope_theta"])
-  writer.add_expert_count(config["num_experts"])
+  writer.add_expert_count(config["num_local_experts" if mixtral else "num_experts"])
   writer.add_expert_used_count(config["num_experts_per_tok"])
-  writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+  if not mixtral:
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
   tokens, merges, types = vocab
   writer.add_tokenizer_model("gpt2")
   writer.add_tokenizer_pre("qwen2")
@@ -430,24 +434,34 @@ def _write_qwen3moe_gguf(path, config, w, vocab):
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate": "ffn_gate_inp",
   }
+  if mixtral:
+    names["block_sparse_moe.gate"] = "ffn_gate_inp"
+    experts = (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps"))
+    expert = "block_sparse_moe.experts.{e}.{part}.weight"
+  else:
+    names |= {
+      "self_attn.q_norm": "attn_q_norm",
+      "self_attn.k_norm": "attn_k_norm",
+      "mlp.gate": "ffn_gate_inp",
+    }
+    experts = (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps"))
+    expert = "mlp.experts.{e}.{part}.weight"
   out = {"token_embd.weight": w["model.embed_tokens.weight"], "output.weight": w["lm_head.weight"]}
   out["output_norm.weight"] = w["model.norm.weight"]
   for i in range(config["num_hidden_layers"]):
     p = f"model.layers.{i}."
     for hf, gg in names.items():
       out[f"blk.{i}.{gg}.weight"] = w[p + hf + ".weight"]
-    for part, gg in (
-      ("gate_proj", "ffn_gate_exps"),
-      ("up_proj", "ffn_up_exps"),
-      ("down_proj", "ffn_down_exps"),
-    ):
-      out[f"blk.{i}.{gg}.weight"] = np.stack(
-        [w[p + f"mlp.experts.{e}.{part}.weight"] for e in range(EXPERTS)]
+    if mixtral:  # convert_hf_to_gguf.py's LlamaModel reorders the query and key rows
+      out[f"blk.{i}.attn_q.weight"] = _llama_cpp_permute(
+        out[f"blk.{i}.attn_q.weight"], config["num_attention_heads"]
       )
+      out[f"blk.{i}.attn_k.weight"] = _llama_cpp_permute(
+        out[f"blk.{i}.attn_k.weight"], config["num_key_value_heads"]
+      )
+    for part, gg in experts:
+      out[f"blk.{i}.{gg}.weight"] = np.stack([w[p + expert.format(e=e, part=part)] for e in range(EXPERTS)])
   for name, value in out.items():
     writer.add_tensor(name, np.ascontiguousarray(value))
   writer.write_header_to_file()
@@ -456,20 +470,27 @@ def _write_qwen3moe_gguf(path, config, w, vocab):
   writer.close()
 
 
-def test_qwen3moe_gguf_equals_the_numpy_forward_and_the_ring(tmp_path):
-  """A qwen3moe GGUF file (every layer sparse, as llama.cpp runs it) loads as Qwen3-MoE
-  with the NumPy forward's logits, and the ring over 4 devices equals dense."""
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gguf_equals_the_numpy_forward_and_the_ring(arch, tmp_path):
+  """A qwen3moe GGUF file (every layer sparse, as llama.cpp runs it) loads as Qwen3-MoE,
+  and a "llama" one with experts as Mixtral (not Llama), with the NumPy forward's
+  logits; the ring over 4 devices equals dense."""
   from test_checkpoints import QWEN2_PATTERN, bpe_tables, train_bpe
 
   vocab = bpe_tables(train_bpe(QWEN2_PATTERN, nfc=True))
-  config = _config("qwen3_moe") | {"mlp_only_layers": [], "num_hidden_layers": 2, "vocab_size": len(vocab[0])}
-  weights = _weights("qwen3_moe", config, seed=7)
-  _write_qwen3moe_gguf(tmp_path / "moe.gguf", config, weights, vocab)
+  config = _config(arch) | {"num_hidden_layers": 2, "vocab_size": len(vocab[0])}
+  if arch == "qwen3_moe":
+    config["mlp_only_layers"] = []
+  weights = _weights(arch, config, seed=7)
+  _write_moe_gguf(tmp_path / "moe.gguf", config, weights, vocab)
   model, tokenizer = models.load(tmp_path / "moe.gguf", attention="dense", cache_dir=tmp_path / "cache")
-  assert isinstance(model, models.Qwen3Moe) and model.config.norm_topk_prob and tokenizer is not None
+  assert type(model) is {"qwen3_moe": models.Qwen3Moe, "mixtral": models.Mixtral}[arch]
+  assert tokenizer is not None and model.config.num_experts == EXPERTS
+  if arch == "qwen3_moe":
+    assert model.config.norm_topk_prob
   tokens = _tokens(40) % config["vocab_size"]
   got = np.asarray(model(jnp.asarray(tokens)))
   for b in range(tokens.shape[0]):
-    assert rel_err(got[b], llama_logits(weights, config, tokens[b], qk_norm=True)) < F64_TOL
+    assert rel_err(got[b], llama_logits(weights, config, tokens[b], qk_norm=arch == "qwen3_moe")) < F64_TOL
   ring, _ = models.load(tmp_path / "moe.gguf", mesh=make_mesh((4,), ("seq",)), cache_dir=tmp_path / "cache")
   assert rel_err(ring(jnp.asarray(tokens)), got) < RING_TOL

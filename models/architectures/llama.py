@@ -209,12 +209,18 @@ def scaling_from_factors(factors, head_dim: int, base: float) -> ring_nn.RopeSca
   return ring_nn.RopeScaling("factors", factors=tuple(float(f) for f in factors))
 
 
+def has_experts(gguf_file) -> bool:
+  """Whether a GGUF file's metadata gives its architecture experts (llama.cpp writes
+  Mixtral as "llama" with `llama.expert_count`)."""
+  return bool(gguf_file.field(f"{gguf_file.architecture}.expert_count", 0))
+
+
 ARCHITECTURE = Architecture(
   "llama",
   LlamaConfig,
   Llama,
   CONFIGS,
   hf=HFFormat(("llama",), "LlamaForCausalLM", HF_TENSORS, config_from_hf, hf_config),
-  gguf=GGUFFormat("llama", GGUF_TENSORS, config_from_gguf),
+  gguf=GGUFFormat("llama", GGUF_TENSORS, config_from_gguf, accepts=lambda f: not has_experts(f)),
   ignored=IGNORED,
 )

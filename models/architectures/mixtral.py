@@ -11,7 +11,7 @@ import dataclasses
 from typing import ClassVar
 
 from . import llama, mistral, moe, tables
-from .record import HFFormat
+from .record import GGUFFormat, HFFormat
 
 __all__ = ["CONFIGS", "Mixtral", "MixtralConfig"]
 
@@ -67,6 +67,37 @@ HF_TENSORS = tables.table(
 }
 
 
+# llama.cpp converts Mixtral as "llama" (query and key rows reordered as Llama's) with
+# each layer's router ("ffn_gate_inp", [E, D]) and its experts stacked in one tensor
+# each ([E, F, D]; down [E, D, F]).
+GGUF_TENSORS = tables.table(
+  tables.GGUF_NAMES,
+  [p for p in tables.LLAMA_PARTS if p not in ("gate", "up", "down")],
+  {"query": "Tq", "key": "Tk"},
+) | {
+  "blk.{i}.ffn_gate_inp.weight": ("blocks.{i}.mlp.router.kernel", "T"),
+  "blk.{i}.ffn_gate_exps.weight": ("blocks.{i}.mlp.gate", "Te"),
+  "blk.{i}.ffn_up_exps.weight": ("blocks.{i}.mlp.up", "Te"),
+  "blk.{i}.ffn_down_exps.weight": ("blocks.{i}.mlp.down", "Te"),
+}
+
+
+def _gguf_experts(f) -> dict:
+  """A "llama" file's experts, as llama.cpp runs them: every layer sparse, each expert
+  as wide as `feed_forward_length`, the top-k probabilities renormalized
+  (`build_moe_ffn(..., norm_w=true)`), and no window (as it runs Mistral)."""
+  f.expect("expert_feed_forward_length", f.int("feed_forward_length"))
+  return dict(
+    num_experts=f.int("expert_count"),
+    num_experts_per_tok=f.int("expert_used_count"),
+    sliding_window=None,
+  )
+
+
+def config_from_gguf(gguf_file, **overrides) -> MixtralConfig:
+  return llama.config_from_gguf(gguf_file, cls=MixtralConfig, experts=_gguf_experts, **overrides)
+
+
 def config_from_hf(cfg, **overrides) -> MixtralConfig:
   """Mixtral's config.json: Mistral's keys and the experts'. `router_jitter_noise`
   (noise on the router's logits in training) must be 0; `output_router_logits` and
@@ -100,5 +131,5 @@ ARCHITECTURE = dataclasses.replace(
   model_class=Mixtral,
   configs=CONFIGS,
   hf=HFFormat(("mixtral",), "MixtralForCausalLM", HF_TENSORS, config_from_hf, hf_config),
-  gguf=None,
+  gguf=GGUFFormat("llama", GGUF_TENSORS, config_from_gguf, accepts=llama.has_experts),
 )

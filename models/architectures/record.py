@@ -44,12 +44,15 @@ class HFFormat:
 class GGUFFormat:
   """A family in llama.cpp's GGUF files: `general.architecture`, the tensor table, the
   config reader (`read_config(gguf_file, **overrides) -> config`) and the fused
-  tensors (as `HFFormat.fused`)."""
+  tensors (as `HFFormat.fused`). `accepts(gguf_file) -> bool`: whether the family reads
+  a file of that architecture, where llama.cpp writes two families under one name
+  (Mixtral is "llama" with experts); None, every file."""
 
   arch: str
   tensors: Mapping
   read_config: Callable
   fused: Callable | None = None
+  accepts: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
