@@ -109,6 +109,12 @@ def parse_args(argv=None):
     help="--train: what a layer keeps (offload: its input, in host memory)",
   )
   p.add_argument("--param-dtype", default="float32", help="--train: weights and AdamW moments")
+  p.add_argument(
+    "--capacity-factor",
+    type=float,
+    default=None,
+    help="--train, a mixture of experts: each expert's capacity (moe.set_capacity); default none dropped",
+  )
   p.add_argument("--chunk", type=int, default=1024, help="--train: tokens per chunk of the loss")
   p.add_argument(
     "--layers",
@@ -188,6 +194,7 @@ def compile_for(mesh, args, seq_len: int):
       param_dtype=args.param_dtype,
       chunk=args.chunk,
       layers=args.layers,
+      capacity_factor=args.capacity_factor,
     )
   if args.model:
     return compile_model(mesh, args, seq_len)
@@ -252,10 +259,22 @@ def main(argv=None):
     result["fits"] = result["memory"]["fits"]
     from jax_ring import models
 
-    if hasattr(models.config(args.model), "num_experts"):
+    cfg = models.config(args.model)
+    if hasattr(cfg, "num_experts") and args.capacity_factor is None:
       # The experts take exactly the tokens routed to them (`moe.run_experts`): no
       # capacity, so none is dropped.
       result["dropped_tokens"] = 0
+    elif hasattr(cfg, "num_experts"):
+      # Each expert's buffer in a group (a device's tokens, one feed-forward chunk of
+      # them); the pairs dropped depend on the routing, counted by each step.
+      from jax_ring.models.architectures import decoder, moe
+
+      group = args.batch * decoder.chunk_tokens(args.seq_len // target.devices)
+      result["capacity"] = dict(
+        factor=args.capacity_factor,
+        group_tokens=group,
+        per_expert=moe.capacity(group, cfg.num_experts_per_tok, cfg.num_experts, args.capacity_factor),
+      )
   if not args.model:
     shape = dict(
       heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, is_causal=not args.no_causal

@@ -47,6 +47,13 @@ def parse_args(argv=None):
     help="what a layer keeps (offload: its input, in host memory)",
   )
   p.add_argument("--dtype", default=None, help="compute and weight dtype (default float32)")
+  p.add_argument(
+    "--capacity-factor",
+    type=float,
+    default=None,
+    help="a mixture of experts: each expert takes at most this x its even share of a device's tokens "
+    "(dropped pairs are counted in report.json); default: none dropped",
+  )
   p.add_argument("--text", default=None, help="train on windows of this text file instead of the documents")
   p.add_argument(
     "--save-every", type=int, default=0, help="orbax state every this many steps (0: at the end)"
@@ -75,6 +82,13 @@ def main(argv=None):
     raise SystemExit(
       f"{args.path}: no tokenizer.json beside the weights; the data needs the model's tokenizer"
     )
+  if args.capacity_factor is not None:
+    from jax_ring.models.architectures import moe
+
+    try:
+      moe.set_capacity(model, args.capacity_factor)
+    except ValueError as e:
+      raise SystemExit(f"finetune.py: --capacity-factor: {e}") from None
   text = None
   if args.text is not None:
     with open(args.text, encoding="utf-8") as f:
@@ -111,7 +125,12 @@ def main(argv=None):
     f"per device: weights {memory['param_bytes'] / 2**20:.1f} MiB, "
     f"optimizer {memory['optimizer_bytes'] / 2**20:.1f} MiB, "
     f"step temporaries {memory['temp_bytes'] / 2**20:.1f} MiB; "
-    f"peak resident {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    + (
+      f"dropped (token, expert) pairs {steps[-1]['dropped_tokens']} in the last step; "
+      if "dropped_tokens" in steps[-1]
+      else ""
+    )
+    + f"peak resident {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
   )
   print(f"wrote {args.out}/report.json, {args.out}/state/ and {args.out}/checkpoint/")
   return report

@@ -131,12 +131,22 @@ def moe_choices(y, router, config):
 def moe(y, g, config, names=("gate_proj", "up_proj", "down_proj")):
   """A sparse MLP on y [T, D] (Qwen3-MoE's, or Mixtral's with its `names`), token by
   token: each of its K experts' gated MLP, weighted by the router (`g(name)`: the
-  layer's MoE tensors)."""
+  layer's MoE tensors). With `config["capacity_factor"]` c (a key of these tests, not
+  of config.json), each expert takes the first C = min(T, max(1, ceil(c T K / E))) of
+  the tokens that chose it, in token order; the rest of its tokens go without it."""
   chosen, weights = moe_choices(y, g("gate.weight"), config)
   gate, up, down = names
   out = np.zeros_like(y)
+  taken = {}
+  c = config.get("capacity_factor")
+  t_all, k = y.shape[0], config["num_experts_per_tok"]
+  experts = config.get("num_experts") or config["num_local_experts"]
+  most = t_all if c is None else min(t_all, max(1, math.ceil(c * t_all * k / experts)))
   for t in range(y.shape[0]):
     for e, wt in zip(chosen[t], weights[t]):
+      taken[e] = taken.get(e, 0) + 1
+      if taken[e] > most:
+        continue
       f = lambda name, e=e: g(f"experts.{e}.{name}.weight")
       h = silu(y[t] @ f(gate).T) * (y[t] @ f(up).T)
       out[t] += wt * (h @ f(down).T)

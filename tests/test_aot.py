@@ -295,6 +295,25 @@ def test_moe_step_splits_its_experts_8_ways_and_drops_no_token():
   assert report["dropped_tokens"] == 0
 
 
+def test_moe_step_with_capacity_runs_no_product_over_every_expert():
+  """--capacity-factor 1.25, one block at 32K tokens on 8 x H100: each expert's buffer
+  holds ceil(1.25 x 4,096 x 8 / 128) = 320 of a device's tokens, and the step's
+  temporaries stay below one dense product over every expert (the 32,768 pairs x 128
+  experts x 768 in bfloat16, 6 GiB, which the dropless path's `ragged_dot` lowers to
+  on GPUs: 57.7 GiB of temporaries)."""
+  report = aot(
+    "--target=h100x8",
+    "--model=qwen3-30b-a3b",
+    "--train",
+    "--layers=1",
+    "--seq-len=32768",
+    "--capacity-factor=1.25",
+  )
+  assert report["capacity"] == {"factor": 1.25, "group_tokens": 4096, "per_expert": 320}
+  assert report["memory"]["temp_bytes"] < 32768 * 128 * 768 * 2
+  assert "dropped_tokens" not in report  # counted by each step, not known when compiling
+
+
 def test_offloaded_layer_inputs_live_in_host_memory():
   """--remat offload: the step keeps each layer's input in host memory, exactly the
   stack of the layers' inputs (2 layers x 2,048 tokens a device x 4,096 in bfloat16),

@@ -124,16 +124,21 @@ def test_models_use_only_public_jax_ring():
 
 def test_every_family_module_is_registered_once():
   """A module under architectures/ that defines an `Architecture` is in the registry;
-  names, model types and GGUF architectures are each one family's."""
+  names and model types are each one family's, and so is a GGUF architecture unless
+  every family reading it says which files it takes (`GGUFFormat.accepts`: llama and
+  Mixtral)."""
   records = architectures.registry()
   for path in sorted((ROOT / "architectures").glob("*.py")):
     module = importlib.import_module(_module_name(path))
     record = getattr(module, "ARCHITECTURE", None)
     if record is not None:
       assert record in records, f"{module.__name__}.ARCHITECTURE is not in architectures.REGISTRY"
-  for field in (lambda r: r.name, lambda r: r.gguf and r.gguf.arch, lambda r: r.hf.architecture):
+  for field in (lambda r: r.name, lambda r: r.hf.architecture):
     values = [field(r) for r in records if field(r) is not None]
     assert len(set(values)) == len(values), values
+  for arch in {r.gguf.arch for r in records if r.gguf is not None}:
+    sharing = [r for r in records if r.gguf is not None and r.gguf.arch == arch]
+    assert len(sharing) == 1 or all(r.gguf.accepts is not None for r in sharing), [r.name for r in sharing]
   types = [t for r in records for t in r.hf.model_types + r.hf.multimodal]
   assert len(set(types)) == len(types), types
   names = [n for r in records for n in r.configs]

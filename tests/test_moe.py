@@ -178,6 +178,150 @@ def test_experts_as_grouped_products_equal_every_expert_dense():
   np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_capacity_keeps_each_experts_first_tokens():
+  """`run_experts_with_capacity` against each expert taking the first C tokens that
+  chose it, in token order, computed one by one in float64; the dropped pairs
+  counted. With C = N (nothing can drop) it equals `run_experts`, gradients too."""
+  rng = np.random.default_rng(5)
+  n, d, f, most = 37, 8, 6, 4
+  x = rng.standard_normal((n, d))
+  gate, up, down = (rng.standard_normal(s) for s in ((EXPERTS, d, f), (EXPERTS, d, f), (EXPERTS, f, d)))
+  experts = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(n)])
+  experts[:10] = [3, 4]  # experts 3 and 4 overflow
+  weights = rng.random((n, TOP_K))
+  silu = lambda z: z / (1 + np.exp(-z))
+  want, taken, dropped = np.zeros_like(x), np.zeros(EXPERTS, int), 0
+  for t in range(n):
+    for e, wt in zip(experts[t], weights[t]):
+      taken[e] += 1
+      if taken[e] > most:
+        dropped += 1
+        continue
+      want[t] += wt * ((silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
+  args = lambda: [jnp.asarray(a) for a in (x, weights, experts, gate, up, down)]
+  with jax.enable_x64():
+    got, count = moe.run_experts_with_capacity(*args(), most)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+    assert (
+      int(count) == dropped == np.maximum(np.bincount(experts.ravel(), minlength=EXPERTS) - most, 0).sum() > 0
+    )
+    a = args()
+    capped = lambda x, gate, down: jnp.sum(
+      jnp.sin(moe.run_experts_with_capacity(x, a[1], a[2], gate, a[4], down, n)[0])
+    )
+    plain = lambda x, gate, down: jnp.sum(jnp.sin(moe.run_experts(x, a[1], a[2], gate, a[4], down)))
+    for g, h in zip(
+      jax.grad(capped, (0, 1, 2))(a[0], a[3], a[5]), jax.grad(plain, (0, 1, 2))(a[0], a[3], a[5])
+    ):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-12, atol=1e-12)
+  assert (
+    moe.capacity(37, 2, 8, 1.0) == 10
+    and moe.capacity(37, 2, 8, 100.0) == 37
+    and moe.capacity(3, 1, 8, 0.1) == 1
+  )
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_each_device_is_a_group_and_drops_count_over_all(devices):
+  """An MoE layer with a capacity over a mesh: each device's tokens are a group of
+  their own (its output is the layer's on those tokens alone), and the dropped pairs
+  counted are every group's, from NumPy's router choices."""
+  mesh = make_mesh((devices,), ("seq",))
+  d, t, factor = 16, 64, 0.5
+  layer = moe.MoE(
+    d,
+    8,
+    EXPERTS,
+    TOP_K,
+    normalize=True,
+    capacity_factor=factor,
+    placement=(mesh, "seq", None),
+    rngs=nnx.Rngs(2),
+  )
+  x = np.random.default_rng(6).standard_normal((2, t, d)).astype(np.float32)
+  got = np.asarray(layer(jnp.asarray(x)))
+  total = int(layer.dropped[...])
+  alone = moe.MoE(d, 8, EXPERTS, TOP_K, normalize=True, capacity_factor=factor, rngs=nnx.Rngs(2))
+  router = np.asarray(layer.router.kernel[...], np.float64)
+  want, per = 0, t // devices
+  for i in range(devices):
+    group = x[:, i * per : (i + 1) * per]
+    np.testing.assert_allclose(
+      got[:, i * per : (i + 1) * per], np.asarray(alone(jnp.asarray(group))), rtol=1e-5, atol=1e-6
+    )
+    chosen, _ = moe_choices(
+      group.reshape(-1, d).astype(np.float64), router.T, dict(num_experts_per_tok=TOP_K)
+    )
+    most = moe.capacity(2 * per, TOP_K, EXPERTS, factor)
+    want += np.maximum(np.bincount(chosen.ravel(), minlength=EXPERTS) - most, 0).sum()
+  assert total == want > 0
+
+
+def test_capacity_logits_equal_the_numpy_forward(checkpoint):
+  """A loaded model with a capacity factor (`moe.set_capacity`) on one device: the
+  float64 NumPy forward with each expert taking its first C tokens; None again gives
+  the dropless logits."""
+  folder, config, weights = checkpoint
+  model, _ = models.load(folder, attention="dense")
+  tokens = _tokens(40, batch=1)  # one row: a group is the call's 40 tokens
+  dropless = np.asarray(model(jnp.asarray(tokens)))
+  assert moe.set_capacity(model, 0.5) == sum(hasattr(b.mlp, "router") for b in model.blocks)
+  got = np.asarray(model(jnp.asarray(tokens)))
+  qwen = config["model_type"] == "qwen3_moe"
+  want = llama_logits(weights, config | {"capacity_factor": 0.5}, tokens[0], qk_norm=qwen)
+  assert rel_err(got[0], want) < F64_TOL
+  assert rel_err(dropless[0], want) > 1e-3  # tokens were dropped
+  assert int(moe.dropped_tokens(model)) > 0
+  moe.set_capacity(model, None)
+  np.testing.assert_array_equal(np.asarray(model(jnp.asarray(tokens))), dropless)
+
+
+def test_training_step_reports_the_forwards_dropped_tokens(checkpoint, monkeypatch):
+  """The dropped pairs a training step reports ("dropped_tokens"), with FSDP, remat and
+  the feed-forward in chunks on 4 devices, equal the forward's count for the same
+  tokens (Mixtral's two alike layers run as a scan, Qwen3-MoE's three one by one); the
+  ring and dense agree where nothing is dropped."""
+  from jax_ring.models.architectures import decoder
+  from jax_ring.models.train import step as train_step
+
+  jax.clear_caches()  # FF_TOKENS is read when a call is traced
+  monkeypatch.setattr(decoder, "FF_TOKENS", 8)  # 16 tokens a device: chunks of 8
+  folder, _, _ = checkpoint
+  mesh = make_mesh((4,), ("seq",))
+  model, _ = models.load(folder, mesh=mesh, fsdp=True, remat="full")
+  tokens = _tokens(64, seed=12)
+  moe.set_capacity(model, EXPERTS / TOP_K)  # C = N: nothing can drop
+  dense, _ = models.load(folder, attention="dense")
+  assert rel_err(model(jnp.asarray(tokens)), dense(jnp.asarray(tokens))) < RING_TOL
+  assert int(moe.dropped_tokens(model)) == 0
+  moe.set_capacity(model, 0.6)
+  model(jnp.asarray(tokens))
+  forward = int(moe.dropped_tokens(model))
+  assert forward > 0
+  trainer = train_step.Trainer(model, train_step.make_tx(1e-3, 1, 10, 0.0, 1.0), chunk=16)
+  batch = train_step.place_batch(model, tokens, np.roll(tokens, -1, 1), np.ones(tokens.shape, np.float32))
+  _, stats = trainer.step(*batch)
+  assert int(stats["dropped_tokens"]) == forward
+  jax.clear_caches()
+
+
+def test_bad_capacity_factors_are_refused(checkpoint):
+  folder, _, _ = checkpoint
+  model, _ = models.load(folder, attention="dense")
+  for bad in (0, -1.0, True, "1.25"):
+    with pytest.raises(ValueError, match=rf"capacity_factor={bad!r}"):
+      moe.set_capacity(model, bad)
+  with pytest.raises(ValueError, match="has no mixture-of-experts layer"):
+    dense = models.Qwen3Config(
+      **{
+        k: v
+        for k, v in SMALL_MOE.items()
+        if not hasattr(models.Qwen3MoeConfig, k) or hasattr(models.Qwen3Config, k)
+      }
+    )
+    moe.set_capacity(models.build(dense, attention="dense"), 1.0)
+
+
 def _loss(model, tokens):
   logits = model(tokens)
   return jnp.mean(jax.nn.log_softmax(logits)[..., 0])

@@ -53,6 +53,23 @@ REMAT_POLICIES = {
 # long call (`feed_forward`): Llama-3.1-8B's MLP holds [tokens, 14,336] activations
 # and their gradients, 28 KiB a token each in bfloat16.
 FF_TOKENS = 16384
+
+
+class Tally(nnx.Variable):
+  """A count a module sets on each call (an int32 scalar over every device: an MoE
+  layer's dropped tokens, `moe.DroppedTokens`). The forward's own transformations
+  (`feed_forward`'s chunks, a block under remat or FSDP, the blocks' scan) carry it out
+  of their traces and back onto the module, summed over a call's chunks, so that it
+  holds the whole call's count in training as in inference."""
+
+
+def _tallies(module):
+  """The module's `Tally` state, or None where it has none (every other model's
+  programs stay as they were)."""
+  state = nnx.state(module, Tally)
+  return state if jax.tree.leaves(state) else None
+
+
 # The config fields every architecture's config has (the loader and `models.save` read them).
 POSITIVE_INTS = (
   "vocab_size",
@@ -217,6 +234,16 @@ def rms_norm(config, size=None, *, rngs) -> nnx.RMSNorm:
   return nnx.RMSNorm(size or config.dim, epsilon=config.norm_eps, dtype=dt, param_dtype=pdt, rngs=rngs)
 
 
+def chunk_tokens(per: int, most: int | None = None) -> int:
+  """The tokens of each of a device's `per` that `feed_forward` runs at once: all of
+  them where they are at most `most` (FF_TOKENS when None, read when traced), else the
+  largest part of `per` in equal chunks of at most `most`."""
+  most = FF_TOKENS if most is None else most
+  if per <= most:
+    return per
+  return per // next(k for k in range(2, per + 1) if per % k == 0 and per // k <= most)
+
+
 def feed_forward(fn, modules, x, placement, most: int | None = None):
   """fn(modules, x) for a feed-forward sub-layer `fn` that treats every token alone
   (norms, the MLP), over x [B, T, D] split along T over the mesh's `seq` devices
@@ -227,14 +254,13 @@ def feed_forward(fn, modules, x, placement, most: int | None = None):
   held 3.5 GiB per [T, 14,336] array). Each device's tokens stay on it: chunk i is
   the i-th slice of every device's own tokens. Results equal fn(modules, x)'s.
   `most`: FF_TOKENS when None (read when traced)."""
-  most = FF_TOKENS if most is None else most
   mesh, seq_axis, batch_axis = placement
   shards = 1 if mesh is None else mesh.shape[seq_axis]
   b, t, d = x.shape
   per = t // shards
-  if per <= most or t % shards:
+  if t % shards or chunk_tokens(per, most) == per:
     return fn(modules, x)
-  k = next(k for k in range(2, per + 1) if per % k == 0 and per // k <= most)
+  k = per // chunk_tokens(per, most)
   graphdef, state = nnx.split(modules)
   place = lambda a: a
   if mesh is not None:
@@ -246,19 +272,32 @@ def feed_forward(fn, modules, x, placement, most: int | None = None):
     batch = batch_axis if batch_axis is not None and b % mesh.shape[batch_axis] == 0 else None
     place = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(auto, P(batch, seq_axis)))
   xs = place(x.reshape(b, shards, k, per // k, d))  # chunk i: xs[:, :, i], a slice of every device's tokens
-  run = jax.checkpoint(lambda state, h: fn(nnx.merge(graphdef, state), h))
+  tallies = _tallies(modules)
+
+  def call(state, h):  # the chunk's result, and the counts it set (`Tally`)
+    copy = nnx.merge(graphdef, state)
+    return fn(copy, h), (None if tallies is None else nnx.state(copy, Tally))
+
+  run = jax.checkpoint(call)
   chunk = lambda i: jax.lax.dynamic_index_in_dim(xs, i, axis=2, keepdims=False)
-  out = jax.eval_shape(run, state, chunk(0))
+  out = jax.eval_shape(run, state, chunk(0))[0]
 
   # Each chunk's result written in place into one [B, shards, k, T / (shards k), D]
-  # array: no stacked copy of the chunks to transpose back.
-  def one(i, ys):
-    return jax.lax.dynamic_update_index_in_dim(ys, run(state, chunk(i)), i, axis=2)
+  # array: no stacked copy of the chunks to transpose back; the chunks' counts summed.
+  def one(i, carry):
+    ys, total = carry
+    y, counts = run(state, chunk(i))
+    total = None if total is None else jax.tree.map(jnp.add, total, counts)
+    return jax.lax.dynamic_update_index_in_dim(ys, y, i, axis=2), total
 
   # Zeros made from x (constant ones XLA would share among the layers and make at the
   # program's start, every layer's alive at once); every slot is written over.
   ys = jnp.zeros((b, shards, k, *out.shape[2:]), out.dtype) + (xs[..., :1] * 0).astype(out.dtype)
-  return jax.lax.fori_loop(0, k, one, place(ys)).reshape(b, t, -1)
+  zero = None if tallies is None else jax.tree.map(jnp.zeros_like, tallies)
+  ys, total = jax.lax.fori_loop(0, k, one, (place(ys), zero))
+  if total is not None:
+    nnx.update(modules, total)
+  return ys.reshape(b, t, -1)
 
 
 def rotary_attention(config, *, mesh, seq_axis, rngs, batch_axis=None, **options) -> Attention:
@@ -459,6 +498,8 @@ class CausalLM(nnx.Module):
     y, after = run(params, rest, x)
     if not training:  # a prefill fills the caches of the copy: back to the block
       nnx.update(block, after)
+    elif _tallies(block) is not None:  # the counts the call set (`Tally`)
+      nnx.update(block, nnx.filter_state(after, Tally))
     return y
 
   def ring_permutation(self, length: int):
@@ -582,33 +623,49 @@ class CausalLM(nnx.Module):
     fold = math.gcd(d, 128)
     folded = lambda x: x.reshape(b, t * (d // fold), fold)
 
-    def one(graphdef, x, p, r):
+    counted = any(_tallies(block) is not None for block in self.blocks)
+
+    def one(graphdef, x, p, r):  # a block's output, and the counts it set (`Tally`)
       if self.fsdp:
         p = self._gathered(p)
-      return nnx.merge(graphdef, p, r)(x, attend)
+      copy = nnx.merge(graphdef, p, r)
+      return copy(x, attend), (nnx.state(copy, Tally) if counted else None)
 
     if period > 1 and policy is not None:
       # Each block of a period under the policy too: the period's backward recomputes
       # one block's activations, gathered weights and gradients at a time.
       one = jax.checkpoint(one, policy=policy, static_argnums=(0,))
 
-    def run_of(graphdef, x, layers):
+    def run_of(graphdef, x, layers):  # a run's output, and its layers' counts stacked
       if jax.tree.leaves(layers)[0].shape[0] == 1:
-        return one(graphdef, x, *jax.tree.map(lambda a: a[0], layers))
-      step = lambda x, layer: (folded(one(graphdef, x.reshape(b, t, d), *layer)), None)
-      return jax.lax.scan(step, folded(x), layers)[0].reshape(b, t, d)
+        x, counts = one(graphdef, x, *jax.tree.map(lambda a: a[0], layers))
+        return x, jax.tree.map(lambda c: c[None], counts)
+
+      def step(x, layer):
+        y, counts = one(graphdef, x.reshape(b, t, d), *layer)
+        return folded(y), counts
+
+      x, counts = jax.lax.scan(step, folded(x), layers)
+      return x.reshape(b, t, d), counts
 
     def body(x, layers):
       x = checkpoint_name(x, LAYER_INPUT).reshape(b, t, d)  # what "offload" keeps, in host memory
+      counts = []
       for graphdef, run_layers in zip(graphdefs, layers):
-        x = run_of(graphdef, x, run_layers)
-      return folded(x), None
+        x, c = run_of(graphdef, x, run_layers)
+        counts.append(c)
+      return folded(x), counts
 
     if policy is not None:
       body = jax.checkpoint(body, policy=policy)
 
-    x, _ = jax.lax.scan(body, folded(x), stacked)
+    x, counts = jax.lax.scan(body, folded(x), stacked)
     x = x.reshape(b, t, d)
+    if counted:  # each layer's counts [groups, run length, ...] back onto its block
+      for run, c in zip(runs, counts):
+        for g in range(groups):
+          for j, k in enumerate(run):
+            nnx.update(self.blocks[g * period + k], jax.tree.map(lambda a, g=g, j=j: a[g, j], c))
     for block in self.blocks[groups * period :]:
       x = self._run_block(block, x, attend, True, gather=True)
     return x

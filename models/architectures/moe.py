@@ -3,12 +3,20 @@ Networks"; Mixtral and Qwen3-MoE's form): a router scores each token against eve
 expert, the token goes to its `top_k` experts, and its output is their gated MLPs'
 outputs weighted by the router's probabilities.
 
-The experts run as grouped matrix products (`jax.lax.ragged_dot`) over the tokens
-sorted by expert: each expert multiplies only the tokens routed to it, with no
-capacity and no token dropped (`dropped_tokens` is 0 by construction). Over a mesh
-every device routes its own tokens (a `shard_map` over the sequence and batch axes):
-the tokens keep their places in the ring's sequence order, and the experts' weights
-come to the tokens (whole on every device: FSDP gathers them where the block runs).
+By default the experts run as grouped matrix products (`jax.lax.ragged_dot`) over the
+tokens sorted by expert: each expert multiplies only the tokens routed to it, with no
+capacity and no token dropped. With a capacity factor c (`capacity_factor`, GShard's
+and Switch Transformer's rule) each expert takes at most C = min(N, ceil(c N K / E))
+of a group's N tokens, and the experts run as one batched product over an [E, C, D]
+buffer (`run_experts_with_capacity`); an expert's pairs past C are dropped (that token
+goes on without that expert's output, its residual intact) and counted
+(`DroppedTokens`, `dropped_tokens`). A group is what one device routes in one call:
+its own tokens of the batch (one feed-forward chunk of them in a long call,
+`decoder.feed_forward`), in the order it holds them; each expert keeps its group's
+first C. Over a mesh every device routes its own tokens (a `shard_map` over the
+sequence and batch axes): the tokens keep their places in the ring's sequence order,
+and the experts' weights come to the tokens (whole on every device: FSDP gathers them
+where the block runs).
 
 Legend: N tokens, D model width, E experts, K experts per token, F an expert's hidden
 width.
@@ -16,14 +24,28 @@ width.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from . import decoder
 
-__all__ = ["MoE", "balance_loss", "make_mlp", "route", "run_experts"]
+__all__ = [
+  "DroppedTokens",
+  "MoE",
+  "balance_loss",
+  "capacity",
+  "dropped_tokens",
+  "make_mlp",
+  "route",
+  "run_experts",
+  "run_experts_with_capacity",
+  "set_capacity",
+]
 
 
 def route(x, router, top_k: int, normalize: bool):
@@ -56,6 +78,77 @@ def run_experts(x, weights, experts, gate, up, down, activation=jax.nn.silu):
   y = jax.lax.ragged_dot(h.astype(down.dtype), down, sizes)
   y = y * jnp.take(weights.reshape(-1), order)[:, None].astype(y.dtype)
   return jnp.zeros((n, y.shape[-1]), y.dtype).at[rows].add(y)
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+  """The most (token, expert) pairs one expert takes from a group of `tokens` tokens:
+  ceil(factor tokens top_k / num_experts), at least 1, at most `tokens` (a token goes
+  to an expert once: past that nothing can be dropped)."""
+  return max(1, min(tokens, math.ceil(factor * tokens * top_k / num_experts)))
+
+
+def run_experts_with_capacity(x, weights, experts, gate, up, down, capacity: int, activation=jax.nn.silu):
+  """(`run_experts`'s output with each expert taking at most `capacity` pairs, the
+  number of pairs dropped: int32). The pairs sorted by expert (by token within one),
+  the first `capacity` of each expert written to its rows of an [E, capacity, D]
+  buffer, three batched matrix products over it, and each kept pair's output added
+  back to its token; a dropped pair adds nothing."""
+  n, k = experts.shape
+  e = gate.shape[0]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  rows = order // k  # the token of each sorted pair
+  chosen = jnp.take(flat, order)
+  sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+  slot = (
+    jnp.arange(n * k, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[chosen]
+  )  # place in its expert's queue
+  keep = slot < capacity
+  dest = jnp.where(keep, chosen * capacity + slot, e * capacity)  # past the buffer: dropped
+  buf = jnp.zeros((e * capacity, x.shape[-1]), x.dtype).at[dest].set(jnp.take(x, rows, axis=0), mode="drop")
+  buf = buf.reshape(e, capacity, -1)
+  h = activation(jnp.einsum("ecd,edf->ecf", buf, gate)) * jnp.einsum("ecd,edf->ecf", buf, up)
+  out = jnp.einsum("ecf,efd->ecd", h.astype(down.dtype), down).reshape(e * capacity, -1)
+  y = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
+  y = y * jnp.take(weights.reshape(-1), order)[:, None].astype(y.dtype)
+  dropped = jnp.sum(~keep, dtype=jnp.int32)
+  return jnp.zeros((n, y.shape[-1]), y.dtype).at[rows].add(y), dropped
+
+
+class DroppedTokens(decoder.Tally):
+  """The (token, expert) pairs an MoE layer with a capacity dropped in its last call,
+  over every device (int32): a token counts once for each of its experts that had no
+  room for it."""
+
+
+def set_capacity(model, factor: float | None):
+  """Gives every MoE layer of `model` the capacity factor `factor` (see `MoE`; None:
+  no capacity, every pair runs). Read when a call is traced: set it before building a
+  `Trainer` or jitting a call. Returns the number of layers set; a model without MoE
+  layers is refused."""
+  if factor is not None and (
+    isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0
+  ):
+    raise ValueError(f"capacity_factor={factor!r}: expected a number > 0, or None for no capacity")
+  layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
+  if not layers:
+    raise ValueError(
+      f"model {type(model).__name__} has no mixture-of-experts layer to give a capacity_factor"
+    )
+  for layer in layers:
+    layer.capacity_factor = None if factor is None else float(factor)
+    if factor is None and hasattr(layer, "dropped"):
+      del layer.dropped
+    elif factor is not None and not hasattr(layer, "dropped"):
+      layer.dropped = DroppedTokens(np.zeros((), np.int32))  # NumPy: no device needed (deviceless compiles)
+  return len(layers)
+
+
+def dropped_tokens(model) -> jax.Array:
+  """The pairs every MoE layer of `model` dropped in its last call, summed (int32; 0
+  for a model without capacity). A training step reports it as "dropped_tokens"."""
+  counts = jax.tree.leaves(nnx.state(model, DroppedTokens))
+  return sum(counts, jnp.zeros((), jnp.int32))
 
 
 @jax.custom_vjp
@@ -97,6 +190,10 @@ class MoE(nnx.Module):
   pass alone, so a training step's gradients include it while the loss it reports and
   every forward value are the model's. Its statistics are over the call's tokens: a
   long call's feed-forward chunks (`decoder.feed_forward`) each count their own.
+
+  `capacity_factor`: None (every pair runs, `run_experts`), or c > 0: each expert takes
+  at most `capacity(N, top_k, E, c)` of a group's N tokens (`run_experts_with_capacity`)
+  and `dropped` (`DroppedTokens`) holds the pairs the last call dropped.
   """
 
   def __init__(
@@ -108,6 +205,7 @@ class MoE(nnx.Module):
     *,
     normalize: bool,
     balance: float = 0.0,
+    capacity_factor: float | None = None,
     placement=(None, "seq", None),
     activation=jax.nn.silu,
     dtype=None,
@@ -123,17 +221,28 @@ class MoE(nnx.Module):
     self.down = nnx.Param(init(rngs.params(), (num_experts, hidden, dim), param_dtype))
     self.top_k, self.normalize, self.activation = top_k, normalize, activation
     self.balance = float(balance)
+    self.capacity_factor = capacity_factor
+    if capacity_factor is not None:
+      self.dropped = DroppedTokens(np.zeros((), np.int32))
     self.dtype = dtype
     self.placement = nnx.static(tuple(placement))
 
   def _local(self, x, router, gate, up, down, axes=None):
+    """(output, pairs dropped over every device of `axes`)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     weights, experts, probs = route(x2, router, self.top_k, self.normalize)
-    y = run_experts(x2, weights, experts, gate, up, down, self.activation)
+    if self.capacity_factor is None:
+      y = run_experts(x2, weights, experts, gate, up, down, self.activation)
+      dropped = jnp.zeros((), jnp.int32)
+    else:
+      most = capacity(x2.shape[0], self.top_k, gate.shape[0], self.capacity_factor)
+      y, dropped = run_experts_with_capacity(x2, weights, experts, gate, up, down, most, self.activation)
+      if axes:
+        dropped = jax.lax.psum(dropped, axes)
     if self.balance:
       y = _with_loss(y, self.balance * balance_loss(probs, experts, gate.shape[0], axes))
-    return y.reshape(shape)
+    return y.reshape(shape), dropped
 
   def __call__(self, x):
     dt = self.dtype or x.dtype
@@ -141,16 +250,20 @@ class MoE(nnx.Module):
     params = [p[...].astype(dt) for p in (self.router.kernel, self.gate, self.up, self.down)]
     mesh, seq_axis, batch_axis = self.placement
     if mesh is None or x.ndim < 3 or x.shape[1] % mesh.shape[seq_axis]:
-      return self._local(x, *params)  # one device, or tokens the mesh does not split evenly
-    if batch_axis is not None and x.shape[0] % mesh.shape[batch_axis]:
-      batch_axis = None
-    rows = P(batch_axis, seq_axis, *([None] * (x.ndim - 2)))
-    axes = (seq_axis,) if batch_axis is None else (batch_axis, seq_axis)
-    auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-    local = lambda x, *params: self._local(x, *params, axes=axes)
-    return jax.shard_map(
-      local, mesh=auto, in_specs=(rows, P(), P(), P(), P()), out_specs=rows, check_vma=False
-    )(x, *params)
+      y, dropped = self._local(x, *params)  # one device, or tokens the mesh does not split evenly
+    else:
+      if batch_axis is not None and x.shape[0] % mesh.shape[batch_axis]:
+        batch_axis = None
+      rows = P(batch_axis, seq_axis, *([None] * (x.ndim - 2)))
+      axes = (seq_axis,) if batch_axis is None else (batch_axis, seq_axis)
+      auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+      local = lambda x, *params: self._local(x, *params, axes=axes)
+      y, dropped = jax.shard_map(
+        local, mesh=auto, in_specs=(rows, P(), P(), P(), P()), out_specs=(rows, P()), check_vma=False
+      )(x, *params)
+    if self.capacity_factor is not None:
+      self.dropped[...] = dropped
+    return y
 
 
 def make_mlp(config, hidden: int, *, normalize: bool, sparse_layers: int, mesh, seq_axis, batch_axis):

@@ -254,7 +254,10 @@ def finetune(
     value, stats = trainer.step(*batch(step))
     value = float(value)
     seconds = time.perf_counter() - start
-    report["steps"].append(dict(loss=value, seconds=round(seconds, 3), grad_norm=float(stats["grad_norm"])))
+    record = dict(loss=value, seconds=round(seconds, 3), grad_norm=float(stats["grad_norm"]))
+    if "dropped_tokens" in stats:  # an MoE with a capacity (`moe.set_capacity`)
+      record["dropped_tokens"] = int(stats["dropped_tokens"])
+    report["steps"].append(record)
     if progress:
       steps.set_postfix(loss=f"{value:.4f}", s=f"{seconds:.1f}")
     if not np.isfinite(value):

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import checkpoints, runtime
-from ..architectures import vocabulary
+from ..architectures import moe, vocabulary
 from ..architectures.decoder import fsdp_spec
 
 
@@ -220,8 +220,13 @@ def unsplit_bytes(model) -> int:
 
 
 def cross_entropy(model, tokens, targets, weights, *, chunk: int = 512):
-  """A loaded model's objective for `Trainer`: (`loss`, no other statistics)."""
-  return loss(model, tokens, targets, weights, chunk=chunk), {}
+  """A loaded model's objective for `Trainer`: (`loss`, statistics: "dropped_tokens",
+  the (token, expert) pairs its MoE layers dropped for capacity, where they have one,
+  `moe.set_capacity`)."""
+  value = loss(model, tokens, targets, weights, chunk=chunk)
+  if not jax.tree.leaves(nnx.state(model, moe.DroppedTokens)):
+    return value, {}
+  return value, {"dropped_tokens": moe.dropped_tokens(model)}
 
 
 class Trainer:
@@ -308,7 +313,9 @@ def _on_mesh(model):
 
 def _step(graphdef, tx, objective, chunk, params, rest, opt_state, tokens, targets, weights):
   def value(p):
-    return objective(nnx.merge(graphdef, p, rest), tokens, targets, weights, chunk=chunk)
+    # A copy: the calls set counts (`decoder.Tally`) on the model inside the gradient's
+    # trace, and `rest`'s variables belong to the step's.
+    return objective(nnx.merge(graphdef, p, rest, copy=True), tokens, targets, weights, chunk=chunk)
 
   (loss_value, stats), grads = jax.value_and_grad(value, has_aux=True)(params)
   updates, opt_state = tx.update(grads, opt_state, params)
@@ -317,7 +324,7 @@ def _step(graphdef, tx, objective, chunk, params, rest, opt_state, tokens, targe
 
 
 def _evaluate(graphdef, objective, chunk, params, rest, tokens, targets, weights):
-  return objective(nnx.merge(graphdef, params, rest), tokens, targets, weights, chunk=chunk)
+  return objective(nnx.merge(graphdef, params, rest, copy=True), tokens, targets, weights, chunk=chunk)
 
 
 def place_batch(model, *arrays):
@@ -347,13 +354,15 @@ def compile_train_step(
   param_dtype: str = "float32",
   chunk: int = 1024,
   layers: int | None = None,
+  capacity_factor: float | None = None,
 ):
   """One whole AdamW step of the named model (`models.config(name)`) with `fsdp=True`,
   per-layer `remat` and the chunked loss, over `mesh`'s "seq" axis, compiled with
   abstract weights (nothing allocated): the `Compiled` program. Weights and AdamW
   moments in `param_dtype`, computed in `dtype`; the ring's kernel is the target's
   default. `layers`: the model with that many of its blocks (a quicker compile of the
-  same step's shapes; None: all)."""
+  same step's shapes; None: all). `capacity_factor`: a mixture of experts' capacity
+  (`moe.set_capacity`; None: every pair runs)."""
   # Training past the released context (as long-context fine-tuning does): the model
   # takes sequences up to seq_len, with its rotary settings as released.
   cfg = checkpoints.config(name)
@@ -369,6 +378,8 @@ def compile_train_step(
         cfg, mesh=auto, fsdp=True, remat=remat, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)
       )
     )
+    if capacity_factor is not None:
+      moe.set_capacity(model, capacity_factor)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     spec = lambda shape: NamedSharding(auto, _fsdp_or_whole(shape, auto))
     abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec(x.shape))
