@@ -54,7 +54,7 @@ def weight_sharding(key: str, shape, cfg, mesh, seq_axis, fsdp: bool):
   and an untied head split along the vocabulary over `seq_axis` and the rest replicated."""
   mesh = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
   if fsdp:
-    return NamedSharding(mesh, decoder.fsdp_spec(shape, mesh))
+    return NamedSharding(mesh, decoder.fsdp_spec(shape, mesh, experts=decoder.is_experts(key, shape)))
   spec = P()
   if cfg.vocab_size % mesh.shape[seq_axis] == 0:
     if key == "embed.embedding":

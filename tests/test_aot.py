@@ -297,10 +297,10 @@ def test_moe_step_splits_its_experts_8_ways_and_drops_no_token():
 
 def test_moe_step_with_capacity_runs_no_product_over_every_expert():
   """--capacity-factor 1.25, one block at 32K tokens on 8 x H100: each expert's buffer
-  holds ceil(1.25 x 4,096 x 8 / 128) = 320 of a device's tokens, and the step's
+  holds ceil(1.25 x 4,096 x 8 / 128) = 320 of a device's tokens, the step's
   temporaries stay below one dense product over every expert (the 32,768 pairs x 128
   experts x 768 in bfloat16, 6 GiB, which the dropless path's `ragged_dot` lowers to
-  on GPUs: 57.7 GiB of temporaries)."""
+  on GPUs: 57.7 GiB of temporaries), and the experts stay split over the devices."""
   report = aot(
     "--target=h100x8",
     "--model=qwen3-30b-a3b",
@@ -311,6 +311,10 @@ def test_moe_step_with_capacity_runs_no_product_over_every_expert():
   )
   assert report["capacity"] == {"factor": 1.25, "group_tokens": 4096, "per_expert": 320}
   assert report["memory"]["temp_bytes"] < 32768 * 128 * 768 * 2
+  # Expert parallelism at this length: the experts' rows go by all-to-all, and the
+  # experts (3 x 128 x 2,048 x 768, 1.1 GiB in bfloat16) are never gathered.
+  assert report["collective_bytes"]["all-to-all"] > 0
+  assert report["collective_bytes"]["all-gather"] < 3 * 128 * 2048 * 768 * 2 / 4
   assert "dropped_tokens" not in report  # counted by each step, not known when compiling
 
 

@@ -272,6 +272,10 @@ def test_capacity_logits_equal_the_numpy_forward(checkpoint):
   assert rel_err(got[0], want) < F64_TOL
   assert rel_err(dropless[0], want) > 1e-3  # tokens were dropped
   assert int(moe.dropped_tokens(model)) > 0
+  # Traced with the model closed over, the call cannot set its count: it still runs.
+  np.testing.assert_allclose(
+    np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(tokens))), got, rtol=1e-6, atol=1e-6
+  )
   moe.set_capacity(model, None)
   np.testing.assert_array_equal(np.asarray(model(jnp.asarray(tokens))), dropless)
 
@@ -303,6 +307,58 @@ def test_training_step_reports_the_forwards_dropped_tokens(checkpoint, monkeypat
   _, stats = trainer.step(*batch)
   assert int(stats["dropped_tokens"]) == forward
   jax.clear_caches()
+
+
+def _flip_expert_parallelism(model, on: bool):
+  for _, module in nnx.iter_graph(model):
+    if isinstance(module, moe.MoE):
+      module.weights_split = on
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_expert_parallelism_equals_gathered_experts(devices):
+  """With a capacity and FSDP, short calls split the experts over the devices and send
+  each expert's rows to its device and back (`jax.lax.all_to_all`): loss, every
+  gradient and the dropped pairs equal the same model with its experts gathered."""
+  mesh = make_mesh((devices,), ("seq",))
+  config = models.Qwen3MoeConfig(**SMALL_MOE)
+  tokens = jnp.asarray(_tokens(64, seed=devices))
+  results = []
+  for split in (True, False):
+    model = models.build(config, mesh=mesh, fsdp=True, remat="full", rngs=nnx.Rngs(3))
+    moe.set_capacity(model, 0.6)
+    _flip_expert_parallelism(model, split)  # False: the experts gathered, as without FSDP's split
+    assert model.blocks[0].mlp.expert_parallel(2 * 64 // devices) is split
+    graphdef, state = nnx.split(model)
+    program = str(jax.make_jaxpr(lambda s, t, g=graphdef: nnx.merge(g, s)(t))(state, tokens))
+    assert ("all_to_all" in program) is split
+    value, grads = nnx.value_and_grad(_loss)(model, tokens)
+    results.append((float(value), dict(nnx.to_flat_state(grads)), int(moe.dropped_tokens(model))))
+  (v0, g0, d0), (v1, g1, d1) = results
+  assert abs(v0 - v1) <= RING_TOL * abs(v1) and d0 == d1 > 0
+  for path, value in g1.items():
+    assert rel_err(g0[path][...], value[...]) < RING_TOL, path
+
+
+def test_expert_parallelism_is_chosen_by_bytes_and_needs_experts_that_divide():
+  """Expert parallelism where the tokens' buffers move fewer elements than gathering
+  the experts (short calls), FSDP past that; experts that do not divide over the
+  devices stay gathered, with a warning that says so."""
+  mesh = make_mesh((4,), ("seq",))
+  model = models.build(models.Qwen3MoeConfig(**SMALL_MOE), mesh=mesh, fsdp=True, rngs=nnx.Rngs(0))
+  moe.set_capacity(model, 0.6)
+  layer = model.blocks[0].mlp
+  # F = 32, float32 throughout: 12 C x 4 < (6 x 4 + 3 x 4) F while C = ceil(0.15 N) < 24.
+  assert layer.expert_parallel(32) and layer.expert_parallel(153) and not layer.expert_parallel(154)
+  odd = models.build(
+    models.Qwen3MoeConfig(**SMALL_MOE | {"num_experts": 6}), mesh=mesh, fsdp=True, rngs=nnx.Rngs(0)
+  )
+  moe.set_capacity(odd, 0.6)
+  with pytest.warns(UserWarning, match=r"num_experts=6 does not divide over the 4 devices"):
+    assert not odd.blocks[0].mlp.expert_parallel(32)
+  without_fsdp = models.build(models.Qwen3MoeConfig(**SMALL_MOE), mesh=mesh, rngs=nnx.Rngs(0))
+  moe.set_capacity(without_fsdp, 0.6)
+  assert not without_fsdp.blocks[0].mlp.expert_parallel(32)  # no experts' transfers to save
 
 
 def test_bad_capacity_factors_are_refused(checkpoint):

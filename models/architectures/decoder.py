@@ -11,8 +11,10 @@ Legend: B batch, T sequence length, D model width, V vocabulary size.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +65,19 @@ class Tally(nnx.Variable):
   holds the whole call's count in training as in inference."""
 
 
+def _set_tallies(module, state) -> None:
+  """nnx.update(module, state) for counts (`Tally`), skipped where the module cannot
+  take them: a call traced with the model closed over (`jax.jit(lambda t: model(t))`)
+  keeps no count; a call through `nnx.jit`, split and merge, or eagerly does."""
+  with contextlib.suppress(flax.errors.TraceContextError):
+    nnx.update(module, state)
+
+
+def _names(path) -> tuple:
+  """A pytree path's dictionary keys (an nnx.State's names)."""
+  return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
 def _tallies(module):
   """The module's `Tally` state, or None where it has none (every other model's
   programs stay as they were)."""
@@ -96,11 +111,23 @@ def float_dtype(value, name: str):
   return dtype
 
 
-def fsdp_spec(shape, mesh) -> P:
+def is_experts(name, shape) -> bool:
+  """Whether the weight at `name` (a dotted path, or a path's tuple of names) of `shape`
+  is an MoE layer's stack of experts ([E, D, F] gate and up, [E, F, D] down on the
+  layer `mlp`: `moe.MoE`)."""
+  parts = tuple(name.split(".")) if isinstance(name, str) else tuple(str(p) for p in name)
+  return len(shape) == 3 and parts[-2:] in (("mlp", "gate"), ("mlp", "up"), ("mlp", "down"))
+
+
+def fsdp_spec(shape, mesh, *, experts: bool = False) -> P:
   """Where FSDP puts a weight of `shape` on `mesh`: its largest dimension the device
   count divides split over every axis of the mesh together; replicated where no
-  dimension divides."""
+  dimension divides. A stack of experts (`experts`, `is_experts`) is split along the
+  experts where their count divides: each device holds whole experts, which expert
+  parallelism runs where they lie (`moe.MoE.expert_parallel`)."""
   n = mesh.size
+  if experts and shape[0] % n == 0:
+    return P(tuple(mesh.axis_names), *([None] * (len(shape) - 1)))
   for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
     if shape[dim] % n == 0:
       spec = [None] * len(shape)
@@ -109,12 +136,12 @@ def fsdp_spec(shape, mesh) -> P:
   return P()
 
 
-def gather_weight(p, mesh, dtype=None):
+def gather_weight(p, mesh, dtype=None, *, experts: bool = False):
   """An FSDP weight whole on every device (in `dtype`, when given, for a float weight);
   its cotangent is placed back on the weight's shards (`fsdp_spec`): a reduce-scatter
   at the point of use."""
   whole = NamedSharding(mesh, P())
-  split = NamedSharding(mesh, fsdp_spec(p.shape, mesh))
+  split = NamedSharding(mesh, fsdp_spec(p.shape, mesh, experts=experts))
   cast = dtype if dtype is not None and jnp.issubdtype(p.dtype, jnp.floating) else p.dtype
 
   @jax.custom_vjp
@@ -296,7 +323,7 @@ def feed_forward(fn, modules, x, placement, most: int | None = None):
   zero = None if tallies is None else jax.tree.map(jnp.zeros_like, tallies)
   ys, total = jax.lax.fori_loop(0, k, one, (place(ys), zero))
   if total is not None:
-    nnx.update(modules, total)
+    _set_tallies(modules, total)
   return ys.reshape(b, t, -1)
 
 
@@ -387,6 +414,9 @@ class CausalLM(nnx.Module):
     dt, pdt = dtypes(config)
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.blocks = self.make_blocks(config, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, rngs=rngs)
+    for _, module in nnx.iter_graph(self.blocks):  # FSDP splits an MoE layer's experts (`moe.MoE`)
+      if isinstance(module, nnx.Module) and hasattr(module, "weights_split"):
+        module.weights_split = bool(fsdp)
     self.norm = self.make_norm(config, rngs=rngs)
     if config.tie_embeddings:
       self.head = nnx.data(None)
@@ -457,24 +487,46 @@ class CausalLM(nnx.Module):
       x, NamedSharding(self._auto_mesh(), P(batch_axis, seq_axis, None))
     )
 
-  def _gathered(self, params, after=None):
+  @staticmethod
+  def _split_weights(block, shape) -> frozenset:
+    """The paths of the weights a block's modules use where they lie for a call on
+    input of `shape`, not gathered (an MoE layer's experts under expert parallelism,
+    `moe.MoE.split_weights`)."""
+    return frozenset(
+      tuple(path) + (name,)
+      for path, module in nnx.iter_graph(block)
+      if isinstance(module, nnx.Module) and hasattr(module, "split_weights")
+      for name in module.split_weights(shape)
+    )
+
+  def _gathered(self, params, after=None, keep=frozenset()):
     """A block's weights whole on every device (FSDP: gathered where they are used), in
     the compute dtype when the model has one (bfloat16 moves half float32's bytes; the
     float32 weights stay split). In the backward pass each weight's gradient goes back
     to its shards right there (`gather_weight`), so no layer's whole gradient waits for
     the others'. `after`: an array the gathers wait for (the block's input), so that the
-    compiler cannot gather every layer's weights at the start and hold them all."""
+    compiler cannot gather every layer's weights at the start and hold them all.
+    `keep`: the paths of weights left split (`_split_weights`)."""
     mesh = self._auto_mesh()
     dt = dtypes(self.config)[0]
     if after is not None:
       # A data dependence the compiler keeps (an optimization barrier did not survive
       # its partitioning): each shard plus 0 x one element of `after`, still split.
       zero = jax.lax.stop_gradient(jnp.nan_to_num(after.reshape(-1)[0]) * 0)
-      split = lambda p: jax.lax.with_sharding_constraint(
-        p + zero.astype(p.dtype), NamedSharding(mesh, fsdp_spec(p.shape, mesh))
-      )
-      params = jax.tree.map(split, params)
-    return jax.tree.map(lambda p: gather_weight(p, mesh, dt), params)
+
+      def split(path, p):
+        spec = fsdp_spec(p.shape, mesh, experts=is_experts(_names(path), p.shape))
+        return jax.lax.with_sharding_constraint(p + zero.astype(p.dtype), NamedSharding(mesh, spec))
+
+      params = jax.tree_util.tree_map_with_path(split, params)
+
+    def gather(path, p):
+      name = _names(path)
+      if name in keep:  # used where it lies, split along the experts, in the compute dtype
+        return p.astype(dt or p.dtype)
+      return gather_weight(p, mesh, dt, experts=is_experts(name, p.shape))
+
+    return jax.tree_util.tree_map_with_path(gather, params)
 
   def _run_block(self, block, x, attend, training: bool, gather: bool):
     """One block; in training calls under its remat policy. With FSDP and `gather` its
@@ -489,7 +541,8 @@ class CausalLM(nnx.Module):
     def run(params, rest, x):
       x = checkpoint_name(x, LAYER_INPUT)  # what "offload" keeps, in host memory
       if self.fsdp and gather:
-        params = self._gathered(params, after=None if training else x)
+        keep = self._split_weights(block, x.shape)
+        params = self._gathered(params, after=None if training else x, keep=keep)
       copy = nnx.merge(graphdef, params, rest)
       return copy(x, attend), nnx.state(copy, nnx.Not(nnx.Param))
 
@@ -499,7 +552,7 @@ class CausalLM(nnx.Module):
     if not training:  # a prefill fills the caches of the copy: back to the block
       nnx.update(block, after)
     elif _tallies(block) is not None:  # the counts the call set (`Tally`)
-      nnx.update(block, nnx.filter_state(after, Tally))
+      _set_tallies(block, nnx.filter_state(after, Tally))
     return y
 
   def ring_permutation(self, length: int):
@@ -624,10 +677,11 @@ class CausalLM(nnx.Module):
     folded = lambda x: x.reshape(b, t * (d // fold), fold)
 
     counted = any(_tallies(block) is not None for block in self.blocks)
+    keeps = {g: self._split_weights(self.blocks[run[0]], x.shape) for g, run in zip(graphdefs, runs)}
 
     def one(graphdef, x, p, r):  # a block's output, and the counts it set (`Tally`)
       if self.fsdp:
-        p = self._gathered(p)
+        p = self._gathered(p, keep=keeps[graphdef])
       copy = nnx.merge(graphdef, p, r)
       return copy(x, attend), (nnx.state(copy, Tally) if counted else None)
 
@@ -665,7 +719,7 @@ class CausalLM(nnx.Module):
       for run, c in zip(runs, counts):
         for g in range(groups):
           for j, k in enumerate(run):
-            nnx.update(self.blocks[g * period + k], jax.tree.map(lambda a, g=g, j=j: a[g, j], c))
+            _set_tallies(self.blocks[g * period + k], jax.tree.map(lambda a, g=g, j=j: a[g, j], c))
     for block in self.blocks[groups * period :]:
       x = self._run_block(block, x, attend, True, gather=True)
     return x

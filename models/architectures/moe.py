@@ -14,9 +14,11 @@ goes on without that expert's output, its residual intact) and counted
 its own tokens of the batch (one feed-forward chunk of them in a long call,
 `decoder.feed_forward`), in the order it holds them; each expert keeps its group's
 first C. Over a mesh every device routes its own tokens (a `shard_map` over the
-sequence and batch axes): the tokens keep their places in the ring's sequence order,
-and the experts' weights come to the tokens (whole on every device: FSDP gathers them
-where the block runs).
+sequence and batch axes): the tokens keep their places in the ring's sequence order.
+The experts' weights come to the tokens (whole on every device: FSDP gathers them
+where the block runs), or, for short calls with a capacity, stay split over the
+devices while each expert's rows go to its device and back (expert parallelism,
+`MoE.expert_parallel`, chosen by the bytes each moves).
 
 Legend: N tokens, D model width, E experts, K experts per token, F an expert's hidden
 width.
@@ -25,6 +27,7 @@ width.
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -87,14 +90,22 @@ def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
   return max(1, min(tokens, math.ceil(factor * tokens * top_k / num_experts)))
 
 
-def run_experts_with_capacity(x, weights, experts, gate, up, down, capacity: int, activation=jax.nn.silu):
+def run_experts_with_capacity(
+  x, weights, experts, gate, up, down, capacity: int, activation=jax.nn.silu, *, axis=None
+):
   """(`run_experts`'s output with each expert taking at most `capacity` pairs, the
   number of pairs dropped: int32). The pairs sorted by expert (by token within one),
   the first `capacity` of each expert written to its rows of an [E, capacity, D]
   buffer, three batched matrix products over it, and each kept pair's output added
-  back to its token; a dropped pair adds nothing."""
+  back to its token; a dropped pair adds nothing.
+
+  `axis` (inside `shard_map`; expert parallelism): gate, up and down are this
+  device's E / n experts of the n devices of `axis`, the i-th slice of the experts;
+  the buffer's rows for each device's experts go to it and their outputs come back
+  (`jax.lax.all_to_all`, there and back)."""
   n, k = experts.shape
-  e = gate.shape[0]
+  devices = 1 if axis is None else jax.lax.axis_size(axis)
+  e = gate.shape[0] * devices
   flat = experts.reshape(-1)
   order = jnp.argsort(flat, stable=True)
   rows = order // k  # the token of each sorted pair
@@ -107,8 +118,13 @@ def run_experts_with_capacity(x, weights, experts, gate, up, down, capacity: int
   dest = jnp.where(keep, chosen * capacity + slot, e * capacity)  # past the buffer: dropped
   buf = jnp.zeros((e * capacity, x.shape[-1]), x.dtype).at[dest].set(jnp.take(x, rows, axis=0), mode="drop")
   buf = buf.reshape(e, capacity, -1)
-  h = activation(jnp.einsum("ecd,edf->ecf", buf, gate)) * jnp.einsum("ecd,edf->ecf", buf, up)
-  out = jnp.einsum("ecf,efd->ecd", h.astype(down.dtype), down).reshape(e * capacity, -1)
+  if axis is not None:  # [sources, E / n, C, D]: every device's rows for this one's experts
+    buf = jax.lax.all_to_all(buf, axis, 0, 0, tiled=True).reshape(devices, e // devices, capacity, -1)
+  h = activation(jnp.einsum("...ecd,edf->...ecf", buf, gate)) * jnp.einsum("...ecd,edf->...ecf", buf, up)
+  out = jnp.einsum("...ecf,efd->...ecd", h.astype(down.dtype), down).reshape(e, capacity, -1)
+  if axis is not None:  # each source's rows back to it, in the experts' order
+    out = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
+  out = out.reshape(e * capacity, -1)
   y = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
   y = y * jnp.take(weights.reshape(-1), order)[:, None].astype(y.dtype)
   dropped = jnp.sum(~keep, dtype=jnp.int32)
@@ -221,14 +237,57 @@ class MoE(nnx.Module):
     self.down = nnx.Param(init(rngs.params(), (num_experts, hidden, dim), param_dtype))
     self.top_k, self.normalize, self.activation = top_k, normalize, activation
     self.balance = float(balance)
+    self.num_experts, self.hidden = num_experts, hidden
+    self.weights_split = False  # FSDP's split of the experts (`decoder.CausalLM` sets it)
     self.capacity_factor = capacity_factor
     if capacity_factor is not None:
       self.dropped = DroppedTokens(np.zeros((), np.int32))
     self.dtype = dtype
     self.placement = nnx.static(tuple(placement))
 
-  def _local(self, x, router, gate, up, down, axes=None):
-    """(output, pairs dropped over every device of `axes`)."""
+  def expert_parallel(self, tokens: int) -> bool:
+    """Whether a call whose groups hold `tokens` tokens a device splits the experts
+    over the devices of the sequence axis (expert parallelism: each device runs E / n
+    experts, and the tokens' rows go to them and back) rather than gathering them
+    (FSDP). Only with a capacity, FSDP-split weights (split along the experts,
+    `decoder.fsdp_spec`, so that they run where they lie) and a mesh whose other axes
+    are 1; then by the bytes each moves per layer, a forward with its recomputation
+    and backward: expert parallelism 12 E C D in the compute dtype (the compiled
+    step's all-to-alls of the [E, C, D] buffers; 6 would be each there and back three
+    times); FSDP two gathers of the three stacks in the compute dtype, 6 E D F, and
+    the reduction of their gradients in the weights' dtype, 3 E D F. Experts that do
+    not divide over the devices stay with FSDP, with a warning saying so."""
+    mesh, seq_axis, _ = self.placement
+    if self.capacity_factor is None or not self.weights_split or mesh is None:
+      return False
+    n = mesh.shape[seq_axis]
+    if n == 1 or any(mesh.shape[a] > 1 for a in mesh.axis_names if a != seq_axis):
+      return False
+    if self.num_experts % n:
+      warnings.warn(
+        f"MoE: num_experts={self.num_experts} does not divide over the {n} devices of axis {seq_axis!r}, "
+        "so the experts are gathered on every device (FSDP), not split over them (expert parallelism)",
+        stacklevel=2,
+      )
+      return False
+    c = capacity(tokens, self.top_k, self.num_experts, self.capacity_factor)
+    compute = jnp.dtype(self.dtype or self.gate.dtype).itemsize
+    weights = jnp.dtype(self.gate.dtype).itemsize
+    return 12 * c * compute < (6 * compute + 3 * weights) * self.hidden
+
+  def split_weights(self, shape) -> tuple[str, ...]:
+    """The weights a call on a block's input of `shape` [B, T, D] uses where they lie
+    (split over the experts), not gathered: gate, up and down under expert
+    parallelism (`expert_parallel`), else none."""
+    mesh, seq_axis, _ = self.placement
+    if mesh is None or len(shape) != 3 or shape[1] % mesh.shape[seq_axis]:
+      return ()
+    tokens = shape[0] * decoder.chunk_tokens(shape[1] // mesh.shape[seq_axis])
+    return ("gate", "up", "down") if self.expert_parallel(tokens) else ()
+
+  def _local(self, x, router, gate, up, down, axes=None, experts_axis=None):
+    """(output, pairs dropped over every device of `axes`); `experts_axis`: the
+    experts split over it (`run_experts_with_capacity`'s `axis`)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     weights, experts, probs = route(x2, router, self.top_k, self.normalize)
@@ -236,12 +295,14 @@ class MoE(nnx.Module):
       y = run_experts(x2, weights, experts, gate, up, down, self.activation)
       dropped = jnp.zeros((), jnp.int32)
     else:
-      most = capacity(x2.shape[0], self.top_k, gate.shape[0], self.capacity_factor)
-      y, dropped = run_experts_with_capacity(x2, weights, experts, gate, up, down, most, self.activation)
+      most = capacity(x2.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+      y, dropped = run_experts_with_capacity(
+        x2, weights, experts, gate, up, down, most, self.activation, axis=experts_axis
+      )
       if axes:
         dropped = jax.lax.psum(dropped, axes)
     if self.balance:
-      y = _with_loss(y, self.balance * balance_loss(probs, experts, gate.shape[0], axes))
+      y = _with_loss(y, self.balance * balance_loss(probs, experts, self.num_experts, axes))
     return y.reshape(shape), dropped
 
   def __call__(self, x):
@@ -257,12 +318,20 @@ class MoE(nnx.Module):
       rows = P(batch_axis, seq_axis, *([None] * (x.ndim - 2)))
       axes = (seq_axis,) if batch_axis is None else (batch_axis, seq_axis)
       auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-      local = lambda x, *params: self._local(x, *params, axes=axes)
+      # A group: this device's tokens of the call (x [B, T, ...] split along T).
+      tokens = x.shape[0] * math.prod(x.shape[1:-1]) // mesh.shape[seq_axis]
+      split = self.expert_parallel(tokens)
+      experts = P(seq_axis) if split else P()
+      local = lambda x, *params: self._local(x, *params, axes=axes, experts_axis=seq_axis if split else None)
       y, dropped = jax.shard_map(
-        local, mesh=auto, in_specs=(rows, P(), P(), P(), P()), out_specs=(rows, P()), check_vma=False
+        local,
+        mesh=auto,
+        in_specs=(rows, P(), experts, experts, experts),
+        out_specs=(rows, P()),
+        check_vma=False,
       )(x, *params)
     if self.capacity_factor is not None:
-      self.dropped[...] = dropped
+      decoder._set_tallies(self, nnx.State({"dropped": DroppedTokens(dropped)}))
     return y
 
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import checkpoints, runtime
 from ..architectures import moe, vocabulary
-from ..architectures.decoder import fsdp_spec
+from ..architectures.decoder import fsdp_spec, is_experts
 
 
 def chunked_cross_entropy(
@@ -216,7 +216,8 @@ def unsplit_bytes(model) -> int:
   if not getattr(model, "fsdp", False) or mesh is None:
     return 0
   flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-  return sum(v[...].nbytes for _, v in flat if v[...].ndim and fsdp_spec(v.shape, mesh) == P())
+  split = lambda path, v: fsdp_spec(v.shape, mesh, experts=is_experts(path, v.shape))
+  return sum(v[...].nbytes for path, v in flat if v[...].ndim and split(path, v) == P())
 
 
 def cross_entropy(model, tokens, targets, weights, *, chunk: int = 512):
@@ -381,12 +382,12 @@ def compile_train_step(
     if capacity_factor is not None:
       moe.set_capacity(model, capacity_factor)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    spec = lambda shape: NamedSharding(auto, _fsdp_or_whole(shape, auto))
-    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec(x.shape))
-    params = jax.tree.map(abstract, params)
+    spec = lambda path, shape: NamedSharding(auto, _fsdp_or_whole(path, shape, auto))
+    abstract = lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec(path, x.shape))
+    params = jax.tree_util.tree_map_with_path(abstract, params)
     tx = make_tx(1e-5, 100, 1000, 0.1, 1.0)
     plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    opt_state = jax.tree.map(abstract, jax.eval_shape(tx.init, plain))
+    opt_state = jax.tree_util.tree_map_with_path(abstract, jax.eval_shape(tx.init, plain))
     rows = NamedSharding(auto, P(None, "seq"))
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)
     weights = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=rows)
@@ -394,8 +395,9 @@ def compile_train_step(
     return step.lower(params, rest, opt_state, tokens, tokens, weights).compile()
 
 
-def _fsdp_or_whole(shape, mesh):
-  return fsdp_spec(shape, mesh) if len(shape) else P()
+def _fsdp_or_whole(path, shape, mesh):
+  names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+  return fsdp_spec(shape, mesh, experts=is_experts(names, shape)) if len(shape) else P()
 
 
 def step_memory(compiled, device_bytes: int) -> dict:
