@@ -65,7 +65,7 @@ class Tally(nnx.Variable):
   holds the whole call's count in training as in inference."""
 
 
-def _set_tallies(module, state) -> None:
+def set_tallies(module, state) -> None:
   """nnx.update(module, state) for counts (`Tally`), skipped where the module cannot
   take them: a call traced with the model closed over (`jax.jit(lambda t: model(t))`)
   keeps no count; a call through `nnx.jit`, split and merge, or eagerly does."""
@@ -73,7 +73,7 @@ def _set_tallies(module, state) -> None:
     nnx.update(module, state)
 
 
-def _names(path) -> tuple:
+def path_names(path) -> tuple:
   """A pytree path's dictionary keys (an nnx.State's names)."""
   return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
 
@@ -323,7 +323,7 @@ def feed_forward(fn, modules, x, placement, most: int | None = None):
   zero = None if tallies is None else jax.tree.map(jnp.zeros_like, tallies)
   ys, total = jax.lax.fori_loop(0, k, one, (place(ys), zero))
   if total is not None:
-    _set_tallies(modules, total)
+    set_tallies(modules, total)
   return ys.reshape(b, t, -1)
 
 
@@ -515,13 +515,13 @@ class CausalLM(nnx.Module):
       zero = jax.lax.stop_gradient(jnp.nan_to_num(after.reshape(-1)[0]) * 0)
 
       def split(path, p):
-        spec = fsdp_spec(p.shape, mesh, experts=is_experts(_names(path), p.shape))
+        spec = fsdp_spec(p.shape, mesh, experts=is_experts(path_names(path), p.shape))
         return jax.lax.with_sharding_constraint(p + zero.astype(p.dtype), NamedSharding(mesh, spec))
 
       params = jax.tree_util.tree_map_with_path(split, params)
 
     def gather(path, p):
-      name = _names(path)
+      name = path_names(path)
       if name in keep:  # used where it lies, split along the experts, in the compute dtype
         return p.astype(dt or p.dtype)
       return gather_weight(p, mesh, dt, experts=is_experts(name, p.shape))
@@ -552,7 +552,7 @@ class CausalLM(nnx.Module):
     if not training:  # a prefill fills the caches of the copy: back to the block
       nnx.update(block, after)
     elif _tallies(block) is not None:  # the counts the call set (`Tally`)
-      _set_tallies(block, nnx.filter_state(after, Tally))
+      set_tallies(block, nnx.filter_state(after, Tally))
     return y
 
   def ring_permutation(self, length: int):
@@ -719,7 +719,7 @@ class CausalLM(nnx.Module):
       for run, c in zip(runs, counts):
         for g in range(groups):
           for j, k in enumerate(run):
-            _set_tallies(self.blocks[g * period + k], jax.tree.map(lambda a, g=g, j=j: a[g, j], c))
+            set_tallies(self.blocks[g * period + k], jax.tree.map(lambda a, g=g, j=j: a[g, j], c))
     for block in self.blocks[groups * period :]:
       x = self._run_block(block, x, attend, True, gather=True)
     return x

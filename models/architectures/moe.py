@@ -331,7 +331,7 @@ class MoE(nnx.Module):
         check_vma=False,
       )(x, *params)
     if self.capacity_factor is not None:
-      decoder._set_tallies(self, nnx.State({"dropped": DroppedTokens(dropped)}))
+      decoder.set_tallies(self, nnx.State({"dropped": DroppedTokens(dropped)}))
     return y
 
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import checkpoints, runtime
 from ..architectures import moe, vocabulary
-from ..architectures.decoder import fsdp_spec, is_experts
+from ..architectures.decoder import fsdp_spec, is_experts, path_names
 
 
 def chunked_cross_entropy(
@@ -396,8 +396,7 @@ def compile_train_step(
 
 
 def _fsdp_or_whole(path, shape, mesh):
-  names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-  return fsdp_spec(shape, mesh, experts=is_experts(names, shape)) if len(shape) else P()
+  return fsdp_spec(shape, mesh, experts=is_experts(path_names(path), shape)) if len(shape) else P()
 
 
 def step_memory(compiled, device_bytes: int) -> dict:
