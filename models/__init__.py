@@ -5,6 +5,7 @@ training step, generation and long-context evaluation.
     architectures/  one module per family (decoder.CausalLM and the blocks it stacks),
                     each ending in an `Architecture` record listed in the registry
     formats/        safetensors, config.json, GGUF, tokenizer.json: files to arrays
+    data/           a user's data: files, chat templates, packing, the resumable loader
     checkpoints.py  models.config / build / load / save: formats -> architectures
     generate.py     the generation engine: `generate` (batches) and `Engine` (cached documents)
     train/          the training step (every model), fine-tuning, training from scratch
@@ -30,6 +31,8 @@ from .architectures.qwen3 import Qwen3, Qwen3Config
 from .architectures.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 from .architectures.scratch import ATTENTION_KINDS, DecoderLM, LMConfig
 from .checkpoints import build, config, load, load_gguf, save, shardings
+from .data.chat import chat_template, tokenize_chat
+from .data.packing import pack
 from .formats.gguf import GGUFFile, Tokenizer
 from .formats.tokenizer_json import HFTokenizer
 from .generate import Engine, Generated, generate
@@ -64,17 +67,20 @@ __all__ = [
   "Qwen3MoeConfig",
   "Tokenizer",
   "build",
+  "chat_template",
   "config",
   "generate",
   "load",
   "load_gguf",
+  "pack",
   "save",
   "shardings",
+  "tokenize_chat",
 ]
 
 # Modules reached as attributes (`models.runtime.initialize_distributed()`), imported
 # when first named so that `import jax_ring.models` needs no optional extra.
-_SUBMODULES = ("architectures", "checkpoints", "cli", "eval", "formats", "runtime", "train")
+_SUBMODULES = ("architectures", "checkpoints", "cli", "data", "eval", "formats", "runtime", "train")
 _moved.install()
 
 

@@ -784,14 +784,48 @@ class CausalLM(nnx.Module):
     table = table if self.head is None else table.T
     return jnp.einsum("...d,vd->...v", h.astype(dt), table.astype(dt)).astype(jnp.float32)
 
-  def __call__(self, tokens):
-    """Logits float32 [B, T, V]. Outside a trace the forward runs as one jitted program:
-    run op by op, its many small programs with collectives could be in flight at once,
-    which on simulated CPU devices can deadlock XLA's client (`runtime.simulate_devices`)."""
+  def __call__(self, tokens, *, segment_ids=None, positions=None):
+    """Logits float32 [B, T, V]. Packed rows (`models.pack`): `segment_ids` int [B, T]
+    (a token attends only to tokens of its own id; a negative id is padding, which
+    attends to and is seen by nothing) and `positions` int [B, T] (the rotary positions:
+    each example's from 0), so that each example's logits are those of it run alone.
+    Outside a trace the forward runs as one jitted program: run op by op, its many small
+    programs with collectives could be in flight at once, which on simulated CPU devices
+    can deadlock XLA's client (`runtime.simulate_devices`)."""
     tokens = self.check_tokens(tokens)
+    segment_ids, positions = self.check_rows(tokens, segment_ids, positions)
     if isinstance(tokens, jax.core.Tracer):
-      return self.logits(self.hidden(tokens))
-    return _forward(self, tokens)
+      return self.logits(self.hidden(tokens, segment_ids=segment_ids, positions=positions))
+    return _forward(self, tokens, segment_ids, positions)
+
+  def check_rows(self, tokens, segment_ids, positions):
+    """`segment_ids` and `positions` as int arrays of the tokens' [B, T] (None stays
+    None); ValueError naming the one of another shape or type, or (when known) a
+    position outside [0, context length)."""
+    out = []
+    for name, value in (("segment_ids", segment_ids), ("positions", positions)):
+      if value is None:
+        out.append(None)
+        continue
+      if isinstance(value, (list, tuple, np.ndarray)):
+        value = np.asarray(value)
+        if not np.issubdtype(value.dtype, np.integer):
+          raise ValueError(f"{name} of dtype {value.dtype} must be ints [batch, seq]")
+        value = jnp.asarray(value.astype(np.int32))
+      if tuple(value.shape) != tuple(tokens.shape) or not jnp.issubdtype(value.dtype, jnp.integer):
+        raise ValueError(
+          f"{name} shape={tuple(value.shape)} dtype={value.dtype} must be int of the tokens' shape "
+          f"{tuple(tokens.shape)}"
+        )
+      if name == "positions" and not isinstance(value, jax.core.Tracer):
+        host = np.asarray(value)
+        if host.min() < 0 or host.max() >= self.config.context_length:
+          raise ValueError(
+            f"positions hold {int(host.min())}..{int(host.max())}: rotary positions must be in "
+            f"[0, {self.config.context_length}) (the context length)"
+          )
+      out.append(value)
+    return tuple(out)
 
   def init_cache(self, batch_size: int, max_length: int, *, dtype=None) -> None:
     """Empty KV caches in every layer for `max_length` tokens per row."""
@@ -820,8 +854,8 @@ class CausalLM(nnx.Module):
 
 
 @nnx.jit
-def _forward(model, tokens):
-  return model.logits(model.hidden(tokens))
+def _forward(model, tokens, segment_ids=None, positions=None):
+  return model.logits(model.hidden(tokens, segment_ids=segment_ids, positions=positions))
 
 
 def _period(graphdefs) -> int | None:

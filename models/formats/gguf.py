@@ -306,6 +306,7 @@ class Tokenizer:
     self.pad_id = int(gguf_file.field("tokenizer.ggml.padding_token_id", 0))
     # llama.cpp's default for a SentencePiece vocabulary: BOS before every text.
     self.add_bos = bool(gguf_file.field("tokenizer.ggml.add_bos_token", True))
+    self.chat_template = gguf_file.field("tokenizer.chat_template")  # None where the file has none
     unk_id = int(gguf_file.field("tokenizer.ggml.unknown_token_id", 0))
     proto = sp_pb2.ModelProto()
     self.scores, self.types, self.unk_id = list(scores), list(types), unk_id

@@ -74,6 +74,7 @@ class HFTokenizer:
     self._tok = tokenizer
     self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
     self.add_bos = bool(add_bos) and bos_id is not None
+    self.chat_template = None  # the template's text where the files carry one (`models.chat_template`)
     self.special_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
 
   @property
@@ -110,7 +111,11 @@ class HFTokenizer:
     for name in ("bos", "eos", "pad"):
       ids[name] = _special_id(tok, folder, name)
     add_bos = _adds_bos(tok, folder, ids["bos"])
-    return cls(tok, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"], add_bos=add_bos)
+    out = cls(tok, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"], add_bos=add_bos)
+    from ..data.chat import chat_template
+
+    out.chat_template = chat_template(folder)
+    return out
 
   @classmethod
   def from_gguf(cls, gguf_file) -> HFTokenizer:
@@ -146,7 +151,9 @@ class HFTokenizer:
     field = lambda key: gguf_file.field(f"tokenizer.ggml.{key}_token_id")
     # llama.cpp adds BOS to a BPE vocabulary's text only where the file says so.
     add_bos = bool(gguf_file.field("tokenizer.ggml.add_bos_token", False))
-    return cls(tok, bos_id=field("bos"), eos_id=field("eos"), pad_id=field("padding"), add_bos=add_bos)
+    out = cls(tok, bos_id=field("bos"), eos_id=field("eos"), pad_id=field("padding"), add_bos=add_bos)
+    out.chat_template = gguf_file.field("tokenizer.chat_template")
+    return out
 
 
 def add_pieces(tok, pieces, types) -> None:
@@ -260,6 +267,7 @@ def save_tokenizer(tokenizer, folder: Path, *, context_length: int) -> None:
     "pad_token": name(tokenizer.pad_id),
     "model_max_length": context_length,
     "clean_up_tokenization_spaces": False,
+    **({"chat_template": tokenizer.chat_template} if getattr(tokenizer, "chat_template", None) else {}),
     "added_tokens_decoder": {
       str(i): {
         "content": t.content,

@@ -9,6 +9,7 @@ Legend: B batch, T sequence length.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -109,6 +110,26 @@ class FinetuneConfig:
   chunk: int = 512
   seed: int = 0
   save_every: int = 0  # orbax state for resuming every this many steps (0: at the end only)
+  eval_every: int = 0  # evaluation loss every this many steps (0: at the end only, where there is eval data)
+
+
+class StepBatches:
+  """Batches that are a function of the step (`document_batch`, `text_batch`), with the
+  loader's interface (`pipeline.Loader`): next() -> (arrays, sources), state / restore."""
+
+  def __init__(self, make):
+    self.make, self.step = make, 0
+
+  def __next__(self):
+    tokens, targets, weights = self.make(self.step)
+    self.step += 1
+    return dict(tokens=tokens, targets=targets, weights=weights), [f"batch of step {self.step - 1}"]
+
+  def state(self) -> dict:
+    return {"step": self.step}
+
+  def restore(self, state: dict) -> None:
+    self.step = int(state["step"])
 
 
 BASE = "base.json"  # beside report.json: what the state in state/ was fine-tuned from
@@ -173,9 +194,9 @@ def check_resume(out: str, record: dict) -> None:
     )
 
 
-def check_run(model, tokenizer, config: FinetuneConfig, ids=None) -> None:
+def check_run(model, tokenizer, config: FinetuneConfig, ids=None, *, data=None) -> None:
   """ValueError naming the setting before a run writes anything: steps, lengths the
-  model's context or the data cannot take."""
+  model's context or the data cannot take, token ids outside the model's vocabulary."""
   if config.steps < 1:
     raise ValueError(f"steps={config.steps}: at least 1 step")
   if config.batch < 1:
@@ -183,6 +204,14 @@ def check_run(model, tokenizer, config: FinetuneConfig, ids=None) -> None:
   context = model.config.context_length
   if config.length > context:
     raise ValueError(f"length={config.length} exceeds the model's context length {context}")
+  if data is not None:
+    vocab = model.config.vocab_size
+    for where, example in zip(data.examples.where, data.examples.ids):
+      if len(example) and (example.max() >= vocab or example.min() < 0):
+        raise ValueError(
+          f"{where}: token id {int(example.max())} is outside the model's vocabulary of {vocab}"
+        )
+    return
   if ids is None:
     least = _least_length(tokenizer)
     if config.length < least:
@@ -196,6 +225,9 @@ def check_run(model, tokenizer, config: FinetuneConfig, ids=None) -> None:
     )
 
 
+DATA_STATE = "data_state.json"  # beside state/: the loader's state at each saved step
+
+
 def finetune(
   model,
   tokenizer,
@@ -203,70 +235,207 @@ def finetune(
   out: str,
   *,
   text: str | None = None,
+  data=None,
+  eval_data=None,
   progress=True,
   base: str | None = None,
+  run: dict | None = None,
 ) -> dict:
-  """Fine-tunes `model` on the main job's documents (or on `text`), writing
-  `out/report.json` ("steps": [{"loss", "seconds"}], "memory": per device param_bytes,
-  optimizer_bytes and the step's temp_bytes), `out/base.json` (`base_record`: the base
-  model's path `base` and fingerprints of its config and weights), `out/state/` (orbax:
-  weights, optimizer state, step; a later call resumes from it, only for the same base
-  model: `check_resume`) and `out/checkpoint/` (`models.save`'s layout, with the
-  tokenizer). Bad settings are ValueErrors before anything is written (`check_run`).
-  Returns the report."""
-  ids = None if text is None else np.asarray(tokenizer.encode(text), np.int32)
-  check_run(model, tokenizer, config, ids)
+  """Fine-tunes `model` on the main job's documents, on windows of `text`, or on `data`
+  (a `data.pipeline.Loader` of packed rows; `eval_data` another, in order, for the
+  evaluation loss every `config.eval_every` steps and at the end), writing:
+
+  - `out/metrics.jsonl` and TensorBoard event files in `out/tb/`, a record as each step
+    ends ("step", "loss", "grad_norm", "lr", "tokens" (those not padding), "padding",
+    "tokens_per_s", "seconds", and "dropped_tokens" for an MoE with a capacity) and as
+    each evaluation ends ("step", "eval_loss");
+  - `out/report.json` ("config": `config` and `run`, what the run used; "steps": each
+    step's record, the whole history across resumes; "memory": per device param_bytes,
+    optimizer_bytes and the step's temp_bytes; "data": the rows' statistics), rewritten
+    at every save;
+  - `out/base.json` (`base_record`), `out/state/` (orbax: weights, optimizer state, step)
+    with `out/data_state.json` (the loader's state there), and `out/checkpoint/`
+    (`models.save`'s layout).
+
+  A later call resumes from the state (only for the same base model, `check_resume`, and
+  never past `config.steps`), continuing the data at exactly the next row: the losses
+  are those of a run never stopped. SIGTERM or SIGINT saves the state at the step that
+  is running once it ends and returns (report["interrupted"] names the signal). A loss
+  or gradient norm that is not finite raises FloatingPointError naming the step and the
+  batch's examples, and saves nothing: the last good state stays. Bad settings are
+  ValueErrors before anything is written (`check_run`). Returns the report."""
+  import signal
+
+  from . import metrics as metrics_io
+  from .step import make_schedule
+
+  ids = None if text is None or data is not None else np.asarray(tokenizer.encode(text), np.int32)
+  check_run(model, tokenizer, config, ids, data=data)
   record = base_record(model, base)
-  if os.path.isdir(os.path.join(out, "state")) and os.listdir(os.path.join(out, "state")):
+  state_dir = os.path.join(out, "state")
+  state = None
+  if os.path.isdir(state_dir) and os.listdir(state_dir):
     check_resume(out, record)
+    state = Checkpoints(state_dir, every=config.save_every or config.steps, keep=1)
+    latest = state.latest()
+    if latest is not None and latest > config.steps:
+      state.close()
+      raise ValueError(
+        f"{out}/state/ holds {latest} steps done and --steps asks for {config.steps}: not going back "
+        "(pass --steps of at least the steps done, or another --out)"
+      )
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, BASE), "w") as f:
     json.dump(record, f, indent=1)
   tx = make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
+  schedule = make_schedule(config.lr, config.warmup, config.steps)
   trainer = Trainer(model, tx, chunk=config.chunk)
+  if data is None:
 
-  def batch(step):
-    if ids is None:
-      arrays = document_batch(tokenizer, config.length, step, batch=config.batch, seed=config.seed)
-    else:
-      arrays = text_batch(ids, config.length, step, batch=config.batch, seed=config.seed)
-    return place_batch(model, *arrays)
+    def make(step):
+      if ids is None:
+        return document_batch(tokenizer, config.length, step, batch=config.batch, seed=config.seed)
+      return text_batch(ids, config.length, step, batch=config.batch, seed=config.seed)
 
+    data = StepBatches(make)
+
+  def place(arrays):
+    names = ("tokens", "targets", "weights", "segment_ids", "positions")
+    placed = place_batch(model, *(arrays[n] for n in names if n in arrays))
+    placed = dict(zip([n for n in names if n in arrays], placed))
+    rows = {k: placed[k] for k in ("segment_ids", "positions") if k in placed}
+    return (placed["tokens"], placed["targets"], placed["weights"]), rows
+
+  if state is None:
+    state = Checkpoints(state_dir, every=config.save_every or config.steps, keep=1)
+  first = state.latest() or 0
+  if first:
+    state.restore(first, trainer)
+    data.restore(_data_state(out, first, data))
   report_path = os.path.join(out, "report.json")
-  report = dict(config=dataclasses.asdict(config), steps=[])
-  state = Checkpoints(os.path.join(out, "state"), every=config.save_every or config.steps, keep=1)
-  first = 0
-  latest = state.latest()
-  if latest is not None:
-    state.restore(latest, trainer)
-    first = latest
-    if os.path.exists(report_path):
-      with open(report_path) as f:
-        report["steps"] = json.load(f)["steps"][:first]
-  report["memory"] = trainer.memory(*batch(first))
+  report = dict(config=dict(dataclasses.asdict(config), **(run or {})), steps=[])
+  stats = getattr(data, "padding", None)
+  if stats is not None:
+    report["data"] = dict(
+      examples=len(data.examples),
+      rows=len(data.rows),
+      padding=round(stats, 6),
+      dropped_examples=len(data.dropped),
+      skipped_records=len(data.examples.skipped),
+      format=data.examples.format,
+    )
+  here = data.state()
+  arrays, _ = next(data)  # the first batch, for the compiled step's memory; then back
+  data.restore(here)
+  args, rows = place(arrays)
+  report["memory"] = trainer.memory(*args, **rows)
+  log = metrics_io.Metrics(out, first)
+  stop = {}
+  handlers = {}
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    with contextlib.suppress(ValueError):  # not the main thread: no handlers, the run just goes on
+      handlers[sig] = signal.signal(sig, lambda number, frame: stop.setdefault("signal", number))
+
+  def save(step):
+    state.save(step, trainer, force=True)
+    state.manager.wait_until_finished()
+    _write_data_state(out, step, data.state())
+    report["steps"] = [r for r in metrics_io.read(out) if "loss" in r]
+    with open(report_path, "w") as f:
+      json.dump(report, f, indent=1)
+
+  def evaluate(step):
+    if eval_data is None:
+      return
+    total = count = 0.0
+    for arrays, _ in _once(eval_data):
+      args, rows = place(arrays)
+      value, _ = trainer.evaluate(*args, **rows)
+      n = float(np.sum(arrays["weights"]))
+      total, count = total + float(value) * n, count + n
+    log.log(dict(step=step, eval_loss=total / max(count, 1.0)))
+
   steps = range(first, config.steps)
   if progress:
     from tqdm import tqdm
 
     steps = tqdm(steps, desc="fine-tuning", initial=first, total=config.steps, unit="step")
-  for step in steps:
-    start = time.perf_counter()
-    value, stats = trainer.step(*batch(step))
-    value = float(value)
-    seconds = time.perf_counter() - start
-    record = dict(loss=value, seconds=round(seconds, 3), grad_norm=float(stats["grad_norm"]))
-    if "dropped_tokens" in stats:  # an MoE with a capacity (`moe.set_capacity`)
-      record["dropped_tokens"] = int(stats["dropped_tokens"])
-    report["steps"].append(record)
-    if progress:
-      steps.set_postfix(loss=f"{value:.4f}", s=f"{seconds:.1f}")
-    if not np.isfinite(value):
-      raise FloatingPointError(f"step {step}: the loss is {value}")
-    if config.save_every and (step + 1) % config.save_every == 0:
-      state.save(step + 1, trainer, force=True)
-  state.save(config.steps, trainer, force=True)
-  state.close()
+  try:
+    for step in steps:
+      arrays, where = next(data)
+      start = time.perf_counter()
+      args, rows = place(arrays)
+      value, out_stats = trainer.step(*args, **rows)
+      value, norm = float(value), float(out_stats["grad_norm"])
+      seconds = time.perf_counter() - start
+      if not (np.isfinite(value) and np.isfinite(norm)):
+        shown = ", ".join(where[:8]) + (f" and {len(where) - 8} more" if len(where) > 8 else "")
+        raise FloatingPointError(
+          f"step {step}: loss {value}, gradient norm {norm}; stopped without saving (the last state is "
+          f"step {state.latest() or 0}); the batch's examples: {shown}"
+        )
+      seg = arrays.get("segment_ids")
+      real = int(np.sum(seg >= 0)) if seg is not None else int(arrays["tokens"].size)
+      entry = dict(
+        step=step,
+        loss=value,
+        grad_norm=norm,
+        lr=float(schedule(step)),
+        tokens=real,
+        padding=round(1.0 - real / arrays["tokens"].size, 6),
+        tokens_per_s=round(arrays["tokens"].size / seconds, 1),
+        seconds=round(seconds, 3),
+      )
+      if "dropped_tokens" in out_stats:  # an MoE with a capacity (`moe.set_capacity`)
+        entry["dropped_tokens"] = int(out_stats["dropped_tokens"])
+      log.log(entry)
+      if progress:
+        steps.set_postfix(loss=f"{value:.4f}", s=f"{seconds:.1f}")
+      done = step + 1
+      if config.eval_every and done % config.eval_every == 0 and done < config.steps:
+        evaluate(done)
+      if "signal" in stop:
+        save(done)
+        report["interrupted"] = signal.Signals(stop["signal"]).name
+        return report
+      if config.save_every and done % config.save_every == 0 and done < config.steps:
+        save(done)
+    evaluate(config.steps)
+    save(config.steps)
+    report.pop("interrupted", None)
+  finally:
+    for sig, old in handlers.items():
+      signal.signal(sig, old)
+    log.close()
+    state.close()
   checkpoints.save(trainer.model(), os.path.join(out, "checkpoint"), tokenizer=tokenizer)
   with open(report_path, "w") as f:
     json.dump(report, f, indent=1)
   return report
+
+
+def _once(loader):
+  """Every batch of an evaluation loader (`shuffle=False`), from its start."""
+  loader.restore({"next_index": 0})
+  return list(loader)
+
+
+def _write_data_state(out, step, value) -> None:
+  path = os.path.join(out, DATA_STATE)
+  with open(path + ".part", "w") as f:
+    json.dump({"step": step, "state": value}, f)
+  os.replace(path + ".part", path)
+
+
+def _data_state(out, step, data):
+  """The loader's state saved at `step` (`out/data_state.json`)."""
+  path = os.path.join(out, DATA_STATE)
+  if os.path.exists(path):
+    with open(path) as f:
+      saved = json.load(f)
+    if saved.get("step") == step:
+      return saved["state"]
+  raise ValueError(
+    f"{out}/state/ is at step {step} but {out}/{DATA_STATE} does not hold the data's place there: "
+    "the run cannot continue its data exactly (remove state/ or pass another --out)"
+  )

@@ -149,15 +149,21 @@ def _table_spec(axes, transposed):
   return P(None, axes) if transposed else P(axes, None)
 
 
-def loss(model, tokens, targets, weights, *, chunk: int = 512):
-  """The model's chunked cross-entropy of `targets` after `tokens` (`chunked_cross_entropy`)."""
+def loss(model, tokens, targets, weights, *, chunk: int = 512, segment_ids=None, positions=None):
+  """The model's chunked cross-entropy of `targets` after `tokens` (`chunked_cross_entropy`).
+  Packed rows: `segment_ids` and `positions` [B, T] as the model takes them (each
+  example attends only within itself, with its own rotary positions); `weights` must
+  then be 0 where a target is another example's token."""
+  rows = dict(segment_ids=segment_ids, positions=positions)
+  rows = {k: v for k, v in rows.items() if v is not None}
   perm = model.ring_permutation(tokens.shape[1])
   if perm is None:
-    h = model.hidden(tokens)
+    h = model.hidden(tokens, **rows)
   else:  # every layer in the ring's order: the loss sums over tokens in any order
-    tokens, targets, weights = (jnp.take(jnp.asarray(a), perm, axis=1) for a in (tokens, targets, weights))
-    tokens, targets, weights = (_like_hidden(model, a) for a in (tokens, targets, weights))
-    h = model.hidden(tokens, token_order="layout")
+    laid = lambda a: _like_hidden(model, jnp.take(jnp.asarray(a), perm, axis=1))
+    tokens, targets, weights = (laid(a) for a in (tokens, targets, weights))
+    rows = {k: laid(v) for k, v in rows.items()}
+    h = model.hidden(tokens, token_order="layout", **rows)
   table, axes = model.head_table()
   if axes is None:  # the table whole on every device
     table = model.head_weights()
@@ -179,10 +185,16 @@ def make_tx(lr: float, warmup: int, steps: int, weight_decay: float, clip: float
   """AdamW (float32 moments) with linear warmup then cosine decay to `end` x `lr`, after
   clipping the gradients' global norm at `clip`; cached, so that runs with the same
   settings share one optimizer and hence one compiled step."""
-  schedule = optax.warmup_cosine_decay_schedule(
+  schedule = make_schedule(lr, warmup, steps, end)
+  return optax.chain(clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
+
+
+def make_schedule(lr: float, warmup: int, steps: int, end: float = 0.1):
+  """`make_tx`'s learning rate at each step: linear warmup from 0, then cosine decay to
+  `end` x `lr` at `steps`."""
+  return optax.warmup_cosine_decay_schedule(
     0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1), end_value=lr * end
   )
-  return optax.chain(clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -220,11 +232,11 @@ def unsplit_bytes(model) -> int:
   return sum(v[...].nbytes for path, v in flat if v[...].ndim and split(path, v) == P())
 
 
-def cross_entropy(model, tokens, targets, weights, *, chunk: int = 512):
+def cross_entropy(model, tokens, targets, weights, *, chunk: int = 512, **rows):
   """A loaded model's objective for `Trainer`: (`loss`, statistics: "dropped_tokens",
   the (token, expert) pairs its MoE layers dropped for capacity, where they have one,
-  `moe.set_capacity`)."""
-  value = loss(model, tokens, targets, weights, chunk=chunk)
+  `moe.set_capacity`). `rows`: packed rows' segment_ids and positions (`loss`)."""
+  value = loss(model, tokens, targets, weights, chunk=chunk, **rows)
   if not jax.tree.leaves(nnx.state(model, moe.DroppedTokens)):
     return value, {}
   return value, {"dropped_tokens": moe.dropped_tokens(model)}
@@ -256,37 +268,41 @@ class Trainer:
     self._evaluate = jax.jit(functools.partial(_evaluate, self.graphdef, objective, chunk))
     self._programs = {}
 
-  def _program(self, tokens, targets, weights):
+  def _program(self, tokens, targets, weights, rows):
     """The step compiled once per batch shape and placement, for `step`, `memory` and
     `compiled` alike (a jitted call would compile the program `compiled` made again:
     twice the compile's host memory, 0.6 GiB for Gemma 3 270M on 8 devices)."""
-    key = tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in (tokens, targets, weights))
+    arrays = (tokens, targets, weights, *rows.values())
+    key = (tuple(rows), *((a.shape, a.dtype, getattr(a, "sharding", None)) for a in arrays))
     if key not in self._programs:
-      lowered = self._step.lower(self.params, self.rest, self.opt_state, tokens, targets, weights)
+      lowered = self._step.lower(self.params, self.rest, self.opt_state, tokens, targets, weights, rows)
       self._programs[key] = lowered.compile()
       runtime.release_free_memory()
     return self._programs[key]
 
-  def step(self, tokens, targets, weights):
-    self.params, self.opt_state, value, stats = self._program(tokens, targets, weights)(
-      self.params, self.rest, self.opt_state, tokens, targets, weights
+  def step(self, tokens, targets, weights, *, segment_ids=None, positions=None):
+    """One AdamW step on a batch: (loss, stats). Packed rows take `segment_ids` and
+    `positions` [B, T] (`loss`)."""
+    rows = _rows(segment_ids, positions)
+    self.params, self.opt_state, value, stats = self._program(tokens, targets, weights, rows)(
+      self.params, self.rest, self.opt_state, tokens, targets, weights, rows
     )
     return value, stats
 
-  def evaluate(self, tokens, targets, weights):
-    return self._evaluate(self.params, self.rest, tokens, targets, weights)
+  def evaluate(self, tokens, targets, weights, *, segment_ids=None, positions=None):
+    return self._evaluate(self.params, self.rest, tokens, targets, weights, _rows(segment_ids, positions))
 
-  def compiled(self, tokens, targets, weights):
+  def compiled(self, tokens, targets, weights, *, segment_ids=None, positions=None):
     """The step compiled for these shapes (`memory_analysis()`, `as_text()`)."""
-    return self._program(tokens, targets, weights)
+    return self._program(tokens, targets, weights, _rows(segment_ids, positions))
 
   def model(self):
     return nnx.merge(self.graphdef, self.params, self.rest)
 
-  def memory(self, tokens, targets, weights) -> dict:
+  def memory(self, tokens, targets, weights, **rows) -> dict:
     """Per device: the weights' and the optimizer state's bytes, and the step's
     compiled temporaries."""
-    temp = self.compiled(tokens, targets, weights).memory_analysis().temp_size_in_bytes
+    temp = self.compiled(tokens, targets, weights, **rows).memory_analysis().temp_size_in_bytes
     return dict(
       param_bytes=per_device_bytes(self.params),
       optimizer_bytes=per_device_bytes(self.opt_state),
@@ -312,11 +328,17 @@ def _on_mesh(model):
   return place
 
 
-def _step(graphdef, tx, objective, chunk, params, rest, opt_state, tokens, targets, weights):
+def _rows(segment_ids, positions) -> dict:
+  """A packed batch's segment_ids and positions, those given, for the objective."""
+  return {k: v for k, v in dict(segment_ids=segment_ids, positions=positions).items() if v is not None}
+
+
+def _step(graphdef, tx, objective, chunk, params, rest, opt_state, tokens, targets, weights, rows=None):
   def value(p):
     # A copy: the calls set counts (`decoder.Tally`) on the model inside the gradient's
     # trace, and `rest`'s variables belong to the step's.
-    return objective(nnx.merge(graphdef, p, rest, copy=True), tokens, targets, weights, chunk=chunk)
+    model = nnx.merge(graphdef, p, rest, copy=True)
+    return objective(model, tokens, targets, weights, chunk=chunk, **(rows or {}))
 
   (loss_value, stats), grads = jax.value_and_grad(value, has_aux=True)(params)
   updates, opt_state = tx.update(grads, opt_state, params)
@@ -324,8 +346,9 @@ def _step(graphdef, tx, objective, chunk, params, rest, opt_state, tokens, targe
   return optax.apply_updates(params, updates), opt_state, loss_value, stats
 
 
-def _evaluate(graphdef, objective, chunk, params, rest, tokens, targets, weights):
-  return objective(nnx.merge(graphdef, params, rest, copy=True), tokens, targets, weights, chunk=chunk)
+def _evaluate(graphdef, objective, chunk, params, rest, tokens, targets, weights, rows=None):
+  model = nnx.merge(graphdef, params, rest, copy=True)
+  return objective(model, tokens, targets, weights, chunk=chunk, **(rows or {}))
 
 
 def place_batch(model, *arrays):

@@ -1,0 +1,220 @@
+"""Chat templates: a model's own Jinja template rendered as transformers renders it
+(`apply_chat_template`), and the tokens of the assistant's turns marked for the loss.
+
+Where a template has `{% generation %}` blocks (TRL's training templates), the tokens
+those blocks produce are the assistant's, as transformers' `assistant_masks` marks them.
+Where it has none, each assistant turn's span is found by rendering the conversation up
+to that turn (with the generation prompt) and through it: what the second adds to the
+first, up to where it stops agreeing with the whole conversation's rendering, is the
+turn (its text and the template's end-of-turn marker). That needs a template that
+renders a turn the same whatever follows it; one that does not (Qwen 3's drops the
+thinking block of earlier turns; Mistral's moves the system message into the last user
+turn) is refused with the reason, and a template with generation blocks does it
+(`--chat-template FILE`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import datetime
+from pathlib import Path
+
+# Private-use characters around a generation block's output while rendering: their
+# places give the blocks' spans, and they are removed before tokenizing.
+_OPEN, _CLOSE = "\ue000", "\ue001"
+
+
+def chat_template(source, *, name: str | None = None) -> str | None:
+  """The chat template of a tokenizer (its `chat_template` attribute, read where it was
+  loaded from), a Hugging Face folder (tokenizer_config.json's "chat_template", a string
+  or a list of named templates, else chat_template.jinja beside it), a GGUF file (its
+  `tokenizer.chat_template` key) or a .jinja file; None where there is none. `name`
+  picks one of a list of named templates (default: "default")."""
+  if not isinstance(source, (str, os.PathLike)):
+    return _pick(getattr(source, "chat_template", None), name, "the tokenizer")
+  path = Path(source)
+  if path.is_dir():
+    config = path / "tokenizer_config.json"
+    if config.is_file():
+      found = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+      if found is not None:
+        return _pick(found, name, str(config))
+    jinja = path / "chat_template.jinja"
+    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+  if path.is_file():
+    with open(path, "rb") as f:
+      magic = f.read(4)
+    if magic == b"GGUF":
+      from ..formats.gguf import GGUFFile
+
+      return _pick(GGUFFile(path).field("tokenizer.chat_template"), name, str(path))
+    return path.read_text(encoding="utf-8")
+  raise ValueError(f"source={str(source)!r} is neither a tokenizer, a folder nor a file")
+
+
+_template_of = chat_template  # for tokenize_chat, whose argument of that name shadows it
+
+
+def _pick(found, name, where):
+  if found is None or isinstance(found, str):
+    if name is not None and found is not None:
+      raise ValueError(f"name={name!r}: {where} has one unnamed chat template")
+    return found
+  if isinstance(found, list):  # [{"name": ..., "template": ...}], as transformers writes several
+    named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
+    want = name or "default"
+    if want not in named:
+      raise ValueError(f"name={want!r}: {where}'s chat templates are named {sorted(map(str, named))}")
+    return named[want]
+  raise ValueError(f"{where}: chat_template of type {type(found).__name__}, expected a string or a list")
+
+
+def _environment():
+  """Jinja2's immutable sandbox with transformers' settings and helpers (trim_blocks,
+  lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that
+  does not escape HTML) and the `{% generation %}` tag."""
+  import jinja2
+  from jinja2 import nodes
+  from jinja2.ext import Extension, loopcontrols
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  class Generation(Extension):
+    tags = {"generation"}
+
+    def parse(self, parser):
+      line = next(parser.stream).lineno
+      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+      return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(line)
+
+    def _mark(self, caller):
+      return _OPEN + caller() + _CLOSE
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+  env = ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+  )
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+  return env
+
+
+_compiled = {}
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def render_chat(template: str, messages, *, add_generation_prompt=False, tools=None, **special):
+  """(text, spans): `template` rendered over `messages` (keys whose value is None
+  dropped, as transformers does) with `special`'s tokens (bos_token, eos_token, ...),
+  and the [start, end) character spans of its generation blocks. A template that
+  raises raises (jinja2's TemplateError)."""
+  if not isinstance(template, str):
+    raise TypeError(f"template of type {type(template).__name__} must be the template's text")
+  if template not in _compiled:
+    _compiled[template] = _environment().from_string(template)
+  messages = _plain_messages(messages)
+  text = _compiled[template].render(
+    messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **special
+  )
+  spans, out, at = [], [], 0
+  for piece in text.split(_OPEN):
+    if out:  # every piece after the first opens a block
+      body, sep, rest = piece.partition(_CLOSE)
+      if not sep or _CLOSE in rest:
+        raise ValueError("a {% generation %} block of the chat template is nested or not closed")
+      spans.append((at, at + len(body)))
+      piece = body + rest
+    elif _CLOSE in piece:
+      raise ValueError("the chat template closes a {% generation %} block it did not open")
+    out.append(piece)
+    at += len(piece)
+  return "".join(out), spans
+
+
+def _plain_messages(messages):
+  if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+    raise TypeError(
+      f"messages must be a list of dicts ({{'role', 'content'}}); got {type(messages).__name__}"
+    )
+  plain = []
+  for i, m in enumerate(messages):
+    for key in ("role", "content"):
+      if isinstance(m.get(key), str) and (_OPEN in m[key] or _CLOSE in m[key]):
+        raise ValueError(f"messages[{i}][{key!r}] holds U+E000 or U+E001, which rendering reserves")
+    plain.append({k: v for k, v in m.items() if v is not None})
+  return plain
+
+
+def special_tokens(tokenizer) -> dict:
+  """The template's variables for the tokenizer's special tokens (bos_token,
+  eos_token, pad_token, unk_token), as transformers passes its special_tokens_map."""
+  tok = tokenizer.to_tokenizers()
+  out = {}
+  for name in ("bos", "eos", "pad", "unk"):
+    i = getattr(tokenizer, f"{name}_id", None)
+    if i is not None and tok.id_to_token(int(i)) is not None:
+      out[f"{name}_token"] = tok.id_to_token(int(i))
+  return out
+
+
+def tokenize_chat(tokenizer, messages, *, add_generation_prompt=False, chat_template=None, tools=None):
+  """(ids, assistant_mask): `messages` rendered with the tokenizer's chat template (or
+  `chat_template`, its text) and tokenized as transformers' `apply_chat_template(...,
+  tokenize=True)` does (the rendered text with no special tokens added: the template
+  writes them); the mask (int [len(ids)]) is 1 on every token that overlaps an
+  assistant turn (the generation blocks where the template has them, else each
+  assistant turn's own rendering: see the module's docstring). ValueError where there
+  is no template or an assistant turn cannot be found."""
+  import numpy as np
+
+  template = chat_template if chat_template is not None else _template_of(tokenizer)
+  if template is None:
+    raise ValueError(
+      "the tokenizer has no chat template (tokenizer_config.json's chat_template, chat_template.jinja or "
+      "the GGUF file's tokenizer.chat_template): pass one (chat_template=, --chat-template FILE)"
+    )
+  special = special_tokens(tokenizer)
+  text, spans = render_chat(
+    template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **special
+  )
+  if not spans and not _GENERATION.search(template):
+    spans = _turn_spans(template, messages, text, tools, special)
+  encoding = tokenizer.to_tokenizers().encode(text, add_special_tokens=False)
+  ids = np.asarray(encoding.ids, np.int32)
+  mask = np.zeros(len(ids), np.int32)
+  for t, (start, end) in enumerate(encoding.offsets):
+    if any(start < e and end > s for s, e in spans):
+      mask[t] = 1
+  return ids, mask
+
+
+def _turn_spans(template, messages, text, tools, special):
+  """Each assistant turn's span in `text`: from the end of the conversation rendered up
+  to the turn with the generation prompt, to where the conversation rendered through the
+  turn stops agreeing with `text` (a template may close the last turn differently, as
+  Phi-3's adds EOS). The span must hold the turn's content."""
+  spans = []
+  for i, m in enumerate(messages):
+    if m.get("role") != "assistant":
+      continue
+    before = render_chat(template, messages[:i], add_generation_prompt=True, tools=tools, **special)[0]
+    through = render_chat(template, messages[: i + 1], tools=tools, **special)[0]
+    end = len(os.path.commonprefix([through, text]))
+    content = m.get("content")
+    if not text.startswith(before) or (
+      isinstance(content, str) and content.strip() not in text[len(before) : end]
+    ):
+      raise ValueError(
+        f"messages[{i}] (assistant): the chat template renders this turn differently when later turns "
+        "follow it, so its tokens cannot be found; use a template with {% generation %} blocks "
+        "(--chat-template FILE; TRL's training templates have them)"
+      )
+    spans.append((len(before), end))
+  return spans

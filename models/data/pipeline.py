@@ -1,0 +1,212 @@
+"""From a user's files to the training step's batches: records (`sources.read`) tokenized
+in their format (documents, completions, chats through the model's template), the
+tokenization cached on disk keyed by the files' contents and the tokenizer, the
+examples packed into rows (`packing.plan`), and grain's loader over the rows: shuffled
+by a seed anew each epoch, batched, and resumable exactly from its state (`Loader`).
+
+Legend: B batch, T row length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from . import chat, packing, sources
+
+CACHE_VERSION = 1  # part of the cache key: a change to how records become tokens bumps it
+
+
+@dataclasses.dataclass(frozen=True)
+class Examples:
+  """Tokenized examples: ids and loss weights (1 on the tokens to learn) of each, where
+  each came from, the format, the bad records skipped, and whether the cache had them."""
+
+  ids: list
+  masks: list
+  where: list
+  format: str
+  skipped: list
+  cached: bool = False
+
+  def __len__(self):
+    return len(self.ids)
+
+  def pairs(self):
+    return list(zip(self.ids, self.masks))
+
+
+def tokenize_record(tokenizer, record: dict, format: str, template: str | None):
+  """(ids int32, mask float32) of one record: a document (the tokenizer's prefix, the
+  text, EOS; every token learned), a completion (prefix and prompt, then the
+  completion and EOS, which alone are learned) or a chat (`chat.tokenize_chat`: the
+  assistant's tokens learned)."""
+  eos = [] if tokenizer.eos_id is None else [int(tokenizer.eos_id)]
+  match format:
+    case "text":
+      ids = list(tokenizer.prefix()) + tokenizer.encode(record["text"]) + eos
+      mask = [1.0] * len(ids)
+    case "completion":
+      prompt = list(tokenizer.prefix()) + tokenizer.encode(record["prompt"])
+      answer = tokenizer.encode(record["completion"]) + eos
+      ids, mask = prompt + answer, [0.0] * len(prompt) + [1.0] * len(answer)
+    case "chat":
+      ids, mask = chat.tokenize_chat(tokenizer, record["messages"], chat_template=template)
+    case _:
+      raise ValueError(f"format={format!r}: expected one of {tuple(sources.FORMATS)}")
+  return np.asarray(ids, np.int32), np.asarray(mask, np.float32)
+
+
+def _tokenizer_key(tokenizer) -> str:
+  return hashlib.sha256(tokenizer.to_tokenizers().to_str().encode()).hexdigest()[:20]
+
+
+def load_examples(
+  path,
+  tokenizer,
+  *,
+  format: str | None = None,
+  columns: dict | None = None,
+  skip_bad: bool = False,
+  chat_template: str | None = None,
+  cache_dir=None,
+) -> Examples:
+  """The examples of the data at `path`, tokenized (`tokenize_record`), from the cache
+  under `cache_dir` where an earlier call made them from the same files (contents),
+  tokenizer, format, columns and template; else read, checked and tokenized, then
+  cached. `chat_template`: the template's text (default: the tokenizer's). A bad record
+  raises `sources.BadRecord` (or is skipped, `skip_bad`) before anything is written."""
+  files = [str(path)] if sources.is_saved_dataset(path) else [str(f) for f in sources.data_files(path)]
+  template = chat_template if chat_template is not None else chat.chat_template(tokenizer)
+  key = json.dumps(
+    [
+      CACHE_VERSION,
+      sources.fingerprint(files),
+      _tokenizer_key(tokenizer),
+      format,
+      columns,
+      template,
+      skip_bad,
+    ]
+  )
+  file = None
+  if cache_dir is not None:
+    file = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
+    if file.is_file():
+      return _read_cache(file)
+  records = sources.read(path, format=format, columns=columns, skip_bad=skip_bad)
+  if records.format == "chat" and template is None:
+    raise ValueError(
+      f"{str(path)!r} holds conversations ('messages') and the model's tokenizer has no chat template: "
+      "pass one (--chat-template FILE)"
+    )
+  ids, masks = [], []
+  for where, record in zip(records.where, records.items):
+    try:
+      i, m = tokenize_record(tokenizer, record, records.format, template)
+    except Exception as e:  # noqa: BLE001 - a template that raises names the record
+      raise sources.BadRecord(where, f"{type(e).__name__}: {e}") from e
+    ids.append(i)
+    masks.append(m)
+  out = Examples(ids, masks, list(records.where), records.format, list(records.skipped))
+  if file is not None:
+    _write_cache(file, out)
+  return out
+
+
+def _write_cache(file: Path, ex: Examples) -> None:
+  file.parent.mkdir(parents=True, exist_ok=True)
+  lengths = np.asarray([len(i) for i in ex.ids], np.int64)
+  meta = json.dumps(dict(where=ex.where, format=ex.format, skipped=ex.skipped))
+  part = file.with_suffix(".part.npz")
+  np.savez(
+    part,
+    ids=np.concatenate(ex.ids) if ex.ids else np.zeros(0, np.int32),
+    masks=np.concatenate(ex.masks) if ex.masks else np.zeros(0, np.float32),
+    lengths=lengths,
+    meta=np.frombuffer(meta.encode(), np.uint8),
+  )
+  os.replace(part, file)  # whole or not at all, whatever stops the run
+
+
+def _read_cache(file: Path) -> Examples:
+  with np.load(file) as z:
+    cuts = np.cumsum(z["lengths"])[:-1]
+    ids, masks = np.split(z["ids"], cuts), np.split(z["masks"], cuts)
+    meta = json.loads(bytes(z["meta"]).decode())
+  return Examples(list(ids), list(masks), meta["where"], meta["format"], meta["skipped"], cached=True)
+
+
+def batch_arrays(rows) -> dict:
+  """The step's arrays [B, T] from packed rows (dicts of `packing.fill`, stacked):
+  tokens, targets (each token's next; 0 past the end), weights (the loss weight of
+  predicting that target: the next token's loss_mask), segment ids (padding -1, which
+  the ring skips) and positions."""
+  tokens = np.asarray(rows["tokens"], np.int32)
+  b = tokens.shape[0]
+  targets = np.concatenate([tokens[:, 1:], np.zeros((b, 1), np.int32)], axis=1)
+  weights = np.concatenate([rows["loss_mask"][:, 1:], np.zeros((b, 1), np.float32)], axis=1)
+  segments = np.where(rows["segment_ids"] == 0, -1, rows["segment_ids"]).astype(np.int32)
+  return dict(
+    tokens=tokens,
+    targets=targets,
+    weights=weights.astype(np.float32),
+    segment_ids=segments,
+    positions=np.asarray(rows["positions"], np.int32),
+  )
+
+
+class Loader:
+  """Batches of packed rows from `examples`: the rows planned once (best-fit decreasing,
+  `packing.plan`), visited by grain in an order shuffled by `seed` anew each epoch, `batch`
+  rows a step. `next()` gives (arrays, sources): `batch_arrays`' dict and the examples'
+  sources ("file:line") in the batch. `state()` / `restore(state)`: grain's iterator
+  state (a small JSON-able dict), so that a resumed run continues at exactly the next row.
+  `shuffle=False`: the rows in order, once (evaluation)."""
+
+  def __init__(
+    self, examples: Examples, length: int, batch: int, *, long="split", seed=0, pad_id=0, shuffle=True
+  ):
+    import grain
+
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+      raise ValueError(f"batch={batch!r} must be a positive int (rows a step)")
+    self.examples, self.length, self.pad_id = examples, length, int(pad_id or 0)
+    self._pairs = examples.pairs()
+    self.rows, self.dropped = packing.plan([len(i) for i in examples.ids], length, long=long)
+    if not self.rows:
+      raise ValueError(f"no rows: all {len(examples)} examples were dropped (long={long!r}, length={length})")
+    ds = grain.MapDataset.range(len(self.rows))
+    if shuffle:
+      ds = ds.shuffle(seed=seed).repeat(None)
+    self.dataset = ds.map(self._row).batch(batch, drop_remainder=False)
+    self._iter = iter(self.dataset)
+
+  def _row(self, i):
+    row = packing.fill(self.rows[i], self._pairs, self.length, pad_id=self.pad_id)
+    return dict(row, row=np.int64(i))
+
+  @property
+  def padding(self) -> float:
+    """The fraction of all rows' tokens that are padding."""
+    used = sum(p.stop - p.start for r in self.rows for p in r)
+    return 1.0 - used / (len(self.rows) * self.length)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    rows = next(self._iter)
+    where = [self.examples.where[p.example] for i in rows["row"] for p in self.rows[int(i)]]
+    return batch_arrays(rows), where
+
+  def state(self) -> dict:
+    return self._iter.get_state()
+
+  def restore(self, state: dict) -> None:
+    self._iter.set_state(state)

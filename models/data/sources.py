@@ -1,0 +1,223 @@
+"""A user's data files read into checked records: JSON Lines (one object a line), JSON (a
+list of objects), Parquet (one object a row), plain text (a file one document) and
+folders of them, or a folder written by Hugging Face datasets' `save_to_disk` (with the
+`[datasets]` extra).
+
+The format comes from the columns, as TRL names its dataset formats:
+
+    text        {"text": str}: language modelling, the loss on every token
+    completion  {"prompt": str, "completion": str}: the loss on the completion
+    chat        {"messages": [{"role", "content"}, ...]}: the loss on the assistant's turns
+
+`columns` renames a file's columns to these (`{"prompt": "question"}`). A bad record is
+a `BadRecord` naming the file, its line (row or item) and what is wrong; with
+`skip_bad` it is counted and left out instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+FORMATS = {"text": ("text",), "completion": ("prompt", "completion"), "chat": ("messages",)}
+SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class BadRecord(ValueError):
+  """A record of a data file that cannot be used: where it is and why, in one line."""
+
+  def __init__(self, where: str, why: str):
+    super().__init__(f"{where}: {why}")
+    self.where, self.why = where, why
+
+
+@dataclasses.dataclass(frozen=True)
+class Records:
+  """Checked records in one format: `items` (dicts with the format's columns), `where`
+  (each one's "file:line", "file:row N", "file:item N" or "file"), the files read and
+  the bad records skipped (their messages)."""
+
+  format: str
+  items: list
+  where: list
+  files: list
+  skipped: list
+
+
+def data_files(path) -> list[Path]:
+  """The data files at `path`: the file itself, or a folder's files with a supported
+  suffix (below it too), sorted by path."""
+  path = Path(path)
+  if path.is_file():
+    if path.suffix not in SUFFIXES:
+      raise ValueError(f"{str(path)!r}: a data file ends in one of {SUFFIXES}")
+    return [path]
+  if not path.is_dir():
+    raise ValueError(f"{str(path)!r}: no such file or folder")
+  files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES and not _hidden(p, path))
+  if not files:
+    raise ValueError(f"{str(path)!r}: a folder with no data files (none ends in one of {SUFFIXES})")
+  return files
+
+
+def _hidden(p: Path, root: Path) -> bool:
+  return any(part.startswith(".") for part in p.relative_to(root).parts)
+
+
+def is_saved_dataset(path) -> bool:
+  """A folder `datasets.Dataset.save_to_disk` wrote (its state.json and dataset_info.json)."""
+  path = Path(path)
+  return path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+
+
+def raw_records(path):
+  """(where, value) of every record at `path`, in order; a record that is not an
+  object (a line that is not JSON, say) is a BadRecord."""
+  if is_saved_dataset(path):
+    try:
+      import datasets
+    except ImportError as e:
+      raise ValueError(
+        f"{str(path)!r} was written by datasets' save_to_disk: reading it needs the datasets package "
+        '(pip install -e ".[datasets]")'
+      ) from e
+    table = datasets.load_from_disk(str(path))
+    if isinstance(table, datasets.DatasetDict):
+      raise ValueError(f"{str(path)!r} holds splits {sorted(table)}: pass one split's folder")
+    for i, item in enumerate(table):
+      yield f"{path}:row {i}", item
+    return
+  for file in data_files(path):
+    match file.suffix:
+      case ".jsonl":
+        with open(file, encoding="utf-8") as f:
+          for n, line in enumerate(f, start=1):
+            if not line.strip():
+              continue
+            try:
+              yield f"{file}:{n}", json.loads(line)
+            except json.JSONDecodeError as e:
+              yield f"{file}:{n}", BadRecord(f"{file}:{n}", f"not JSON ({e.msg} at column {e.colno})")
+      case ".json":
+        try:
+          items = json.loads(file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+          raise BadRecord(f"{file}:{e.lineno}", f"not JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(items, list):
+          raise BadRecord(
+            str(file), f"a .json data file holds a list of records, not a {type(items).__name__}"
+          )
+        for i, item in enumerate(items):
+          yield f"{file}:item {i}", item
+      case ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, item in enumerate(pq.read_table(file).to_pylist()):
+          yield f"{file}:row {i}", item
+      case ".txt":
+        yield str(file), {"text": file.read_text(encoding="utf-8")}
+
+
+def read(path, *, format: str | None = None, columns: dict | None = None, skip_bad: bool = False) -> Records:
+  """Every record at `path` (`raw_records`), renamed by `columns` ({format's name: the
+  file's}) and checked against `format` (None: the first record's columns decide).
+  Raises the first BadRecord, or with `skip_bad` leaves bad records out (`skipped`)."""
+  if format is not None and format not in FORMATS:
+    raise ValueError(f"format={format!r}: expected one of {tuple(FORMATS)}")
+  columns = dict(columns or {})
+  for name in columns:
+    if name not in {c for names in FORMATS.values() for c in names}:
+      raise ValueError(f"columns: {name!r} is not a column of any format ({FORMATS})")
+  items, where, skipped = [], [], []
+  files = [str(path)] if is_saved_dataset(path) else [str(f) for f in data_files(path)]
+  for at, record in raw_records(path):
+    try:
+      if isinstance(record, BadRecord):
+        raise record
+      record = _renamed(at, record, columns)
+      if format is None:
+        format = _detect(at, record)
+      items.append(check(at, record, format))
+      where.append(at)
+    except BadRecord as e:
+      if not skip_bad:
+        raise
+      skipped.append(str(e))
+  if not items:
+    raise ValueError(
+      f"{str(path)!r}: no usable records" + (f" ({len(skipped)} bad ones skipped)" if skipped else "")
+    )
+  return Records(format, items, where, files, skipped)
+
+
+def _renamed(at, record, columns):
+  if not isinstance(record, dict):
+    raise BadRecord(at, f"a record is an object of columns, not a {type(record).__name__}")
+  out = dict(record)
+  for name, source in columns.items():
+    if source in record:
+      out[name] = record[source]
+  return out
+
+
+def _detect(at, record) -> str:
+  for name in ("chat", "completion", "text"):
+    if all(c in record for c in FORMATS[name]):
+      return name
+  raise BadRecord(
+    at,
+    f"columns {sorted(record)} match no format: 'text'; 'prompt' and 'completion'; or 'messages' "
+    "(--format and --columns name them)",
+  )
+
+
+def check(at, record, format) -> dict:
+  """The record's columns of `format`, checked; BadRecord naming what is wrong."""
+  missing = [c for c in FORMATS[format] if c not in record]
+  if missing:
+    raise BadRecord(
+      at, f"no {', '.join(map(repr, missing))} column for the {format} format (it has {sorted(record)})"
+    )
+  if format == "chat":
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+      raise BadRecord(
+        at, f"'messages' must be a non-empty list of {{'role', 'content'}} objects, not {messages!r:.60}"
+      )
+    for i, m in enumerate(messages):
+      if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+        raise BadRecord(at, f"messages[{i}] must be an object with a 'role' string and a 'content'")
+      if m["role"] not in ROLES:
+        raise BadRecord(at, f"messages[{i}] has role {m['role']!r}; expected one of {ROLES}")
+      if not isinstance(m["content"], str) and m["content"] is not None:
+        raise BadRecord(at, f"messages[{i}]'s content must be a string, not {type(m['content']).__name__}")
+    if not any(m["role"] == "assistant" for m in messages):
+      raise BadRecord(at, "no assistant message: nothing to learn")
+    return {"messages": messages}
+  out = {}
+  for c in FORMATS[format]:
+    if not isinstance(record[c], str):
+      raise BadRecord(at, f"{c!r} must be a string, not {type(record[c]).__name__}")
+    out[c] = record[c]
+  if not out[FORMATS[format][-1]].strip():
+    raise BadRecord(at, f"{FORMATS[format][-1]!r} is empty: nothing to learn")
+  return out
+
+
+def fingerprint(files) -> str:
+  """A hash of the files' names, sizes and contents (the tokenization cache's key)."""
+  import hashlib
+
+  h = hashlib.sha256()
+  for name in files:
+    for file in (
+      [Path(name)] if Path(name).is_file() else sorted(p for p in Path(name).rglob("*") if p.is_file())
+    ):
+      h.update(f"{os.path.basename(file)}:{file.stat().st_size}:".encode())
+      with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+          h.update(block)
+  return h.hexdigest()[:20]
