@@ -3,16 +3,28 @@ Gemma 3) over the ring: every layer's attention over the devices, AdamW with war
 cosine decay and clipping, the loss chunked so the [T, vocab] logits never exist, the
 weights and optimizer state split over the devices with --fsdp (models.train.finetune).
 
-Data: the main job's long documents (filler with five facts, then a question; the loss
-on the answer's tokens), or windows of a text file (--text; the loss on every token).
+Data: your own (--data: a .jsonl, .json, .parquet or .txt file, a folder of them, or a
+folder datasets' save_to_disk wrote), packed into rows of --length tokens; else the
+main job's long documents (filler with five facts, then a question; the loss on the
+answer's tokens), or windows of a text file (--text; the loss on every token). The
+format comes from the columns: "text" (the loss on every token), "prompt" and
+"completion" (the loss on the completion), "messages" (a chat in the model's own
+template; the loss on the assistant's turns).
 
-    python scripts/finetune.py PATH [--length T] [--steps N] [--devices D] [--fsdp | --no-fsdp]
-        [--lr LR] [--out DIR] [--text FILE] [--remat attention]
+    python scripts/finetune.py PATH [--data FILE_OR_DIR [--format text|completion|chat]
+        [--columns NAME=COLUMN,...] [--chat-template FILE] [--long split|truncate|drop]
+        [--skip-bad] [--eval-data E | --eval-fraction F] [--eval-every K]]
+        [--length T] [--steps N] [--devices D] [--fsdp | --no-fsdp] [--lr LR] [--out DIR]
 
-Writes DIR/report.json ("steps": loss and seconds of each step; "memory": per device
-param_bytes, optimizer_bytes and the step's compiled temp_bytes), DIR/state/ (orbax:
-weights, optimizer state and step; run again with more --steps to go on from there)
-and DIR/checkpoint/ (models.save's layout: models.load and transformers read it).
+Writes DIR/metrics.jsonl and TensorBoard event files in DIR/tb/ as each step ends
+(loss, gradient norm, learning rate, tokens, padding, tokens/s; the evaluation loss),
+DIR/report.json ("steps": every step's record; "memory": per device param_bytes,
+optimizer_bytes and the step's compiled temp_bytes; "data": rows and padding),
+DIR/state/ (orbax: weights, optimizer state and step, and the data's place; run again
+with the same arguments, or more --steps, to go on from there with the same losses) and
+DIR/checkpoint/ (models.save's layout: models.load and transformers read it). SIGTERM
+or SIGINT saves the state and exits 0. A bad data record exits 1 naming its file and
+line before anything is written (--skip-bad leaves such records out and counts them).
 """
 
 from __future__ import annotations
@@ -55,12 +67,93 @@ def parse_args(argv=None):
     "(dropped pairs are counted in report.json); default: none dropped",
   )
   p.add_argument("--text", default=None, help="train on windows of this text file instead of the documents")
+  p.add_argument("--data", default=None, help="your data: a .jsonl/.json/.parquet/.txt file or a folder")
+  p.add_argument(
+    "--format", default=None, choices=("text", "completion", "chat"), help="default: from the columns"
+  )
+  p.add_argument(
+    "--columns",
+    default=None,
+    help="the data's names for the format's columns: prompt=question,completion=answer",
+  )
+  p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
+  p.add_argument(
+    "--long", default="split", choices=("split", "truncate", "drop"), help="examples longer than --length"
+  )
+  p.add_argument(
+    "--skip-bad", action="store_true", help="leave bad records out (counted) instead of stopping"
+  )
+  p.add_argument("--eval-data", default=None, help="held-out data for the evaluation loss")
+  p.add_argument("--eval-fraction", type=float, default=0.0, help="hold out this fraction of --data instead")
+  p.add_argument("--eval-every", type=int, default=0, help="evaluation loss every K steps (0: at the end)")
+  p.add_argument("--cache-dir", default=None, help="tokenized data cache (default: ~/.cache/jax_ring/data)")
   p.add_argument(
     "--save-every", type=int, default=0, help="orbax state every this many steps (0: at the end)"
   )
   p.add_argument("--seed", type=int, default=0, help="seed of the data")
   p.add_argument("--out", default="results/finetune", help="folder for report.json, state/ and checkpoint/")
   return p.parse_args(argv)
+
+
+def load_data(args, tokenizer):
+  """(training loader, evaluation loader or None) of --data and --eval-data (or
+  --eval-fraction of --data): checked and tokenized (cached) before anything is
+  written; a bad record exits naming its file and line."""
+  from jax_ring.models.data import pipeline, sources
+  from jax_ring.models.formats.gguf import cache_root
+
+  columns = None
+  if args.columns:
+    try:
+      columns = dict(pair.split("=", 1) for pair in args.columns.split(","))
+    except ValueError:
+      raise SystemExit(
+        f"finetune.py: --columns {args.columns!r}: expected NAME=COLUMN pairs, comma-separated"
+      ) from None
+  template = None
+  if args.chat_template is not None:
+    from jax_ring.models.data.chat import chat_template
+
+    template = chat_template(args.chat_template)
+  if not 0.0 <= args.eval_fraction < 1.0 or (args.eval_fraction and args.eval_data):
+    raise SystemExit(
+      f"finetune.py: --eval-fraction {args.eval_fraction}: a fraction in [0, 1), and not with --eval-data"
+    )
+  cache = args.cache_dir or cache_root() / "data"
+  read = lambda path: pipeline.load_examples(
+    path,
+    tokenizer,
+    format=args.format,
+    columns=columns,
+    skip_bad=args.skip_bad,
+    chat_template=template,
+    cache_dir=cache,
+  )
+  try:
+    examples = read(args.data)
+    held = read(args.eval_data) if args.eval_data else None
+    if args.eval_fraction:
+      examples, held = pipeline.split_off(examples, args.eval_fraction, seed=args.seed)
+    pad = tokenizer.pad_id or 0
+    loader = pipeline.Loader(examples, args.length, args.batch, long=args.long, seed=args.seed, pad_id=pad)
+    evaluator = None
+    if held is not None:
+      evaluator = pipeline.Loader(held, args.length, args.batch, long=args.long, pad_id=pad, shuffle=False)
+  except (ValueError, sources.BadRecord) as e:
+    raise SystemExit(f"finetune.py: {e}") from None
+  print(
+    f"finetune.py: {len(examples)} {examples.format} examples"
+    + (" (tokenized earlier: cached)" if examples.cached else "")
+    + f" in {len(loader.rows)} rows of {args.length} tokens, {100 * loader.padding:.1f}% padding"
+    + (f"; {len(examples.skipped)} bad records skipped" if examples.skipped else "")
+    + (f"; {len(loader.dropped)} examples dropped (--long {args.long})" if loader.dropped else "")
+    + (
+      ""
+      if evaluator is None
+      else f"; evaluation: {len(evaluator.examples)} examples in {len(evaluator.rows)} rows"
+    )
+  )
+  return loader, evaluator
 
 
 def main(argv=None):
@@ -93,6 +186,9 @@ def main(argv=None):
   if args.text is not None:
     with open(args.text, encoding="utf-8") as f:
       text = f.read()
+  data = eval_data = None
+  if args.data is not None:
+    data, eval_data = load_data(args, tokenizer)
   config = finetune.FinetuneConfig(
     length=args.length,
     steps=args.steps,
@@ -104,6 +200,20 @@ def main(argv=None):
     chunk=args.chunk,
     seed=args.seed,
     save_every=args.save_every,
+    eval_every=args.eval_every,
+  )
+  run = dict(
+    path=args.path,
+    devices=args.devices,
+    fsdp=args.fsdp,
+    remat=args.remat,
+    dtype=args.dtype,
+    capacity_factor=args.capacity_factor,
+    data=args.data,
+    format=None if data is None else data.examples.format,
+    long=args.long,
+    eval_data=args.eval_data,
+    eval_fraction=args.eval_fraction,
   )
   if args.fsdp and args.devices > 1:
     whole = train_step.unsplit_bytes(model)
@@ -115,9 +225,18 @@ def main(argv=None):
         "(their AdamW moments too); a device count that divides the model's widths (2, 4, 8) splits them all"
       )
   try:
-    report = finetune.finetune(model, tokenizer, config, args.out, text=text, base=args.path)
-  except ValueError as e:
+    report = finetune.finetune(
+      model, tokenizer, config, args.out, text=text, data=data, eval_data=eval_data, base=args.path, run=run
+    )
+  except (ValueError, FloatingPointError) as e:
     raise SystemExit(f"finetune.py: {e}") from None
+  if "interrupted" in report:
+    done = report["steps"][-1]["step"] + 1 if report["steps"] else 0
+    print(
+      f"finetune.py: {report['interrupted']}: saved the state at step {done} in {args.out}/state/; "
+      "run again to go on"
+    )
+    return report
   memory = report["memory"]
   steps = report["steps"]
   print(

@@ -5,7 +5,7 @@ Where a template has `{% generation %}` blocks (TRL's training templates), the t
 those blocks produce are the assistant's, as transformers' `assistant_masks` marks them.
 Where it has none, each assistant turn's span is found by rendering the conversation up
 to that turn (with the generation prompt) and through it: what the second adds to the
-first, up to where it stops agreeing with the whole conversation's rendering, is the
+first, up to the last token it shares with the whole conversation's rendering, is the
 turn (its text and the template's end-of-turn marker). That needs a template that
 renders a turn the same whatever follows it; one that does not (Qwen 3's drops the
 thinking block of earlier turns; Mistral's moves the system message into the last user
@@ -184,9 +184,10 @@ def tokenize_chat(tokenizer, messages, *, add_generation_prompt=False, chat_temp
   text, spans = render_chat(
     template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **special
   )
+  encode = lambda t: tokenizer.to_tokenizers().encode(t, add_special_tokens=False)
+  encoding = encode(text)
   if not spans and not _GENERATION.search(template):
-    spans = _turn_spans(template, messages, text, tools, special)
-  encoding = tokenizer.to_tokenizers().encode(text, add_special_tokens=False)
+    spans = _turn_spans(template, messages, text, encoding, encode, tools, special)
   ids = np.asarray(encoding.ids, np.int32)
   mask = np.zeros(len(ids), np.int32)
   for t, (start, end) in enumerate(encoding.offsets):
@@ -195,18 +196,24 @@ def tokenize_chat(tokenizer, messages, *, add_generation_prompt=False, chat_temp
   return ids, mask
 
 
-def _turn_spans(template, messages, text, tools, special):
-  """Each assistant turn's span in `text`: from the end of the conversation rendered up
-  to the turn with the generation prompt, to where the conversation rendered through the
-  turn stops agreeing with `text` (a template may close the last turn differently, as
-  Phi-3's adds EOS). The span must hold the turn's content."""
+def _turn_spans(template, messages, text, encoding, encode, tools, special):
+  """Each assistant turn's span in `text` (tokenized as `encoding`): from the end of the
+  conversation rendered up to the turn with the generation prompt, to the end of the
+  last token that the conversation rendered through the turn shares with `text` (a
+  template may close the last turn differently, as Phi-3's adds EOS). The span must
+  hold the turn's content."""
   spans = []
   for i, m in enumerate(messages):
     if m.get("role") != "assistant":
       continue
     before = render_chat(template, messages[:i], add_generation_prompt=True, tools=tools, **special)[0]
-    through = render_chat(template, messages[: i + 1], tools=tools, **special)[0]
-    end = len(os.path.commonprefix([through, text]))
+    through = encode(render_chat(template, messages[: i + 1], tools=tools, **special)[0])
+    shared = 0
+    for a, b in zip(through.ids, encoding.ids):
+      if a != b:
+        break
+      shared += 1
+    end = encoding.offsets[shared - 1][1] if shared else 0
     content = m.get("content")
     if not text.startswith(before) or (
       isinstance(content, str) and content.strip() not in text[len(before) : end]

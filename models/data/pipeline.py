@@ -142,6 +142,23 @@ def _read_cache(file: Path) -> Examples:
   return Examples(list(ids), list(masks), meta["where"], meta["format"], meta["skipped"], cached=True)
 
 
+def split_off(examples: Examples, fraction: float, *, seed: int = 0) -> tuple[Examples, Examples]:
+  """(kept, held out): `fraction` of the examples (at least one), chosen by `seed`, held
+  out for evaluation."""
+  n = len(examples)
+  held = max(1, round(n * fraction))
+  if held >= n:
+    raise ValueError(f"eval fraction {fraction} of {n} examples leaves none to train on")
+  order = np.random.default_rng([seed, 7]).permutation(n)
+  pick = lambda idx: dataclasses.replace(
+    examples,
+    ids=[examples.ids[i] for i in idx],
+    masks=[examples.masks[i] for i in idx],
+    where=[examples.where[i] for i in idx],
+  )
+  return pick(sorted(order[held:])), pick(sorted(order[:held]))
+
+
 def batch_arrays(rows) -> dict:
   """The step's arrays [B, T] from packed rows (dicts of `packing.fill`, stacked):
   tokens, targets (each token's next; 0 past the end), weights (the loss weight of
@@ -183,7 +200,8 @@ class Loader:
       raise ValueError(f"no rows: all {len(examples)} examples were dropped (long={long!r}, length={length})")
     ds = grain.MapDataset.range(len(self.rows))
     if shuffle:
-      ds = ds.shuffle(seed=seed).repeat(None)
+      # Epochs enough for any run (grain's endless repeat overflows its length when batched by 1).
+      ds = ds.shuffle(seed=seed).repeat(max(1, 2**40 // len(self.rows)))
     self.dataset = ds.map(self._row).batch(batch, drop_remainder=False)
     self._iter = iter(self.dataset)
 

@@ -1,0 +1,330 @@
+"""Fine-tuning on a user's data: files read and checked (bad records named by file and
+line, before anything is written), the tokenization cached, completions and chats
+with their loss masks, scripts/finetune.py --data writing metrics.jsonl and TensorBoard
+events as it runs, an evaluation loss, SIGTERM to a child process saving the state and
+the resumed run giving the uninterrupted run's losses bit for bit, a non-finite loss
+stopping the run without overwriting the last good state."""
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tokenizers
+from tokenizers import AddedToken, decoders, pre_tokenizers
+
+from jax_ring import models
+from jax_ring.models.data import pipeline, sources
+from jax_ring.models.formats.tokenizer_json import HFTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATES = ROOT / "tests" / "data" / "chat_templates"
+TINY = models.LlamaConfig(
+  vocab_size=288,
+  dim=32,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  mlp_hidden=64,
+  rope_base=10000.0,
+  norm_eps=1e-5,
+  context_length=512,
+)
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def byte_tokenizer(specials=SPECIALS):
+  """Byte-level BPE with no merges (a token a byte) and `specials` as special tokens."""
+  vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+  return tok
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+  """A tiny Llama folder whose tokenizer carries Llama 3.2's chat template."""
+  path = tmp_path_factory.mktemp("tiny") / "model"
+  tok = byte_tokenizer()
+  wrapped = HFTokenizer(
+    tok, bos_id=tok.token_to_id(SPECIALS[0]), eos_id=tok.token_to_id(SPECIALS[1]), add_bos=True
+  )
+  wrapped.chat_template = (TEMPLATES / "llama3_2.jinja").read_text()
+  models.save(models.build(TINY, attention="dense"), path, tokenizer=wrapped)
+  return path
+
+
+def chats(n, seed=0):
+  rng = np.random.default_rng(seed)
+  words = ["ring", "shard", "token", "layer", "mesh", "sum", "key", "value"]
+  say = lambda k: " ".join(rng.choice(words, k))
+  out = []
+  for _ in range(n):
+    turns = [{"role": "system", "content": "Answer briefly."}] if rng.random() < 0.5 else []
+    for _ in range(int(rng.integers(1, 3))):
+      turns += [
+        {"role": "user", "content": say(4)},
+        {"role": "assistant", "content": say(int(rng.integers(2, 12)))},
+      ]
+    out.append({"messages": turns})
+  return out
+
+
+def write_jsonl(path, records):
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  return path
+
+
+# --- Reading and checking. ---
+
+
+def test_formats_come_from_the_columns_and_every_file_kind_reads(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  rows = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(3)]
+  (tmp_path / "d").mkdir()
+  write_jsonl(tmp_path / "d" / "a.jsonl", rows[:2])
+  (tmp_path / "d" / "b.json").write_text(json.dumps(rows[2:]))
+  pq.write_table(pa.Table.from_pylist([{"text": "a document"}]), tmp_path / "c.parquet")
+  got = sources.read(tmp_path / "d", columns={"prompt": "question", "completion": "answer"})
+  assert got.format == "completion" and [r["prompt"] for r in got.items] == ["q0", "q1", "q2"]
+  assert got.where == [f"{tmp_path}/d/a.jsonl:1", f"{tmp_path}/d/a.jsonl:2", f"{tmp_path}/d/b.json:item 0"]
+  assert sources.read(tmp_path / "c.parquet").items == [{"text": "a document"}]
+  (tmp_path / "e.txt").write_text("one whole document\n")
+  assert sources.read(tmp_path / "e.txt").format == "text"
+  assert sources.read(write_jsonl(tmp_path / "f.jsonl", chats(2))).format == "chat"
+  with pytest.raises(sources.BadRecord, match="match no format"):
+    sources.read(tmp_path / "d")  # question/answer without --columns
+  with pytest.raises(ValueError, match="format='chats'"):
+    sources.read(tmp_path / "e.txt", format="chats")
+
+
+def test_a_saved_dataset_folder_reads_with_the_datasets_extra(tmp_path):
+  datasets = pytest.importorskip("datasets")  # the [datasets] extra, in the test command's [dev]
+  datasets.Dataset.from_list([{"prompt": "p", "completion": "c"}] * 2).save_to_disk(str(tmp_path / "saved"))
+  got = sources.read(tmp_path / "saved")
+  assert got.format == "completion" and len(got.items) == 2 and got.where[1].endswith("saved:row 1")
+
+
+@pytest.mark.parametrize(
+  "line, says",
+  [
+    ('{"messages": [{"role": "user", "content": "hi"}', "not JSON"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant message"),
+    ('{"messages": [{"role": "robot", "content": "hi"}]}', "messages[0] has role 'robot'"),
+    ('{"messages": [{"role": "user", "content": 5}]}', "content must be a string, not int"),
+    ('{"text": "a"}', "no 'messages' column for the chat format"),
+    ("[1, 2]", "not a list"),
+  ],
+)
+def test_a_bad_record_is_named_by_file_and_line(tmp_path, line, says):
+  good = json.dumps(chats(1)[0])
+  path = tmp_path / "data.jsonl"
+  path.write_text(f"{good}\n\n{good}\n{line}\n{good}\n")
+  with pytest.raises(sources.BadRecord, match=f"^{path}:4: .*{__import__('re').escape(says)}"):
+    sources.read(path)
+  skipped = sources.read(path, skip_bad=True)
+  assert len(skipped.items) == 3 and len(skipped.skipped) == 1 and skipped.skipped[0].startswith(f"{path}:4:")
+
+
+def test_completions_and_chats_learn_only_the_answers(folder, tmp_path):
+  tok = HFTokenizer.from_folder(folder)
+  assert models.chat_template(folder) == (TEMPLATES / "llama3_2.jinja").read_text() == tok.chat_template
+  ids, mask = pipeline.tokenize_record(tok, {"prompt": "2+2=", "completion": "4"}, "completion", None)
+  assert tok.decode(ids[mask == 1]) == "4<|end_of_text|>" and ids[0] == tok.bos_id
+  conversation = chats(1, seed=4)[0]["messages"]
+  ids, mask = pipeline.tokenize_record(tok, {"messages": conversation}, "chat", tok.chat_template)
+  learned = tok.decode(ids[mask == 1])
+  answers = [m["content"] + "<|eot_id|>" for m in conversation if m["role"] == "assistant"]
+  assert learned == "".join(answers)
+
+
+def test_tokenization_is_cached_by_content(folder, tmp_path):
+  tok = HFTokenizer.from_folder(folder)
+  data = write_jsonl(tmp_path / "c.jsonl", chats(5))
+  first = pipeline.load_examples(data, tok, cache_dir=tmp_path / "cache")
+  again = pipeline.load_examples(data, tok, cache_dir=tmp_path / "cache")
+  assert not first.cached and again.cached and again.where == first.where
+  assert all((a == b).all() for a, b in zip(first.ids, again.ids))
+  assert all((a == b).all() for a, b in zip(first.masks, again.masks))
+  write_jsonl(data, chats(5, seed=1))  # new contents: tokenized anew
+  assert not pipeline.load_examples(data, tok, cache_dir=tmp_path / "cache").cached
+
+
+def test_the_loader_resumes_at_exactly_the_next_row(folder, tmp_path):
+  tok = HFTokenizer.from_folder(folder)
+  examples = pipeline.load_examples(write_jsonl(tmp_path / "c.jsonl", chats(30)), tok)
+  loader = pipeline.Loader(examples, 256, 2, seed=5)
+  seen = [next(loader)[0]["tokens"] for _ in range(3)]
+  state = json.loads(json.dumps(loader.state()))
+  after = [next(loader)[0]["tokens"] for _ in range(len(loader.rows))]  # past the epoch's end too
+  again = pipeline.Loader(examples, 256, 2, seed=5)
+  again.restore(state)
+  assert all((a == b).all() for a, b in zip(after, [next(again)[0]["tokens"] for _ in range(len(after))]))
+  assert not all((a == b).all() for a, b in zip(seen, after[:3]))
+  # Every example's tokens are in the epoch's rows exactly once.
+  fresh = pipeline.Loader(examples, 256, 1, seed=5)
+  rows = [next(fresh)[0] for _ in range(len(fresh.rows))]
+  assert sum(int((r["segment_ids"] >= 0).sum()) for r in rows) == sum(len(i) for i in examples.ids)
+
+
+# --- The script: metrics, evaluation, signals, resuming, non-finite losses. ---
+
+
+def _events(folder):
+  """(tag, step, value) of the scalars in the TensorBoard event files under `folder`."""
+  from tensorboardX.proto import event_pb2
+
+  out = []
+  for file in sorted(Path(folder).glob("events.out.tfevents.*")):
+    data = file.read_bytes()
+    at = 0
+    while at < len(data):
+      (n,) = struct.unpack("<Q", data[at : at + 8])
+      event = event_pb2.Event.FromString(data[at + 12 : at + 12 + n])
+      at += 12 + n + 4
+      out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+  return out
+
+
+def _args(folder, data, out, *more):
+  return [
+    str(folder),
+    "--data",
+    str(data),
+    "--length",
+    "256",
+    "--devices",
+    "2",
+    "--lr",
+    "1e-3",
+    "--out",
+    str(out),
+    *more,
+  ]
+
+
+def test_finetune_on_chats_writes_metrics_and_events_and_evaluates(folder, tmp_path):
+  import finetune as script  # scripts/finetune.py
+
+  data = write_jsonl(tmp_path / "c.jsonl", chats(24))
+  out = tmp_path / "run"
+  report = script.main(
+    _args(folder, data, out, "--steps", "4", "--eval-fraction", "0.25", "--eval-every", "2")
+  )
+  records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in records if "loss" in r]
+  evals = [r for r in records if "eval_loss" in r]
+  assert [r["step"] for r in steps] == [0, 1, 2, 3] and [r["step"] for r in evals] == [2, 4]
+  for r in steps:
+    assert {"loss", "tokens", "padding", "lr", "grad_norm", "tokens_per_s"} <= set(r)
+    assert 0 < r["tokens"] <= 256 and 0 <= r["padding"] < 1 and np.isfinite(r["loss"])
+  assert steps[0]["lr"] == 0.0 and steps[1]["lr"] == pytest.approx(1e-3)  # one warmup step
+  assert report["data"]["format"] == "chat" and report["data"]["examples"] == 18
+  assert [s["loss"] for s in report["steps"]] == [r["loss"] for r in steps]
+  events = _events(out / "tb")
+  assert sorted(s for t, s, _ in events if t == "loss") == [0, 1, 2, 3]
+  assert [(s, round(v, 4)) for t, s, v in events if t == "eval_loss"] == [
+    (r["step"], round(r["eval_loss"], 4)) for r in evals
+  ]
+  assert (out / "checkpoint" / "config.json").is_file()
+
+
+def test_bad_data_exits_naming_the_line_before_writing(folder, tmp_path):
+  import finetune as script
+
+  data = tmp_path / "c.jsonl"
+  data.write_text(json.dumps(chats(1)[0]) + "\n" + '{"messages": "hi"}\n')
+  out = tmp_path / "run"
+  with pytest.raises(SystemExit, match=f"finetune.py: {data}:2: 'messages' must be a non-empty list"):
+    script.main(_args(folder, data, out, "--steps", "1"))
+  assert not out.exists()
+
+
+def _wait_for(predicate, timeout, what, proc=None):
+  end = time.monotonic() + timeout
+  while time.monotonic() < end:
+    if predicate():
+      return
+    if proc is not None and proc.poll() is not None:
+      raise AssertionError(f"the child exited ({proc.returncode}) before {what}")
+    time.sleep(0.2)
+  raise AssertionError(f"no {what} within {timeout} s")
+
+
+def _child(args, timeout):
+  """scripts/finetune.py ARGS in a child process: (Popen); the caller waits with a timeout."""
+  command = [sys.executable, str(ROOT / "scripts" / "finetune.py"), *args]
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _finish(child, timeout):
+  try:
+    output, _ = child.communicate(timeout=timeout)
+  finally:
+    if child.poll() is None:
+      child.kill()
+      child.wait(timeout=30)
+  assert child.returncode == 0, output.decode()[-3000:]
+  return output
+
+
+def test_sigterm_saves_and_the_resumed_run_has_the_same_losses(folder, tmp_path):
+  """A real SIGTERM to a child process after its second step: it saves and exits 0; the
+  same command again finishes the run; its losses equal an uninterrupted run's (the same
+  command, never stopped) bit for bit: the data continue at the next row, the weights
+  and moments where they were."""
+  import finetune as script
+
+  data = write_jsonl(tmp_path / "c.jsonl", chats(40, seed=2))
+  steps = ["--steps", "6", "--batch", "2", "--cache-dir", str(tmp_path / "cache")]
+  whole, out = tmp_path / "whole", tmp_path / "stopped"
+  _finish(_child(_args(folder, data, whole, *steps), 300), 300)
+  expected = [r["loss"] for r in json.loads((whole / "report.json").read_text())["steps"]]
+  child = _child(_args(folder, data, out, *steps), 300)
+  try:
+    metrics = out / "metrics.jsonl"
+    _wait_for(
+      lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "second step", child
+    )
+    child.send_signal(signal.SIGTERM)
+  finally:
+    output = _finish(child, 120)
+  assert b"SIGTERM: saved the state at step" in output
+  done = len(json.loads((out / "report.json").read_text())["steps"])
+  assert 2 <= done < 6 and (out / "state" / str(done)).is_dir()
+  _finish(_child(_args(folder, data, out, *steps), 300), 300)
+  got = [r["loss"] for r in json.loads((out / "report.json").read_text())["steps"]]
+  assert got == expected
+  assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == list(
+    range(6)
+  )
+  # Fewer steps than are done: refused, the state left as it is.
+  with pytest.raises(SystemExit, match="holds 6 steps done and --steps asks for 3"):
+    script.main(_args(folder, data, out, "--steps", "3", "--batch", "2"))
+  assert sorted(os.listdir(out / "state")) == ["6"]
+
+
+def test_a_non_finite_loss_stops_naming_the_batch_and_keeps_the_last_state(folder, tmp_path):
+  import finetune as script
+
+  data = write_jsonl(tmp_path / "c.jsonl", chats(8))
+  out = tmp_path / "run"
+  with pytest.raises(SystemExit, match=rf"step \d: loss nan.*the last state is step \d.*{data.name}:\d"):
+    script.main(
+      _args(folder, data, out, "--steps", "6", "--save-every", "1", "--lr", "1e30", "--clip", "1e30")
+    )
+  saved = sorted(int(s) for s in os.listdir(out / "state"))
+  records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  assert saved == [len(records)]  # the last finite step's state, not the bad one's
