@@ -115,6 +115,9 @@ def load_data(args, tokenizer):
     from jax_ring.models.data.chat import chat_template
 
     template = chat_template(args.chat_template)
+    tokenizer.chat_template = (
+      template  # the checkpoint's tokenizer_config.json carries the template trained with
+    )
   if not 0.0 <= args.eval_fraction < 1.0 or (args.eval_fraction and args.eval_data):
     raise SystemExit(
       f"finetune.py: --eval-fraction {args.eval_fraction}: a fraction in [0, 1), and not with --eval-data"

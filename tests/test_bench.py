@@ -198,3 +198,59 @@ def test_gpu_benchmark_reads_a_kernel_with_its_pass_size():
   assert bench_gpu._kernel_options("pallas@32768") == dict(
     kernel="pallas", block_sizes=jax_ring.BlockSizes(pass_tokens=32768)
   )
+
+
+def test_data_benchmark_rates_the_pipeline_against_a_runs_steps(tmp_path):
+  """scripts/bench/bench_data.py on a small folder's tokenizer: every stage's tokens/s,
+  the ratio to a metrics.jsonl's median step, and the padded rows' times."""
+  import json
+
+  import bench_data
+  from test_finetune_data import TEMPLATES, TINY, byte_tokenizer
+
+  from jax_ring import models
+  from jax_ring.models.formats.tokenizer_json import HFTokenizer
+
+  tok = byte_tokenizer()
+  wrapped = HFTokenizer(tok, bos_id=0, eos_id=1)
+  models.save(models.build(TINY, attention="dense"), tmp_path / "m", tokenizer=wrapped)
+  metrics = tmp_path / "metrics.jsonl"
+  metrics.write_text(
+    "".join(
+      json.dumps({"step": i, "loss": 1.0, "tokens_per_s": r}) + "\n" for i, r in enumerate([1, 4, 2, 3])
+    )
+  )
+  result = bench_data.main(
+    [
+      "--model",
+      str(tmp_path / "m"),
+      "--chat-template",
+      str(TEMPLATES / "llama3_2.jinja"),
+      "--examples",
+      "30",
+      "--length",
+      "1024",
+      "--metrics",
+      str(metrics),
+      "--padding",
+      "--devices",
+      "2",
+      "--padding-length",
+      "256",
+      "--repeats",
+      "1",
+      "--json",
+      str(tmp_path / "out.json"),
+    ]
+  )
+  assert result["step_tokens_per_s"] == 3  # the median of the steps after the first
+  p = result["pipeline"]
+  assert p["examples"] == 30 and p["rows"] >= 1 and 0 <= p["padding"] < 1
+  assert min(p["tokenize_tokens_per_s"], p["cache_tokens_per_s"], p["loader_tokens_per_s"]) > 0
+  assert result["loader_over_step"] == round(p["loader_tokens_per_s"] / 3, 1)
+  assert set(result["padding_seconds"]) == {
+    "documents, no padding",
+    "half padding, marked (-1)",
+    "half padding, unmarked",
+  }
+  assert json.loads((tmp_path / "out.json").read_text()) == result

@@ -176,3 +176,27 @@ def test_the_gguf_models_vocabulary_with_gemma_3s_template():
   answer = [int(i) for i, m in zip(ids, mask) if m]
   assert answer[: len(tok.encode("Hello! How can I help?"))] == tok.encode("Hello! How can I help?")
   assert tok.to_tokenizers().decode(answer, skip_special_tokens=False).endswith("4<end_of_turn>\n")
+
+
+def test_block_whitespace_is_trimmed_as_transformers_trims_it():
+  """trim_blocks and lstrip_blocks: a template written over lines with indented tags."""
+  from transformers import PreTrainedTokenizerFast
+
+  template = (
+    "{% for m in messages %}\n"
+    "    {% if m['role'] == 'user' %}\n"
+    "<s>[INST] {{ m['content'] }} [/INST]\n"
+    "    {% else %}\n"
+    "{{ m['content'] }}</s>\n"
+    "    {% endif %}\n"
+    "{% endfor %}\n"
+  )
+  tok = byte_tokenizer(["<s>", "</s>", "[INST]", "[/INST]"])
+  ours = HFTokenizer(tok, bos_id=tok.token_to_id("<s>"), eos_id=tok.token_to_id("</s>"))
+  theirs = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+  theirs.chat_template = template
+  ids, mask = models.tokenize_chat(ours, CONVERSATION[1:3], chat_template=template)
+  assert list(ids) == list(theirs.apply_chat_template(CONVERSATION[1:3], tokenize=True)["input_ids"])
+  assert tok.decode([int(i) for i, m in zip(ids, mask) if m], skip_special_tokens=False) == (
+    "Hello! How can I help?</s>\n"
+  )

@@ -275,7 +275,8 @@ class Trainer:
     arrays = (tokens, targets, weights, *rows.values())
     key = (tuple(rows), *((a.shape, a.dtype, getattr(a, "sharding", None)) for a in arrays))
     if key not in self._programs:
-      lowered = self._step.lower(self.params, self.rest, self.opt_state, tokens, targets, weights, rows)
+      extra = (rows,) if rows else ()  # without rows, the program takes the six arguments it always took
+      lowered = self._step.lower(self.params, self.rest, self.opt_state, tokens, targets, weights, *extra)
       self._programs[key] = lowered.compile()
       runtime.release_free_memory()
     return self._programs[key]
@@ -284,8 +285,9 @@ class Trainer:
     """One AdamW step on a batch: (loss, stats). Packed rows take `segment_ids` and
     `positions` [B, T] (`loss`)."""
     rows = _rows(segment_ids, positions)
+    extra = (rows,) if rows else ()
     self.params, self.opt_state, value, stats = self._program(tokens, targets, weights, rows)(
-      self.params, self.rest, self.opt_state, tokens, targets, weights, rows
+      self.params, self.rest, self.opt_state, tokens, targets, weights, *extra
     )
     return value, stats
 
