@@ -43,7 +43,6 @@ def parse_args(argv=None):
     "--steps", type=int, default=4, help="optimizer steps in all (a resumed run goes on to this)"
   )
   p.add_argument("--batch", type=int, default=1, help="sequences per step")
-  p.add_argument("--devices", type=int, default=8, help="devices of the ring (simulated on a CPU)")
   p.add_argument(
     "--fsdp", action=argparse.BooleanOptionalAction, default=True, help="split weights and AdamW"
   )
@@ -92,6 +91,7 @@ def parse_args(argv=None):
   )
   p.add_argument("--seed", type=int, default=0, help="seed of the data")
   p.add_argument("--out", default="results/finetune", help="folder for report.json, state/ and checkpoint/")
+  runtime.add_flags(p)  # --devices (a process's), and the flags of several processes
   return p.parse_args(argv)
 
 
@@ -122,7 +122,15 @@ def load_data(args, tokenizer):
     raise SystemExit(
       f"finetune.py: --eval-fraction {args.eval_fraction}: a fraction in [0, 1), and not with --eval-data"
     )
+  import jax
+
   cache = args.cache_dir or cache_root() / "data"
+  processes = None
+  if jax.process_count() > 1:  # each process tokenizes its share of the records
+    from jax.experimental import multihost_utils
+
+    barrier = lambda: multihost_utils.sync_global_devices("finetune.py: tokenized shares")
+    processes = (jax.process_index(), jax.process_count(), barrier)
   read = lambda path: pipeline.load_examples(
     path,
     tokenizer,
@@ -131,6 +139,7 @@ def load_data(args, tokenizer):
     skip_bad=args.skip_bad,
     chat_template=template,
     cache_dir=cache,
+    processes=processes,
   )
   try:
     examples = read(args.data)
@@ -147,6 +156,11 @@ def load_data(args, tokenizer):
   print(
     f"finetune.py: {len(examples)} {examples.format} examples"
     + (" (tokenized earlier: cached)" if examples.cached else "")
+    + (
+      f" (this process tokenized {examples.tokenized}, its share)"
+      if processes is not None and not examples.cached
+      else ""
+    )
     + f" in {len(loader.rows)} rows of {args.length} tokens, {100 * loader.padding:.1f}% padding"
     + (f"; {len(examples.skipped)} bad records skipped" if examples.skipped else "")
     + (f"; {len(loader.dropped)} examples dropped (--long {args.long})" if loader.dropped else "")
@@ -164,7 +178,7 @@ def main(argv=None):
   for name in ("steps", "devices", "length", "batch"):
     if getattr(args, name) < 1:
       raise SystemExit(f"finetune.py: --{name} {getattr(args, name)}: must be at least 1")
-  runtime.simulate_devices(args.devices)
+  runtime.setup(args)
   import jax
   from flax import nnx
 
@@ -172,7 +186,9 @@ def main(argv=None):
   from jax_ring.models.train import finetune
   from jax_ring.models.train import step as train_step
 
-  mesh = jax.make_mesh((args.devices,), ("seq",), devices=jax.devices()[: args.devices])
+  # One ring over every process's devices (`--devices` a process's; all of them with one).
+  devices = jax.devices() if jax.process_count() > 1 else jax.devices()[: args.devices]
+  mesh = jax.make_mesh((len(devices),), ("seq",), devices=devices)
   model, tokenizer = models.load(args.path, mesh=mesh, fsdp=args.fsdp, remat=args.remat, dtype=args.dtype)
   if tokenizer is None:
     raise SystemExit(
@@ -207,7 +223,8 @@ def main(argv=None):
   )
   run = dict(
     path=args.path,
-    devices=args.devices,
+    devices=len(devices),
+    processes=jax.process_count(),
     fsdp=args.fsdp,
     remat=args.remat,
     dtype=args.dtype,
@@ -218,10 +235,10 @@ def main(argv=None):
     eval_data=args.eval_data,
     eval_fraction=args.eval_fraction,
   )
-  if args.fsdp and args.devices > 1:
+  if args.fsdp and len(devices) > 1:
     whole = train_step.unsplit_bytes(model)
     if whole:
-      total = train_step.per_device_bytes(nnx.state(model, nnx.Param)) * args.devices
+      total = train_step.per_device_bytes(nnx.state(model, nnx.Param)) * len(devices)
       print(
         f"finetune.py: warning: --devices {args.devices} divides no dimension of some weights, which FSDP "
         f"keeps whole on every device: {whole / 2**20:.0f} MiB a device of {total / 2**20:.0f} MiB "

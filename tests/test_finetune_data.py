@@ -328,3 +328,40 @@ def test_a_non_finite_loss_stops_naming_the_batch_and_keeps_the_last_state(folde
   saved = sorted(int(s) for s in os.listdir(out / "state"))
   records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
   assert saved == [len(records)]  # the last finite step's state, not the bad one's
+
+
+def test_two_processes_tokenize_their_shares_and_train_as_one(folder, tmp_path):
+  """scripts/launch.py: 2 processes x 2 devices. Each reads, checks and tokenizes half
+  the records (through the shared cache), both train on the same rows, and the losses
+  equal one process's on 4 devices; the first process writes the checkpoint."""
+  import finetune as script
+
+  data = write_jsonl(tmp_path / "c.jsonl", chats(24))
+  common = ["--length", "256", "--steps", "3", "--lr", "1e-3", "--cache-dir", str(tmp_path / "cache")]
+  launcher = subprocess.Popen(
+    [sys.executable, str(ROOT / "scripts" / "launch.py"), "--processes", "2", "--devices-per-process", "2"]
+    + ["--timeout", "240", "--", "scripts/finetune.py", str(folder), "--data", str(data), "--devices", "2"]
+    + ["--out", str(tmp_path / "two"), *common],
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,
+  )
+  try:
+    output, _ = launcher.communicate(timeout=300)
+  except subprocess.TimeoutExpired:
+    os.killpg(launcher.pid, signal.SIGKILL)
+    output, _ = launcher.communicate()
+    pytest.fail(f"the launcher still ran after 300 s:\n{output[-3000:]}")
+  assert launcher.returncode == 0, output[-3000:]
+  for p in (0, 1):
+    assert f"[p{p}] finetune.py: 24 chat examples (this process tokenized 12, its share)" in output
+  script.main([str(folder), "--data", str(data), "--devices", "4", "--out", str(tmp_path / "one"), *common])
+  two = [r["loss"] for r in json.loads((tmp_path / "two" / "report.json").read_text())["steps"]]
+  one = [r["loss"] for r in json.loads((tmp_path / "one" / "report.json").read_text())["steps"]]
+  assert len(two) == 3 and np.allclose(two, one, rtol=1e-6, atol=0)
+  assert json.loads((tmp_path / "two" / "report.json").read_text())["config"]["processes"] == 2
+  tuned, _ = models.load(tmp_path / "two" / "checkpoint", attention="dense")
+  again, _ = models.load(tmp_path / "one" / "checkpoint", attention="dense")
+  np.testing.assert_allclose(tuned.embed.embedding[...], again.embed.embedding[...], rtol=1e-5, atol=1e-6)

@@ -33,6 +33,7 @@ class Examples:
   format: str
   skipped: list
   cached: bool = False
+  tokenized: int = 0  # the records this process tokenized (its share; 0 from the cache)
 
   def __len__(self):
     return len(self.ids)
@@ -75,12 +76,18 @@ def load_examples(
   skip_bad: bool = False,
   chat_template: str | None = None,
   cache_dir=None,
+  processes=None,
 ) -> Examples:
   """The examples of the data at `path`, tokenized (`tokenize_record`), from the cache
   under `cache_dir` where an earlier call made them from the same files (contents),
   tokenizer, format, columns and template; else read, checked and tokenized, then
   cached. `chat_template`: the template's text (default: the tokenizer's). A bad record
-  raises `sources.BadRecord` (or is skipped, `skip_bad`) before anything is written."""
+  raises `sources.BadRecord` (or is skipped, `skip_bad`) before anything is written.
+
+  `processes=(index, count, barrier)` (several processes, `jax.distributed`): each
+  process reads, checks and tokenizes only its share of the records (every count-th),
+  writes it to the cache folder (which every process must see), waits at `barrier()`
+  for the others', then reads every share: all end with the same examples, in order."""
   files = [str(path)] if sources.is_saved_dataset(path) else [str(f) for f in sources.data_files(path)]
   template = chat_template if chat_template is not None else chat.chat_template(tokenizer)
   key = json.dumps(
@@ -94,12 +101,15 @@ def load_examples(
       skip_bad,
     ]
   )
+  index, count, barrier = processes or (0, 1, None)
+  if count > 1 and cache_dir is None:
+    raise ValueError("several processes tokenize their shares through the cache: pass cache_dir")
   file = None
   if cache_dir is not None:
     file = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
     if file.is_file():
       return _read_cache(file)
-  records = sources.read(path, format=format, columns=columns, skip_bad=skip_bad)
+  records = sources.read(path, format=format, columns=columns, skip_bad=skip_bad, share=(index, count))
   if records.format == "chat" and template is None:
     raise ValueError(
       f"{str(path)!r} holds conversations ('messages') and the model's tokenizer has no chat template: "
@@ -113,16 +123,45 @@ def load_examples(
       raise sources.BadRecord(where, f"{type(e).__name__}: {e}") from e
     ids.append(i)
     masks.append(m)
-  out = Examples(ids, masks, list(records.where), records.format, list(records.skipped))
+  out = Examples(ids, masks, list(records.where), records.format, list(records.skipped), tokenized=len(ids))
+  if count > 1:
+    return _gather_shares(file, out, records.ordinals, index, count, barrier)
   if file is not None:
     _write_cache(file, out)
   return out
 
 
-def _write_cache(file: Path, ex: Examples) -> None:
+def _gather_shares(file: Path, mine: Examples, ordinals, index: int, count: int, barrier) -> Examples:
+  """Every process's share (written beside `file`), merged in the records' order;
+  process 0 then writes the whole cache file and the shares are removed."""
+  part = lambda i: file.with_name(f"{file.stem}.share{i}of{count}.npz")
+  _write_cache(part(index), mine, ordinals)
+  barrier()
+  shares = [_read_cache(part(i), with_ordinals=True) for i in range(count)]
+  order = sorted((k, i, j) for i, (_, ks) in enumerate(shares) for j, k in enumerate(ks))
+  pick = lambda name: [getattr(shares[i][0], name)[j] for _, i, j in order]
+  out = Examples(
+    pick("ids"),
+    pick("masks"),
+    pick("where"),
+    mine.format,
+    [m for share, _ in shares for m in share.skipped],
+    tokenized=mine.tokenized,
+  )
+  if not out.ids:
+    raise ValueError(f"no usable records ({len(out.skipped)} bad ones skipped)")
+  barrier()  # every process has read the shares
+  if index == 0:
+    _write_cache(file, out)
+    for i in range(count):
+      part(i).unlink(missing_ok=True)
+  return out
+
+
+def _write_cache(file: Path, ex: Examples, ordinals=None) -> None:
   file.parent.mkdir(parents=True, exist_ok=True)
   lengths = np.asarray([len(i) for i in ex.ids], np.int64)
-  meta = json.dumps(dict(where=ex.where, format=ex.format, skipped=ex.skipped))
+  meta = json.dumps(dict(where=ex.where, format=ex.format, skipped=ex.skipped, ordinals=ordinals))
   part = file.with_suffix(".part.npz")
   np.savez(
     part,
@@ -134,12 +173,15 @@ def _write_cache(file: Path, ex: Examples) -> None:
   os.replace(part, file)  # whole or not at all, whatever stops the run
 
 
-def _read_cache(file: Path) -> Examples:
+def _read_cache(file: Path, with_ordinals: bool = False):
   with np.load(file) as z:
     cuts = np.cumsum(z["lengths"])[:-1]
     ids, masks = np.split(z["ids"], cuts), np.split(z["masks"], cuts)
     meta = json.loads(bytes(z["meta"]).decode())
-  return Examples(list(ids), list(masks), meta["where"], meta["format"], meta["skipped"], cached=True)
+    if not len(z["lengths"]):
+      ids, masks = [], []
+  out = Examples(list(ids), list(masks), meta["where"], meta["format"], meta["skipped"], cached=True)
+  return (out, meta["ordinals"]) if with_ordinals else out
 
 
 def split_off(examples: Examples, fraction: float, *, seed: int = 0) -> tuple[Examples, Examples]:

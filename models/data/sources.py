@@ -37,14 +37,15 @@ class BadRecord(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Records:
   """Checked records in one format: `items` (dicts with the format's columns), `where`
-  (each one's "file:line", "file:row N", "file:item N" or "file"), the files read and
-  the bad records skipped (their messages)."""
+  (each one's "file:line", "file:row N", "file:item N" or "file"), the files read,
+  the bad records skipped (their messages) and each item's place among all records."""
 
   format: str
   items: list
   where: list
   files: list
   skipped: list
+  ordinals: list = dataclasses.field(default_factory=list)  # each item's place among all records
 
 
 def data_files(path) -> list[Path]:
@@ -76,6 +77,14 @@ def is_saved_dataset(path) -> bool:
 def raw_records(path):
   """(where, value) of every record at `path`, in order; a record that is not an
   object (a line that is not JSON, say) is a BadRecord."""
+  for where, value in lazy_records(path):
+    yield where, value()
+
+
+def lazy_records(path):
+  """(where, thunk) of every record at `path`, in order: the thunk parses the record
+  (a JSON Lines record is parsed only when asked for), returning a BadRecord where it
+  cannot."""
   if is_saved_dataset(path):
     try:
       import datasets
@@ -87,8 +96,8 @@ def raw_records(path):
     table = datasets.load_from_disk(str(path))
     if isinstance(table, datasets.DatasetDict):
       raise ValueError(f"{str(path)!r} holds splits {sorted(table)}: pass one split's folder")
-    for i, item in enumerate(table):
-      yield f"{path}:row {i}", item
+    for i in range(len(table)):
+      yield f"{path}:row {i}", lambda i=i: table[i]
     return
   for file in data_files(path):
     match file.suffix:
@@ -97,10 +106,7 @@ def raw_records(path):
           for n, line in enumerate(f, start=1):
             if not line.strip():
               continue
-            try:
-              yield f"{file}:{n}", json.loads(line)
-            except json.JSONDecodeError as e:
-              yield f"{file}:{n}", BadRecord(f"{file}:{n}", f"not JSON ({e.msg} at column {e.colno})")
+            yield f"{file}:{n}", lambda line=line, at=f"{file}:{n}": _json_line(at, line)
       case ".json":
         try:
           items = json.loads(file.read_text(encoding="utf-8"))
@@ -111,20 +117,32 @@ def raw_records(path):
             str(file), f"a .json data file holds a list of records, not a {type(items).__name__}"
           )
         for i, item in enumerate(items):
-          yield f"{file}:item {i}", item
+          yield f"{file}:item {i}", lambda item=item: item
       case ".parquet":
         import pyarrow.parquet as pq
 
         for i, item in enumerate(pq.read_table(file).to_pylist()):
-          yield f"{file}:row {i}", item
+          yield f"{file}:row {i}", lambda item=item: item
       case ".txt":
-        yield str(file), {"text": file.read_text(encoding="utf-8")}
+        yield str(file), lambda file=file: {"text": file.read_text(encoding="utf-8")}
 
 
-def read(path, *, format: str | None = None, columns: dict | None = None, skip_bad: bool = False) -> Records:
+def _json_line(at, line):
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError as e:
+    return BadRecord(at, f"not JSON ({e.msg} at column {e.colno})")
+
+
+def read(
+  path, *, format: str | None = None, columns: dict | None = None, skip_bad: bool = False, share=(0, 1)
+) -> Records:
   """Every record at `path` (`raw_records`), renamed by `columns` ({format's name: the
   file's}) and checked against `format` (None: the first record's columns decide).
-  Raises the first BadRecord, or with `skip_bad` leaves bad records out (`skipped`)."""
+  Raises the first BadRecord, or with `skip_bad` leaves bad records out (`skipped`).
+  `share=(i, n)`: only records i, i + n, i + 2n, ... are parsed and checked (one
+  process's share of n; a JSON Lines file's other lines are only counted)."""
+  index, count = share
   if format is not None and format not in FORMATS:
     raise ValueError(f"format={format!r}: expected one of {tuple(FORMATS)}")
   columns = dict(columns or {})
@@ -133,24 +151,31 @@ def read(path, *, format: str | None = None, columns: dict | None = None, skip_b
       raise ValueError(f"columns: {name!r} is not a column of any format ({FORMATS})")
   items, where, skipped = [], [], []
   files = [str(path)] if is_saved_dataset(path) else [str(f) for f in data_files(path)]
-  for at, record in raw_records(path):
+  ordinals = []
+  for k, (at, parse) in enumerate(lazy_records(path)):
+    if k % count != index and not (k == 0 and format is None):
+      continue
     try:
+      record = parse()
       if isinstance(record, BadRecord):
         raise record
       record = _renamed(at, record, columns)
       if format is None:
         format = _detect(at, record)
+      if k % count != index:
+        continue  # record 0, read by every process for the format
       items.append(check(at, record, format))
       where.append(at)
+      ordinals.append(k)
     except BadRecord as e:
       if not skip_bad:
         raise
       skipped.append(str(e))
-  if not items:
+  if not items and count == 1:
     raise ValueError(
       f"{str(path)!r}: no usable records" + (f" ({len(skipped)} bad ones skipped)" if skipped else "")
     )
-  return Records(format, items, where, files, skipped)
+  return Records(format, items, where, files, skipped, ordinals)
 
 
 def _renamed(at, record, columns):

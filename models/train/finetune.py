@@ -284,9 +284,11 @@ def finetune(
         f"{out}/state/ holds {latest} steps done and --steps asks for {config.steps}: not going back "
         "(pass --steps of at least the steps done, or another --out)"
       )
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, BASE), "w") as f:
-    json.dump(record, f, indent=1)
+  main = jax.process_index() == 0  # the process that writes the files (all save the state)
+  if main:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, BASE), "w") as f:
+      json.dump(record, f, indent=1)
   tx = make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
   schedule = make_schedule(config.lr, config.warmup, config.steps)
   trainer = Trainer(model, tx, chunk=config.chunk)
@@ -329,7 +331,8 @@ def finetune(
   data.restore(here)
   args, rows = place(arrays)
   report["memory"] = trainer.memory(*args, **rows)
-  log = metrics_io.Metrics(out, first)
+  history = [r for r in metrics_io.read(out) if "loss" in r and r["step"] < first]
+  log = metrics_io.Metrics(out, first) if main else metrics_io.Quiet()
   stop = {}
   handlers = {}
   for sig in (signal.SIGTERM, signal.SIGINT):
@@ -339,10 +342,11 @@ def finetune(
   def save(step):
     state.save(step, trainer, force=True)
     state.manager.wait_until_finished()
-    _write_data_state(out, step, data.state())
-    report["steps"] = [r for r in metrics_io.read(out) if "loss" in r]
-    with open(report_path, "w") as f:
-      json.dump(report, f, indent=1)
+    report["steps"] = list(history)
+    if main:
+      _write_data_state(out, step, data.state())
+      with open(report_path, "w") as f:
+        json.dump(report, f, indent=1)
 
   def evaluate(step):
     if eval_data is None:
@@ -356,6 +360,7 @@ def finetune(
     log.log(dict(step=step, eval_loss=total / max(count, 1.0)))
 
   steps = range(first, config.steps)
+  progress = progress and main
   if progress:
     from tqdm import tqdm
 
@@ -389,6 +394,7 @@ def finetune(
       if "dropped_tokens" in out_stats:  # an MoE with a capacity (`moe.set_capacity`)
         entry["dropped_tokens"] = int(out_stats["dropped_tokens"])
       log.log(entry)
+      history.append(entry)
       if progress:
         steps.set_postfix(loss=f"{value:.4f}", s=f"{seconds:.1f}")
       done = step + 1
@@ -408,9 +414,15 @@ def finetune(
       signal.signal(sig, old)
     log.close()
     state.close()
-  checkpoints.save(trainer.model(), os.path.join(out, "checkpoint"), tokenizer=tokenizer)
-  with open(report_path, "w") as f:
-    json.dump(report, f, indent=1)
+  tuned = trainer.model()
+  if jax.process_count() > 1:  # every process gathers the weights; the first writes them
+    from jax.experimental import multihost_utils
+
+    nnx.update(tuned, multihost_utils.process_allgather(nnx.state(tuned, nnx.Param), tiled=True))
+  if main:
+    checkpoints.save(tuned, os.path.join(out, "checkpoint"), tokenizer=tokenizer)
+    with open(report_path, "w") as f:
+      json.dump(report, f, indent=1)
   return report
 
 

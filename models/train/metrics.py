@@ -61,3 +61,13 @@ class Metrics:
     self._file.close()
     if self._tb is not None:
       self._tb.close()
+
+
+class Quiet:
+  """`Metrics` for the processes that write nothing (all but the first of several)."""
+
+  def log(self, record: dict) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
