@@ -8,6 +8,7 @@ training step, generation and long-context evaluation.
     data/           a user's data: files, chat templates, packing, the resumable loader
     checkpoints.py  models.config / build / load / save: formats -> architectures
     generate.py     the generation engine: `generate` (batches) and `Engine` (cached documents)
+    lora.py         low-rank adapters: add_lora, save_lora (PEFT's layout), merge_lora
     train/          the training step (every model), fine-tuning, training from scratch
     eval/           the long-context evaluators and lm-evaluation-harness's model
 
@@ -36,6 +37,7 @@ from .data.packing import pack
 from .formats.gguf import GGUFFile, Tokenizer
 from .formats.tokenizer_json import HFTokenizer
 from .generate import Engine, Generated, generate
+from .lora import add_lora, merge_lora, save_lora
 
 __all__ = [
   "ATTENTION_KINDS",
@@ -66,21 +68,24 @@ __all__ = [
   "Qwen3Moe",
   "Qwen3MoeConfig",
   "Tokenizer",
+  "add_lora",
   "build",
   "chat_template",
   "config",
   "generate",
   "load",
   "load_gguf",
+  "merge_lora",
   "pack",
   "save",
+  "save_lora",
   "shardings",
   "tokenize_chat",
 ]
 
 # Modules reached as attributes (`models.runtime.initialize_distributed()`), imported
 # when first named so that `import jax_ring.models` needs no optional extra.
-_SUBMODULES = ("architectures", "checkpoints", "cli", "data", "eval", "formats", "runtime", "train")
+_SUBMODULES = ("architectures", "checkpoints", "cli", "data", "eval", "formats", "lora", "runtime", "train")
 _moved.install()
 
 

@@ -141,6 +141,7 @@ def load(
   dtype=None,
   cache_dir=None,
   attention_kernel: str = "auto",
+  adapter=None,
 ):
   """A pretrained model and its tokenizer: (model, tokenizer).
 
@@ -164,6 +165,9 @@ def load(
     cache_dir: where a GGUF file's dequantized tensors are kept (`gguf.cache_root`).
     attention_kernel: the ring's block kernel, `jax_ring.ring_attention`'s `kernel`
       ("auto": cuDNN on NVIDIA GPUs, Pallas on TPUs, the XLA tiles on CPU).
+    adapter: a PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors;
+      written by `models.save_lora` or by peft) applied to the model (`lora.load_adapter`);
+      a key that changes the computation and is not supported is refused by name.
 
   Every config or metadata key that changes the computation is applied or refused with
   a ValueError naming it. Tensors are read one at a time, memory-mapped, straight to
@@ -188,7 +192,13 @@ def load(
     source = _Split(source, expand_fused(fused(cfg), cfg.num_layers), where=str(path))
   mesh = _default_mesh(mesh, attention, seq_axis)
   placement = dict(mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, fsdp=fsdp, remat=remat)
+  if adapter is not None:
+    from . import lora
+
+    lora.read_adapter(adapter)  # refused before the weights are read
   model = _place(arch, cfg, source, table, placement, where=str(path))
+  if adapter is not None:
+    lora.load_adapter(model, adapter)
   return model, tokenizer
 
 

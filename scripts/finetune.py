@@ -15,6 +15,7 @@ template; the loss on the assistant's turns).
         [--columns NAME=COLUMN,...] [--chat-template FILE] [--long split|truncate|drop]
         [--skip-bad] [--eval-data E | --eval-fraction F] [--eval-every K]]
         [--length T] [--steps N] [--devices D] [--fsdp | --no-fsdp] [--lr LR] [--out DIR]
+        [--lora-rank R [--lora-alpha A] [--lora-targets q,k,v,o,gate,up,down] [--merge]]
 
 Writes DIR/metrics.jsonl and TensorBoard event files in DIR/tb/ as each step ends
 (loss, gradient norm, learning rate, tokens, padding, tokens/s; the evaluation loss),
@@ -22,7 +23,11 @@ DIR/report.json ("steps": every step's record; "memory": per device param_bytes,
 optimizer_bytes and the step's compiled temp_bytes; "data": rows and padding),
 DIR/state/ (orbax: weights, optimizer state and step, and the data's place; run again
 with the same arguments, or more --steps, to go on from there with the same losses) and
-DIR/checkpoint/ (models.save's layout: models.load and transformers read it). SIGTERM
+DIR/checkpoint/ (models.save's layout: models.load and transformers read it). With
+--lora-rank only low-rank adapters train (the base frozen): DIR/adapter/ in PEFT's
+layout, and DIR/checkpoint/ merged with --merge. Several
+processes: scripts/launch.py, or --coordinator --num-processes --process-id (--devices
+is then each process's); each tokenizes its share of --data. SIGTERM
 or SIGINT saves the state and exits 0. A bad data record exits 1 naming its file and
 line before anything is written (--skip-bad leaves such records out and counts them).
 """
@@ -85,6 +90,12 @@ def parse_args(argv=None):
   p.add_argument("--eval-data", default=None, help="held-out data for the evaluation loss")
   p.add_argument("--eval-fraction", type=float, default=0.0, help="hold out this fraction of --data instead")
   p.add_argument("--eval-every", type=int, default=0, help="evaluation loss every K steps (0: at the end)")
+  p.add_argument("--lora-rank", type=int, default=None, help="train low-rank adapters of this rank alone")
+  p.add_argument("--lora-alpha", type=float, default=None, help="the adapters' alpha (default: 2 x rank)")
+  p.add_argument(
+    "--lora-targets", default="q,k,v,o,gate,up,down", help="projections to adapt: q, k, v, o, gate, up, down"
+  )
+  p.add_argument("--merge", action="store_true", help="with --lora-rank: also write the merged model")
   p.add_argument("--cache-dir", default=None, help="tokenized data cache (default: ~/.cache/jax_ring/data)")
   p.add_argument(
     "--save-every", type=int, default=0, help="orbax state every this many steps (0: at the end)"
@@ -194,6 +205,14 @@ def main(argv=None):
     raise SystemExit(
       f"{args.path}: no tokenizer.json beside the weights; the data needs the model's tokenizer"
     )
+  if args.lora_rank is not None:
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+    try:
+      models.add_lora(model, rank=args.lora_rank, alpha=alpha, targets=tuple(args.lora_targets.split(",")))
+    except ValueError as e:
+      raise SystemExit(f"finetune.py: --lora-rank: {e}") from None
+  elif args.merge:
+    raise SystemExit("finetune.py: --merge merges adapters: it needs --lora-rank")
   if args.capacity_factor is not None:
     from jax_ring.models.architectures import moe
 
@@ -234,6 +253,7 @@ def main(argv=None):
     long=args.long,
     eval_data=args.eval_data,
     eval_fraction=args.eval_fraction,
+    lora=models.lora.adapter_record(model),
   )
   if args.fsdp and len(devices) > 1:
     whole = train_step.unsplit_bytes(model)
@@ -246,7 +266,16 @@ def main(argv=None):
       )
   try:
     report = finetune.finetune(
-      model, tokenizer, config, args.out, text=text, data=data, eval_data=eval_data, base=args.path, run=run
+      model,
+      tokenizer,
+      config,
+      args.out,
+      text=text,
+      data=data,
+      eval_data=eval_data,
+      base=args.path,
+      run=run,
+      merge=args.merge,
     )
   except (ValueError, FloatingPointError) as e:
     raise SystemExit(f"finetune.py: {e}") from None
@@ -261,8 +290,10 @@ def main(argv=None):
   steps = report["steps"]
   print(
     f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} over {len(steps)} steps; "
-    f"per device: weights {memory['param_bytes'] / 2**20:.1f} MiB, "
-    f"optimizer {memory['optimizer_bytes'] / 2**20:.1f} MiB, "
+    f"per device: {'adapters' if 'frozen_bytes' in memory else 'weights'} "
+    f"{memory['param_bytes'] / 2**20:.1f} MiB, "
+    + (f"frozen base {memory['frozen_bytes'] / 2**20:.1f} MiB, " if "frozen_bytes" in memory else "")
+    + f"optimizer {memory['optimizer_bytes'] / 2**20:.1f} MiB, "
     f"step temporaries {memory['temp_bytes'] / 2**20:.1f} MiB; "
     + (
       f"dropped (token, expert) pairs {steps[-1]['dropped_tokens']} in the last step; "
@@ -271,7 +302,10 @@ def main(argv=None):
     )
     + f"peak resident {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
   )
-  print(f"wrote {args.out}/report.json, {args.out}/state/ and {args.out}/checkpoint/")
+  written = ["report.json", "state/"]
+  written += ["adapter/"] if args.lora_rank is not None else []
+  written += ["checkpoint/"] if args.lora_rank is None or args.merge else []
+  print(f"wrote {', '.join(f'{args.out}/{w}' for w in written)}")
   return report
 
 

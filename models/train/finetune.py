@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .. import checkpoints
+from .. import checkpoints, lora
 from ..eval import long_context
 from .state import Checkpoints
 from .step import Trainer, make_tx, place_batch
@@ -144,8 +144,10 @@ def base_record(model, path=None) -> dict:
   digest = lambda text: hashlib.sha256(text.encode()).hexdigest()[:16]
   config = digest(json.dumps(checkpoints.config_json(model.config), sort_keys=True))
   if path is not None:
-    return dict(path=str(path), config=config, weights=_files_digest(path))
-  flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return dict(
+      path=str(path), config=config, weights=_files_digest(path), adapter=lora.adapter_record(model)
+    )
+  flat = nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
   squared = lambda x: jnp.sum(jnp.square(x.astype(jnp.float32)))
   moments = jax.jit(lambda xs: [(jnp.sum(x.astype(jnp.float32)), squared(x)) for x in xs])
   sums = jax.device_get(moments([v[...] for _, v in flat]))
@@ -153,7 +155,7 @@ def base_record(model, path=None) -> dict:
     f"{'.'.join(map(str, key))}:{tuple(v.shape)}:{float(a):.4e}:{float(b):.4e}"
     for (key, v), (a, b) in zip(flat, sums)
   ]
-  return dict(path=None, config=config, weights=digest("\n".join(values)))
+  return dict(path=None, config=config, weights=digest("\n".join(values)), adapter=lora.adapter_record(model))
 
 
 def _files_digest(path, blocks: int = 64, block: int = 2**20) -> str:
@@ -187,6 +189,11 @@ def check_resume(out: str, record: dict) -> None:
   with open(found) as f:
     before = json.load(f)
   what = [k for k in ("config", "weights") if before.get(k) != record[k]]
+  if not what and before.get("adapter") != record.get("adapter"):
+    raise ValueError(
+      f"{out}/state/ was fine-tuned with adapters {before.get('adapter')} and this run has "
+      f"{record.get('adapter')}: not resuming it (remove {out}/state/ or pass another --out)"
+    )
   if what:
     raise ValueError(
       f"{out}/state/ was fine-tuned from {before.get('path')}, whose {' and '.join(what)} differ from "
@@ -240,6 +247,7 @@ def finetune(
   progress=True,
   base: str | None = None,
   run: dict | None = None,
+  merge: bool = False,
 ) -> dict:
   """Fine-tunes `model` on the main job's documents, on windows of `text`, or on `data`
   (a `data.pipeline.Loader` of packed rows; `eval_data` another, in order, for the
@@ -256,6 +264,10 @@ def finetune(
   - `out/base.json` (`base_record`), `out/state/` (orbax: weights, optimizer state, step)
     with `out/data_state.json` (the loader's state there), and `out/checkpoint/`
     (`models.save`'s layout).
+
+  A model with adapters (`models.add_lora`) trains them alone (the base frozen: no
+  gradient or AdamW state for it), writes them to `out/adapter/` (PEFT's layout) and,
+  with `merge`, the merged model to `out/checkpoint/` (none without).
 
   A later call resumes from the state (only for the same base model, `check_resume`, and
   never past `config.steps`), continuing the data at exactly the next row: the losses
@@ -291,7 +303,8 @@ def finetune(
       json.dump(record, f, indent=1)
   tx = make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
   schedule = make_schedule(config.lr, config.warmup, config.steps)
-  trainer = Trainer(model, tx, chunk=config.chunk)
+  adapters = lora.lora_settings(model) is not None
+  trainer = Trainer(model, tx, chunk=config.chunk, trainable=nnx.LoRAParam if adapters else nnx.Param)
   if data is None:
 
     def make(step):
@@ -419,7 +432,11 @@ def finetune(
     from jax.experimental import multihost_utils
 
     nnx.update(tuned, multihost_utils.process_allgather(nnx.state(tuned, nnx.Param), tiled=True))
-  if main:
+  if main and adapters:
+    lora.save_lora(tuned, os.path.join(out, "adapter"))
+  if adapters and merge:
+    lora.merge_lora(tuned)
+  if main and (merge or not adapters):
     checkpoints.save(tuned, os.path.join(out, "checkpoint"), tokenizer=tokenizer)
     with open(report_path, "w") as f:
       json.dump(report, f, indent=1)

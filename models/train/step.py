@@ -252,10 +252,13 @@ class Trainer:
 
   objective(model, tokens, targets, weights, chunk=) -> (loss, dict of scalars): by
   default a loaded model's chunked cross-entropy (`cross_entropy`); `DecoderLM`s train
-  with `models.training.loss_and_accuracy`."""
+  with `models.training.loss_and_accuracy`. `trainable`: which weights the step trains
+  (an nnx filter: all of them, or `nnx.LoRAParam` for adapters only)."""
 
-  def __init__(self, model, tx, *, chunk: int = 512, objective=cross_entropy):
-    self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
+  def __init__(self, model, tx, *, chunk: int = 512, objective=cross_entropy, trainable=nnx.Param):
+    # `trainable`: the weights the step updates (an nnx filter; `nnx.LoRAParam`: the
+    # adapters only, the rest frozen: no gradient or optimizer state for them).
+    self.graphdef, self.params, self.rest = nnx.split(model, trainable, ...)
     self.tx, self.chunk = tx, chunk
     self.opt_state = tx.init(self.params)
     self.opt_state = jax.tree.map(_on_mesh(model), self.opt_state)
@@ -302,14 +305,18 @@ class Trainer:
     return nnx.merge(self.graphdef, self.params, self.rest)
 
   def memory(self, tokens, targets, weights, **rows) -> dict:
-    """Per device: the weights' and the optimizer state's bytes, and the step's
-    compiled temporaries."""
+    """Per device: the trained weights' and the optimizer state's bytes, the step's
+    compiled temporaries, and the frozen weights' bytes ("frozen_bytes", where some are)."""
     temp = self.compiled(tokens, targets, weights, **rows).memory_analysis().temp_size_in_bytes
-    return dict(
+    out = dict(
       param_bytes=per_device_bytes(self.params),
       optimizer_bytes=per_device_bytes(self.opt_state),
       temp_bytes=int(temp),
     )
+    frozen = per_device_bytes(nnx.filter_state(self.rest, nnx.Param))
+    if frozen:  # weights the step does not train (adapters: the base)
+      out["frozen_bytes"] = frozen
+    return out
 
 
 def _on_mesh(model):

@@ -19,7 +19,6 @@ itself), against a row of full documents; medians of `--repeats` runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -131,21 +130,27 @@ def padding_times(devices: int, length: int, repeats: int) -> dict:
   return out
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None):
+  from jax_ring.models import cli
+
+  p = cli.parser(__doc__)
   p.add_argument(
     "--model", default=None, help="a GGUF file or folder for its tokenizer (default: Gemma 3 270M)"
   )
   p.add_argument("--chat-template", default=None, help="a template file (default: the model's)")
-  p.add_argument("--examples", type=int, default=2000)
-  p.add_argument("--length", type=int, default=2048)
+  p.add_argument("--examples", type=int, default=2000, help="synthetic conversations")
+  p.add_argument("--length", type=int, default=2048, help="tokens a row")
   p.add_argument("--metrics", default=None, help="a fine-tuning run's metrics.jsonl: the step's tokens/s")
   p.add_argument("--padding", action="store_true", help="also time the ring on padded rows")
-  p.add_argument("--devices", type=int, default=8)
-  p.add_argument("--padding-length", type=int, default=8192)
-  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--devices", type=int, default=8, help="simulated devices for --padding")
+  p.add_argument("--padding-length", type=int, default=8192, help="tokens of the padded rows")
+  p.add_argument("--repeats", type=int, default=5, help="timed runs of each padded row")
   p.add_argument("--json", default=None, help="write the results here")
-  args = p.parse_args(argv)
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   runtime.simulate_devices(args.devices)
   from jax_ring import models
   from jax_ring.models.data import chat
