@@ -167,6 +167,7 @@ def _target(name, platform, devices, topology, chip, **kw):
 
 TARGETS = {
   "h100x8": _target("h100x8", "cuda", 8, "1x1x8", "h100", config=H100, sms=132, memory_bytes=84929347584),
+  "h100x1": _target("h100x1", "cuda", 1, "1x1x1", "h100", config=H100, sms=132, memory_bytes=84929347584),
   "a100x8": _target("a100x8", "cuda", 8, "1x1x8", "a100", config=A100, sms=108, memory_bytes=85899345920),
   # TPU HBM per chip: v5e 16 GiB, v5p 95 GiB, v6e 32 GiB (Google Cloud's TPU pages).
   "v5e:2x4": _target("v5e:2x4", "tpu", 8, "v5e:2x4", "v5e", memory_bytes=16 * GiB),

@@ -117,6 +117,15 @@ def parse_args(argv=None):
   )
   p.add_argument("--chunk", type=int, default=1024, help="--train: tokens per chunk of the loss")
   p.add_argument(
+    "--lora-rank",
+    type=int,
+    default=None,
+    help="--train: low-rank adapters of this rank train alone (the base frozen in --param-dtype)",
+  )
+  p.add_argument(
+    "--lora-alpha", type=float, default=None, help="--train: the adapters' alpha (default: 2 x rank)"
+  )
+  p.add_argument(
     "--layers",
     type=int,
     default=None,
@@ -195,6 +204,8 @@ def compile_for(mesh, args, seq_len: int):
       chunk=args.chunk,
       layers=args.layers,
       capacity_factor=args.capacity_factor,
+      lora_rank=args.lora_rank,
+      lora_alpha=args.lora_alpha,
     )
   if args.model:
     return compile_model(mesh, args, seq_len)

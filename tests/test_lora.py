@@ -289,3 +289,28 @@ def test_finetune_trains_adapters_alone_and_merges(tmp_path):
     script.main(common + ["--steps", "5", "--lora-rank", "8"])
   with pytest.raises(SystemExit, match="--merge merges adapters: it needs --lora-rank"):
     script.main(common + ["--steps", "5", "--merge"])
+
+
+def test_compiled_adapter_step_holds_the_frozen_base_and_no_base_sized_optimizer_state():
+  """`compile_train_step(..., lora_rank=16)` on 8 CPU devices (Llama-3.2-1B's shapes, 2
+  blocks): the step's arguments per device are the bfloat16 base's share, the float32
+  adapters' with their two AdamW moments, and the batch; the full step's arguments
+  carry float32 weights and both moments of every weight."""
+  mesh = make_mesh((8,), ("seq",))
+  common = dict(seq_len=1024, layers=2, dtype="bfloat16", param_dtype="bfloat16", remat="full")
+  compiled = train_step.compile_train_step("llama-3.2-1b", mesh, lora_rank=16, **common)
+  cfg = dataclasses.replace(models.config("llama-3.2-1b"), num_layers=2)
+  model = nnx.eval_shape(
+    lambda: models.add_lora(
+      models.build(cfg, mesh=mesh, fsdp=True, param_dtype="bfloat16"), rank=16, alpha=32
+    )
+  )
+  size = lambda tree: sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  adapters = size(nnx.state(model, nnx.LoRAParam))
+  base = size(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
+  batch = 3 * 1024 * 4
+  arguments = compiled.memory_analysis().argument_size_in_bytes
+  expected = (base + 3 * adapters + batch) / 8
+  assert abs(arguments - expected) < 0.01 * expected, (arguments, expected)
+  full = train_step.compile_train_step("llama-3.2-1b", mesh, **(common | dict(param_dtype="float32")))
+  assert full.memory_analysis().argument_size_in_bytes > 5 * arguments

@@ -346,7 +346,7 @@ def _step(graphdef, tx, objective, chunk, params, rest, opt_state, tokens, targe
   def value(p):
     # A copy: the calls set counts (`decoder.Tally`) on the model inside the gradient's
     # trace, and `rest`'s variables belong to the step's.
-    model = nnx.merge(graphdef, p, rest, copy=True)
+    model = nnx.merge(graphdef, p, *(rest if isinstance(rest, tuple) else (rest,)), copy=True)
     return objective(model, tokens, targets, weights, chunk=chunk, **(rows or {}))
 
   (loss_value, stats), grads = jax.value_and_grad(value, has_aux=True)(params)
@@ -388,6 +388,8 @@ def compile_train_step(
   chunk: int = 1024,
   layers: int | None = None,
   capacity_factor: float | None = None,
+  lora_rank: int | None = None,
+  lora_alpha: float | None = None,
 ):
   """One whole AdamW step of the named model (`models.config(name)`) with `fsdp=True`,
   per-layer `remat` and the chunked loss, over `mesh`'s "seq" axis, compiled with
@@ -395,7 +397,11 @@ def compile_train_step(
   moments in `param_dtype`, computed in `dtype`; the ring's kernel is the target's
   default. `layers`: the model with that many of its blocks (a quicker compile of the
   same step's shapes; None: all). `capacity_factor`: a mixture of experts' capacity
-  (`moe.set_capacity`; None: every pair runs)."""
+  (`moe.set_capacity`; None: every pair runs). `lora_rank`: low-rank adapters
+  (`models.add_lora`, alpha `lora_alpha`, default 2 x rank) on every projection (the
+  attention's alone for a mixture of experts) are all the step trains: the base stays
+  in `param_dtype` with no gradient or optimizer state, the adapters and their AdamW
+  moments float32."""
   # Training past the released context (as long-context fine-tuning does): the model
   # takes sequences up to seq_len, with its rotary settings as released.
   cfg = checkpoints.config(name)
@@ -405,17 +411,29 @@ def compile_train_step(
     cfg, context_length=max(cfg.context_length, seq_len), num_layers=layers or cfg.num_layers
   )
   auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-  with jax.set_mesh(auto):
-    model = nnx.eval_shape(
-      lambda: checkpoints.build(
-        cfg, mesh=auto, fsdp=True, remat=remat, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)
-      )
+  from .. import lora
+
+  def make():
+    model = checkpoints.build(
+      cfg, mesh=auto, fsdp=True, remat=remat, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)
     )
+    if lora_rank is not None:
+      targets = ("q", "k", "v", "o") if hasattr(cfg, "num_experts") else lora.ALL  # experts: attention only
+      alpha = lora_alpha if lora_alpha is not None else 2.0 * lora_rank
+      lora.add_lora(model, rank=lora_rank, alpha=alpha, targets=targets)
+    return model
+
+  with jax.set_mesh(auto):
+    model = nnx.eval_shape(make)
     if capacity_factor is not None:
       moe.set_capacity(model, capacity_factor)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     spec = lambda path, shape: NamedSharding(auto, _fsdp_or_whole(path, shape, auto))
     abstract = lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec(path, x.shape))
+    if lora_rank is None:
+      graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    else:  # the adapters train; the frozen base is an argument like the rest
+      graphdef, params, frozen, others = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
+      rest = (jax.tree_util.tree_map_with_path(abstract, frozen), others)
     params = jax.tree_util.tree_map_with_path(abstract, params)
     tx = make_tx(1e-5, 100, 1000, 0.1, 1.0)
     plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
