@@ -281,6 +281,34 @@ def test_llama_8b_step_holds_its_weights_and_moments_split_8_ways():
   assert loss and all(s["exposed"] == 0 and s["synchronous"] == 0 for s in loss), loss
 
 
+def test_llama_8b_adapter_step_on_one_h100_holds_the_bf16_base_and_no_base_optimizer_state():
+  """--model llama-3.1-8b --train --lora-rank 16 --param-dtype bfloat16 --target h100x1
+  with one block at 8K tokens: the arguments are the bfloat16 base (2 bytes a weight,
+  whole on the one device), the float32 adapters on all seven projections with both
+  AdamW moments (12 bytes an adapter weight), and the batch: no base-sized gradient or
+  optimizer state."""
+  report = aot(
+    "--target=h100x1",
+    "--model=llama-3.1-8b",
+    "--train",
+    "--layers=1",
+    "--seq-len=8192",
+    "--lora-rank=16",
+    "--param-dtype=bfloat16",
+  )
+  layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+  base = layer + 2 * 128_256 * 4096 + 4096
+  # A [in, 16] and B [16, out] of q, k, v, o, gate, up, down.
+  adapters = 16 * ((4096 + 4096) + 2 * (4096 + 1024) + (4096 + 4096) + 2 * (4096 + 14336) + (14336 + 4096))
+  batch = 8192 * (4 + 4 + 4)
+  expected = base * 2 + adapters * 12 + batch
+  assert abs(report["memory"]["argument_bytes"] - expected) < 2**16, (
+    report["memory"]["argument_bytes"],
+    expected,
+  )
+  assert report["fits"] is True
+
+
 def test_moe_step_splits_its_experts_8_ways_and_drops_no_token():
   """--model qwen3-30b-a3b --train with one block at 8K tokens on 8 x H100: the
   arguments are the float32 weights (the 128 experts' stacks and the router included)
