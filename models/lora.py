@@ -144,7 +144,10 @@ def add_lora(
         )
       setattr(parent, name, adapt(linear, rank, scale, keys[at], place=place))
       at += 1
-  model.lora = nnx.static(dict(rank=rank, alpha=float(alpha), targets=targets, rslora=bool(rslora)))
+  # Hashable (the model's graph definition keys compiled programs): the settings as pairs.
+  model.lora = nnx.static(
+    (("rank", rank), ("alpha", float(alpha)), ("targets", targets), ("rslora", bool(rslora)))
+  )
   return model
 
 

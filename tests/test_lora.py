@@ -314,3 +314,15 @@ def test_compiled_adapter_step_holds_the_frozen_base_and_no_base_sized_optimizer
   assert abs(arguments - expected) < 0.01 * expected, (arguments, expected)
   full = train_step.compile_train_step("llama-3.2-1b", mesh, **(common | dict(param_dtype="float32")))
   assert full.memory_analysis().argument_size_in_bytes > 5 * arguments
+
+
+def test_generation_with_adapters_in_place_equals_the_merged_model():
+  """Prefill and decode through the adapters (the ring's KV cache, FSDP weights used
+  where they lie): the same greedy tokens as the merged model."""
+  mesh = make_mesh((4,), ("seq",))
+  model = _with_b(models.add_lora(models.build(CFG, mesh=mesh, fsdp=True), rank=4, alpha=8), seed=5)
+  adapted = models.generate(model, TOKENS[:, :40], max_new_tokens=8).tokens
+  merged = models.generate(models.merge_lora(model), TOKENS[:, :40], max_new_tokens=8).tokens
+  np.testing.assert_array_equal(np.asarray(adapted), np.asarray(merged))
+  base = models.generate(models.build(CFG, mesh=mesh, fsdp=True), TOKENS[:, :40], max_new_tokens=8).tokens
+  assert not np.array_equal(np.asarray(adapted), np.asarray(base))  # the adapters changed the output
