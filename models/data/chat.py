@@ -32,43 +32,25 @@ def chat_template(source, *, name: str | None = None) -> str | None:
   or a list of named templates, else chat_template.jinja beside it), a GGUF file (its
   `tokenizer.chat_template` key) or a .jinja file; None where there is none. `name`
   picks one of a list of named templates (default: "default")."""
+  from ..formats import tokenizer_json
+
   if not isinstance(source, (str, os.PathLike)):
-    return _pick(getattr(source, "chat_template", None), name, "the tokenizer")
+    return tokenizer_json.pick_template(getattr(source, "chat_template", None), name, "the tokenizer")
   path = Path(source)
   if path.is_dir():
-    config = path / "tokenizer_config.json"
-    if config.is_file():
-      found = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-      if found is not None:
-        return _pick(found, name, str(config))
-    jinja = path / "chat_template.jinja"
-    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+    return tokenizer_json.folder_chat_template(path, name)
   if path.is_file():
     with open(path, "rb") as f:
       magic = f.read(4)
     if magic == b"GGUF":
       from ..formats.gguf import GGUFFile
 
-      return _pick(GGUFFile(path).field("tokenizer.chat_template"), name, str(path))
+      return tokenizer_json.pick_template(GGUFFile(path).field("tokenizer.chat_template"), name, str(path))
     return path.read_text(encoding="utf-8")
   raise ValueError(f"source={str(source)!r} is neither a tokenizer, a folder nor a file")
 
 
 _template_of = chat_template  # for tokenize_chat, whose argument of that name shadows it
-
-
-def _pick(found, name, where):
-  if found is None or isinstance(found, str):
-    if name is not None and found is not None:
-      raise ValueError(f"name={name!r}: {where} has one unnamed chat template")
-    return found
-  if isinstance(found, list):  # [{"name": ..., "template": ...}], as transformers writes several
-    named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
-    want = name or "default"
-    if want not in named:
-      raise ValueError(f"name={want!r}: {where}'s chat templates are named {sorted(map(str, named))}")
-    return named[want]
-  raise ValueError(f"{where}: chat_template of type {type(found).__name__}, expected a string or a list")
 
 
 def _environment():

@@ -112,9 +112,7 @@ class HFTokenizer:
       ids[name] = _special_id(tok, folder, name)
     add_bos = _adds_bos(tok, folder, ids["bos"])
     out = cls(tok, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"], add_bos=add_bos)
-    from ..data.chat import chat_template
-
-    out.chat_template = chat_template(folder)
+    out.chat_template = folder_chat_template(folder)
     return out
 
   @classmethod
@@ -154,6 +152,35 @@ class HFTokenizer:
     out = cls(tok, bos_id=field("bos"), eos_id=field("eos"), pad_id=field("padding"), add_bos=add_bos)
     out.chat_template = gguf_file.field("tokenizer.chat_template")
     return out
+
+
+def folder_chat_template(folder: Path, name: str | None = None) -> str | None:
+  """A Hugging Face folder's chat template: tokenizer_config.json's "chat_template" (a
+  string, or the one named `name`, default "default", of a list), else the text of
+  chat_template.jinja beside it; None where there is neither."""
+  config = folder / "tokenizer_config.json"
+  if config.is_file():
+    found = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+    if found is not None:
+      return pick_template(found, name, str(config))
+  jinja = folder / "chat_template.jinja"
+  return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+
+
+def pick_template(found, name, where):
+  """`found` (a template, None, or transformers' list of {"name", "template"}) as one
+  template: the one named `name` (default "default") of a list."""
+  if found is None or isinstance(found, str):
+    if name is not None and found is not None:
+      raise ValueError(f"name={name!r}: {where} has one unnamed chat template")
+    return found
+  if isinstance(found, list):
+    named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
+    want = name or "default"
+    if want not in named:
+      raise ValueError(f"name={want!r}: {where}'s chat templates are named {sorted(map(str, named))}")
+    return named[want]
+  raise ValueError(f"{where}: chat_template of type {type(found).__name__}, expected a string or a list")
 
 
 def add_pieces(tok, pieces, types) -> None:
