@@ -254,3 +254,17 @@ def test_data_benchmark_rates_the_pipeline_against_a_runs_steps(tmp_path):
     "half padding, unmarked",
   }
   assert json.loads((tmp_path / "out.json").read_text()) == result
+
+
+def test_gpu_benchmarks_without_a_gpu_or_a_task_say_what_to_pass():
+  """bench_train_gpu.py on a CPU without --tiny refuses in one line naming --tiny (it
+  would run the full model's step on the CPU until the kernel kills it);
+  bench_gpu.py with neither --check nor --time says to pass one."""
+  import bench_gpu
+  import bench_train_gpu
+
+  with pytest.raises(SystemExit, match="no GPU here.*pass --tiny") as refused:
+    bench_train_gpu.main(["--lengths=16384"])
+  assert "\n" not in str(refused.value)
+  with pytest.raises(SystemExit, match="pass --check .*--time"):
+    bench_gpu.main([])

@@ -286,6 +286,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if not (args.check or args.time):
+    raise SystemExit("bench_gpu.py: nothing to do: pass --check (against float64), --time, or both")
 
   import jax
 

@@ -272,6 +272,11 @@ def main(argv=None) -> dict:
     return {}
   import jax
 
+  if jax.devices()[0].platform != "gpu" and not args.tiny:
+    raise SystemExit(
+      f"bench_train_gpu.py: no GPU here ({jax.devices()[0].platform}); {args.model}'s step at these lengths "
+      "would run on the CPU until memory runs out: pass --tiny for a small model's run here"
+    )
   cfg = model_config(args.model, args.tiny)
   device = jax.devices()[0]
   matmul = jax_matmul_flops()
