@@ -96,6 +96,9 @@ def parse_args(argv=None):
     "--lora-targets", default="q,k,v,o,gate,up,down", help="projections to adapt: q, k, v, o, gate, up, down"
   )
   p.add_argument("--merge", action="store_true", help="with --lora-rank: also write the merged model")
+  p.add_argument(
+    "--no-progress", action="store_true", help="no progress bar (metrics.jsonl still gets every step)"
+  )
   p.add_argument("--cache-dir", default=None, help="tokenized data cache (default: ~/.cache/jax_ring/data)")
   p.add_argument(
     "--save-every", type=int, default=0, help="orbax state every this many steps (0: at the end)"
@@ -276,6 +279,7 @@ def main(argv=None):
       base=args.path,
       run=run,
       merge=args.merge,
+      progress=not args.no_progress,
     )
   except (ValueError, FloatingPointError) as e:
     raise SystemExit(f"finetune.py: {e}") from None
