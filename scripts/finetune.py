@@ -178,6 +178,7 @@ def load_data(args, tokenizer):
     + f" in {len(loader.rows)} rows of {args.length} tokens, {100 * loader.padding:.1f}% padding"
     + (f"; {len(examples.skipped)} bad records skipped" if examples.skipped else "")
     + (f"; {len(loader.dropped)} examples dropped (--long {args.long})" if loader.dropped else "")
+    + (f"; {loader.idle_rows} rows with nothing to learn left out" if loader.idle_rows else "")
     + (
       ""
       if evaluator is None

@@ -365,3 +365,17 @@ def test_two_processes_tokenize_their_shares_and_train_as_one(folder, tmp_path):
   tuned, _ = models.load(tmp_path / "two" / "checkpoint", attention="dense")
   again, _ = models.load(tmp_path / "one" / "checkpoint", attention="dense")
   np.testing.assert_allclose(tuned.embed.embedding[...], again.embed.embedding[...], rtol=1e-5, atol=1e-6)
+
+
+def test_rows_with_nothing_to_learn_are_left_out():
+  """A 600-token prompt and its 10-token completion split into rows of 256: the two
+  rows of prompt alone carry no loss weight and are left out (counted); the third,
+  which holds the completion, stays with its positions going on from 512."""
+  ids = np.arange(610, dtype=np.int32) % 200
+  mask = np.concatenate([np.zeros(600), np.ones(10)]).astype(np.float32)
+  examples = pipeline.Examples([ids], [mask], ["data.jsonl:1"], "completion", [])
+  loader = pipeline.Loader(examples, 256, 1, seed=0)
+  assert loader.idle_rows == 2 and len(loader.rows) == 1
+  arrays, where = next(loader)
+  assert where == ["data.jsonl:1"] and arrays["positions"][0, 0] == 512
+  assert arrays["weights"].sum() == 10

@@ -226,7 +226,8 @@ class Loader:
   rows a step. `next()` gives (arrays, sources): `batch_arrays`' dict and the examples'
   sources ("file:line") in the batch. `state()` / `restore(state)`: grain's iterator
   state (a small JSON-able dict), so that a resumed run continues at exactly the next row.
-  `shuffle=False`: the rows in order, once (evaluation)."""
+  `shuffle=False`: the rows in order, once (evaluation). Rows with no token to learn
+  (all their loss weights 0) are left out (`idle_rows` counts them)."""
 
   def __init__(
     self, examples: Examples, length: int, batch: int, *, long="split", seed=0, pad_id=0, shuffle=True
@@ -237,7 +238,12 @@ class Loader:
       raise ValueError(f"batch={batch!r} must be a positive int (rows a step)")
     self.examples, self.length, self.pad_id = examples, length, int(pad_id or 0)
     self._pairs = examples.pairs()
-    self.rows, self.dropped = packing.plan([len(i) for i in examples.ids], length, long=long)
+    rows, self.dropped = packing.plan([len(i) for i in examples.ids], length, long=long)
+    # A row with nothing to learn (a piece of a long prompt, say) would cost a step for
+    # no gradient: left out, and counted.
+    learns = lambda row: any(examples.masks[p.example][p.start + 1 : p.stop].any() for p in row)
+    self.rows = [row for row in rows if learns(row)]
+    self.idle_rows = len(rows) - len(self.rows)
     if not self.rows:
       raise ValueError(f"no rows: all {len(examples)} examples were dropped (long={long!r}, length={length})")
     ds = grain.MapDataset.range(len(self.rows))

@@ -254,7 +254,8 @@ def finetune(
   evaluation loss every `config.eval_every` steps and at the end), writing:
 
   - `out/metrics.jsonl` and TensorBoard event files in `out/tb/`, a record as each step
-    ends ("step", "loss", "grad_norm", "lr", "tokens" (those not padding), "padding",
+    ends ("step", "loss", "grad_norm", "lr", "tokens" (those not padding), "loss_tokens"
+    (the targets with a loss weight), "padding",
     "tokens_per_s", "seconds", and "dropped_tokens" for an MoE with a capacity) and as
     each evaluation ends ("step", "eval_loss");
   - `out/report.json` ("config": `config` and `run`, what the run used; "steps": each
@@ -336,6 +337,7 @@ def finetune(
       rows=len(data.rows),
       padding=round(stats, 6),
       dropped_examples=len(data.dropped),
+      rows_without_loss=data.idle_rows,
       skipped_records=len(data.examples.skipped),
       format=data.examples.format,
     )
@@ -400,6 +402,7 @@ def finetune(
         grad_norm=norm,
         lr=float(schedule(step)),
         tokens=real,
+        loss_tokens=int(np.sum(arrays["weights"] > 0)),
         padding=round(1.0 - real / arrays["tokens"].size, 6),
         tokens_per_s=round(arrays["tokens"].size / seconds, 1),
         seconds=round(seconds, 3),
