@@ -271,6 +271,10 @@ class Loader:
     where = [self.examples.where[p.example] for i in rows["row"] for p in self.rows[int(i)]]
     return batch_arrays(rows), where
 
+  def rewind(self) -> None:
+    """Back to the first batch (an evaluation loader, read whole each time)."""
+    self._iter = iter(self.dataset)
+
   def state(self) -> dict:
     return self._iter.get_state()
 

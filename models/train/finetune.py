@@ -448,7 +448,7 @@ def finetune(
 
 def _once(loader):
   """Every batch of an evaluation loader (`shuffle=False`), from its start."""
-  loader.restore({"next_index": 0})
+  loader.rewind()
   return list(loader)
 
 
