@@ -276,6 +276,7 @@ def _ring_shard(
       s=s,
       mods=mods,
       lse_out=lse_out,
+      ring_size=ring_size,
     )
     if why is not None:
       use, auto = _from_cudnn(kernel, why, query.shape[3], policy), True

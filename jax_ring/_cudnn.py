@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -140,105 +141,291 @@ def unsupported(platform: str, head_dim: int, policy, device_kind: str | None = 
 # --- The calls. ---
 
 
-def forward(q, k, v, *, causal: bool):
+class Sequences(NamedTuple):
+  """Documents packed in one call's rows (cuDNN's packed "THD" layout): sequence m of
+  batch row b is query rows [q_off[b, m], q_off[b, m] + q_len[b, m]) against key rows
+  [kv_off[b, m], kv_off[b, m] + kv_len[b, m]), and nothing else; under `causal` and
+  `window` a query's place in its sequence is compared with a key's place in its own.
+  q_len, kv_len [B, M] int32; q_off, kv_off [B, M + 1] int32; unused entries -1. Rows
+  in no sequence get output 0 and lse -inf, and no gradient."""
+
+  q_len: jax.Array
+  kv_len: jax.Array
+  q_off: jax.Array
+  kv_off: jax.Array
+
+
+def forward(q, k, v, *, causal: bool, window: int | None = None, seqs: Sequences | None = None):
   """(out [B, N, T, H] float32, lse [B, N, T] float32) of pre-scaled q against k, v:
-  every key seen or, with `causal`, query row i seeing key rows j <= i."""
-  return lax.platform_dependent(q, k, v, cuda=_CALLS["forward"](causal), default=_XLA["forward"](causal))
+  every key seen or, with `causal`, query row i seeing key rows j <= i; `window` w
+  (with `causal`) hides keys j < i - w; `seqs` packs documents (`Sequences`)."""
+  call = functools.partial(_call, "forward", causal=causal, window=window)
+  extra = () if seqs is None else tuple(seqs)
+  return lax.platform_dependent(q, k, v, *extra, cuda=call(cuda=True), default=call(cuda=False))
 
 
-def backward(q, k, v, out, do, lse, *, causal: bool):
+def backward(
+  q, k, v, out, do, lse, *, causal: bool, window: int | None = None, seqs: Sequences | None = None
+):
   """(dq [B, N, T, H], dk, dv [B, K, S, H]) float32: this block's share of the
   gradients, from the global `out` [B, N, T, H], `lse` [B, N, T] and dO."""
-  args = (q, k, v, out, do, lse)
-  return lax.platform_dependent(*args, cuda=_CALLS["backward"](causal), default=_XLA["backward"](causal))
+  call = functools.partial(_call, "backward", causal=causal, window=window)
+  extra = () if seqs is None else tuple(seqs)
+  args = (q, k, v, out, do, lse, *extra)
+  return lax.platform_dependent(*args, cuda=call(cuda=True), default=call(cuda=False))
 
 
-def _mask(causal: bool):
-  return _API.MaskType.CAUSAL if causal else _API.MaskType.NO_MASK
+def _call(which: str, *, causal: bool, window, cuda: bool):
+  """The function `forward`/`backward` run on CUDA (`cuda`) or elsewhere (the twin)."""
+  if which == "forward":
+
+    def run(q, k, v, *seqs):
+      seqs = Sequences(*seqs) if seqs else None
+      if cuda and _API is not None:
+        return _cudnn_forward(q, k, v, causal=causal, window=window, seqs=seqs)
+      return _xla_forward(q, k, v, causal=causal, window=window, seqs=seqs)
+
+  else:
+
+    def run(q, k, v, out, do, lse, *seqs):
+      seqs = Sequences(*seqs) if seqs else None
+      if cuda and _API is not None:
+        return _cudnn_backward(q, k, v, out, do, lse, causal=causal, window=window, seqs=seqs)
+      return _xla_backward(q, k, v, out, do, lse, causal=causal, window=window, seqs=seqs)
+
+  return run
 
 
-def _options(causal: bool) -> dict:
-  """The primitives' parameters: softmax scale 1 (q comes scaled), no dropout, BNTH."""
+def _mask(causal: bool, packed: bool):
+  kinds = _API.MaskType
+  if packed:
+    return kinds.PADDING_CAUSAL if causal else kinds.PADDING
+  return kinds.CAUSAL if causal else kinds.NO_MASK
+
+
+def _options(causal: bool, window, packed: bool = False) -> dict:
+  """The primitives' parameters: softmax scale 1 (q comes scaled), no dropout, BNTH
+  (BTNH for packed documents: cuDNN's offsets count whole tokens); cuDNN's window
+  length counts the query's own key, so a window of w keys back is w + 1."""
+  layout = _API.AttentionLayout.BTNH if packed else _API.AttentionLayout.BNTH
   return dict(
     scale=1.0,
     seed=0,
     dropout_rate=0.0,
     variadic_args=(False, False),  # (has bias, has dbias)
-    mask_type=_mask(causal),
-    layout=_API.AttentionLayout.BNTH.value,
-    sliding_window_length=None,
+    mask_type=_mask(causal, packed),
+    layout=layout.value,
+    sliding_window_length=None if window is None else window + 1,
   )
 
 
-def _unused(x):
-  """The empty arrays that stand for the primitives' absent operands (bias, sequence
-  lengths and offsets, page tables), as `dot_product_attention` passes them."""
-  return (jnp.zeros((0,), x.dtype),) * 7
+def _empty(x, n: int):
+  """The empty arrays that stand for the primitives' absent operands, as
+  `dot_product_attention` passes them."""
+  return (jnp.zeros((0,), x.dtype),) * n
 
 
-def _cudnn_forward(q, k, v, *, causal: bool):
+def _btnh(x):
+  """[B, N, T, H] <-> [B, T, N, H]."""
+  return jnp.swapaxes(x, 1, 2)
+
+
+def _operands(q, seqs: Sequences | None):
+  """bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_table_k, page_table_v."""
+  if seqs is None:
+    return _empty(q, 7)
+  return (*_empty(q, 1), *seqs, *_empty(q, 2))
+
+
+def _cudnn_forward(q, k, v, *, causal: bool, window, seqs: Sequences | None):
+  packed = seqs is not None
+  ins = (_btnh(q), _btnh(k), _btnh(v)) if packed else (q, k, v)
   out, stats = _API._dot_product_attention_fwd_p_wrapper.bind(
-    q, k, v, *_unused(q), is_training=True, **_options(causal)
+    *ins, *_operands(q, seqs), is_training=True, **_options(causal, window, packed)
   )
-  return out.astype(jnp.float32), stats
+  if not packed:
+    return out.astype(jnp.float32), stats
+  rows = row_sequences(seqs.q_len, seqs.q_off, q.shape[2])
+  return _only_covered(_btnh(out).astype(jnp.float32), lse_of_stats(stats, rows), rows)
 
 
-def _cudnn_backward(q, k, v, out, do, lse, *, causal: bool):
+def _cudnn_backward(q, k, v, out, do, lse, *, causal: bool, window, seqs: Sequences | None):
+  packed = seqs is not None
+  if packed:
+    stats = stats_of_lse(lse, seqs.q_len, seqs.q_off)
+    q, k, v, out, do = map(_btnh, (q, k, v, out, do))
+  else:
+    stats = lse
   dq, dk, dv = _API._dot_product_attention_bwd_p_wrapper.bind(
-    q, k, v, *_unused(q), lse, out.astype(q.dtype), do.astype(q.dtype), **_options(causal)
+    q,
+    k,
+    v,
+    *_operands(q, seqs),
+    stats,
+    out.astype(q.dtype),
+    do.astype(q.dtype),
+    **_options(causal, window, packed),
   )
-  return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+  grads = [g.astype(jnp.float32) for g in (dq, dk, dv)]
+  if not packed:
+    return tuple(grads)
+  dq, dk, dv = map(_btnh, grads)
+  q_rows = row_sequences(seqs.q_len, seqs.q_off, dq.shape[2])[0] >= 0
+  k_rows = row_sequences(seqs.kv_len, seqs.kv_off, dk.shape[2])[0] >= 0
+  zero = lambda g, rows: jnp.where(rows[:, None, :, None], g, 0.0)
+  return zero(dq, q_rows), zero(dk, k_rows), zero(dv, k_rows)
 
 
-def _scores(q, k, causal: bool):
-  """Scores float32 [B, K, G, T, S] and the mask (None: whole)."""
+# --- Packed documents: where each row sits, and cuDNN's statistics. ---
+#
+# cuDNN numbers a call's sequences across its batch rows in order (JAX's
+# `_fix_seqlen_offsets` shifts the used entries of [B, M] to the front), and writes its
+# softmax statistics per sequence: [B * M, N, T], entry (g, n, i) for the i-th query of
+# sequence g.
+
+
+def sequence_numbers(q_len):
+  """[B, M] -> cuDNN's number of each used sequence (entries with q_len >= 0), -1 else."""
+  used = q_len >= 0
+  g = jnp.cumsum(used.reshape(-1)).reshape(used.shape) - 1
+  return jnp.where(used, g, -1)
+
+
+def row_sequences(q_len, q_off, t: int):
+  """(sequence number g [B, T], place in it [B, T]) of each of t rows; -1 and 0 for
+  rows in no sequence."""
+  numbers = sequence_numbers(q_len)
+  off = q_off[:, : q_len.shape[1]]
+  rows = jnp.arange(t, dtype=jnp.int32)
+  inside = (q_len[..., None] > 0) & (rows >= off[..., None]) & (rows < (off + q_len)[..., None])  # [B, M, T]
+  m = jnp.argmax(inside, axis=1)
+  covered = jnp.any(inside, axis=1)
+  g = jnp.where(covered, jnp.take_along_axis(numbers, m, axis=1), -1)
+  place = jnp.where(covered, rows - jnp.take_along_axis(off, m, axis=1), 0)
+  return g, place
+
+
+def lse_of_stats(stats, rows):
+  """cuDNN's statistics [G, N, T] -> lse [B, N, T] of the rows (`row_sequences`)."""
+  g, place = rows
+  picked = stats[jnp.maximum(g, 0), :, place]  # [B, T, N]
+  return jnp.moveaxis(picked, -1, 1)
+
+
+def stats_of_lse(lse, q_len, q_off):
+  """lse [B, N, T] -> cuDNN's statistics [B * M, N, T] (0 past a sequence's end)."""
+  b, n, t = lse.shape
+  m = q_len.shape[1]
+  numbers = sequence_numbers(q_len).reshape(-1)
+  slot = jnp.where(numbers >= 0, numbers, b * m)  # unused entries scatter nowhere
+  batch = (
+    jnp.zeros((b * m,), jnp.int32).at[slot].set(jnp.repeat(jnp.arange(b, dtype=jnp.int32), m), mode="drop")
+  )
+  start = jnp.zeros((b * m,), jnp.int32).at[slot].set(q_off[:, :m].reshape(-1), mode="drop")
+  length = jnp.zeros((b * m,), jnp.int32).at[slot].set(q_len.reshape(-1), mode="drop")
+  places = jnp.arange(t, dtype=jnp.int32)
+  rows = jnp.clip(start[:, None] + places, 0, t - 1)  # [G, T]
+  picked = lse[batch[:, None], :, rows]  # [G, T, N]
+  return jnp.where((places < length[:, None])[..., None], picked, 0.0).transpose(0, 2, 1)
+
+
+def _only_covered(out, lse, rows):
+  covered = rows[0] >= 0
+  return jnp.where(covered[:, None, :, None], out, 0.0), jnp.where(covered[:, None], lse, -jnp.inf)
+
+
+# --- The twin. ---
+
+
+def _seen(t: int, s: int, causal: bool, window, seqs: Sequences | None):
+  """The mask [B or 1, T, S] of what a call lets through (None: everything)."""
+  if seqs is None:
+    if not causal and window is None:
+      return None
+    i, j = jnp.arange(t)[:, None], jnp.arange(s)[None]
+    seen = (j <= i) if causal else jnp.ones((t, s), bool)
+    if window is not None:
+      seen &= i - j <= window
+    return seen[None]
+  qg, qi = row_sequences(seqs.q_len, seqs.q_off, t)
+  kg, kj = row_sequences(seqs.kv_len, seqs.kv_off, s)
+  seen = (qg[:, :, None] >= 0) & (qg[:, :, None] == kg[:, None, :])
+  if causal:
+    seen &= kj[:, None, :] <= qi[:, :, None]
+  if window is not None:
+    seen &= qi[:, :, None] - kj[:, None, :] <= window
+  return seen
+
+
+def _scores(q, k):
+  """Scores float32 [B, K, G, T, S]."""
   b, n, t, h = q.shape
-  kh, s = k.shape[1], k.shape[2]
-  s_ = jnp.einsum("bkgth,bksh->bkgts", q.reshape(b, kh, n // kh, t, h), k, preferred_element_type=jnp.float32)
-  seen = jnp.arange(t)[:, None] >= jnp.arange(s)[None] if causal else None
-  return s_, seen
+  kh = k.shape[1]
+  return jnp.einsum(
+    "bkgth,bksh->bkgts", q.reshape(b, kh, n // kh, t, h), k, preferred_element_type=jnp.float32
+  )
 
 
-def _xla_forward(q, k, v, *, causal: bool):
-  """What cuDNN's forward computes, in jnp: the output rounded to the input dtype as
-  cuDNN writes it, the statistics in float32."""
+def dense_forward(q, k, v, seen):
+  """(out [B, N, T, H], lse [B, N, T]) float32 of pre-scaled q against k, v where `seen`
+  [B or 1, T, S] (None: everywhere) lets a query see a key; rows that see nothing: 0,
+  -inf. The twin's forward, and the ring's step where cuDNN's masks cannot say which
+  keys a query sees (`_ring`: a window's edge across a step)."""
   b, n, t, h = q.shape
-  s, seen = _scores(q, k, causal)
+  s_ = _scores(q, k)
   if seen is not None:
-    s = jnp.where(seen, s, -jnp.inf)
-  top = jnp.max(s, axis=-1, keepdims=True)  # every row sees a key: finite
-  p = jnp.exp(s - top)
+    s_ = jnp.where(seen[:, None, None], s_, -jnp.inf)
+  top = jnp.max(s_, axis=-1, keepdims=True)
+  safe = jnp.where(jnp.isfinite(top), top, 0.0)
+  p = jnp.exp(s_ - safe)
   total = jnp.sum(p, axis=-1, keepdims=True)
-  out = jnp.einsum("bkgts,bksh->bkgth", p / total, v.astype(jnp.float32))
-  lse = (top + jnp.log(total))[..., 0]
-  return out.astype(q.dtype).astype(jnp.float32).reshape(b, n, t, h), lse.reshape(b, n, t)
+  some = total > 0
+  out = jnp.einsum("bkgts,bksh->bkgth", p / jnp.where(some, total, 1.0), v.astype(jnp.float32))
+  lse = jnp.where(some, safe + jnp.log(jnp.where(some, total, 1.0)), -jnp.inf)[..., 0]
+  return out.reshape(b, n, t, h), lse.reshape(b, n, t)
 
 
-def _xla_backward(q, k, v, out, do, lse, *, causal: bool):
-  """What cuDNN's backward computes given the statistics and output, in jnp (the
-  gradients rounded to the input dtype, as cuDNN writes them)."""
+def dense_backward(q, k, v, out, do, lse, seen):
+  """(dq, dk, dv) float32 of `dense_forward`'s keys, from the global `out`, `lse` and dO
+  (dq lacks the softmax scale, as cuDNN's)."""
   b, n, t, h = q.shape
   kh = k.shape[1]
   grouped = lambda x: x.astype(jnp.float32).reshape(b, kh, n // kh, t, -1)
-  s, seen = _scores(q, k, causal)
-  p = jnp.exp(s - grouped(lse[..., None]))
+  s_ = _scores(q, k)
+  finite = jnp.isfinite(lse)
+  p = jnp.exp(s_ - grouped(jnp.where(finite, lse, 0.0)[..., None]))
+  keep = finite.reshape(b, kh, n // kh, t, 1)
   if seen is not None:
-    p = jnp.where(seen, p, 0.0)
+    keep = keep & seen[:, None, None]
+  p = jnp.where(keep, p, 0.0)
   do32 = grouped(do)
   delta = jnp.sum(do32 * grouped(out), axis=-1, keepdims=True)
   dv = jnp.einsum("bkgts,bkgth->bksh", p, do32)
   ds = p * (jnp.einsum("bkgth,bksh->bkgts", do32, v.astype(jnp.float32)) - delta)
   dq = jnp.einsum("bkgts,bksh->bkgth", ds, k.astype(jnp.float32)).reshape(b, n, t, h)
   dk = jnp.einsum("bkgts,bkgth->bksh", ds, grouped(q))
-  as_input = lambda x: x.astype(q.dtype).astype(jnp.float32)
-  return as_input(dq), as_input(dk), as_input(dv)
+  return dq, dk, dv
 
 
-def _bound(fn):
-  return lambda causal: functools.partial(fn, causal=causal)
+def _xla_forward(q, k, v, *, causal: bool, window=None, seqs: Sequences | None = None):
+  """What cuDNN's forward computes, in jnp: the output rounded to the input dtype as
+  cuDNN writes it, the statistics in float32. Packed documents (`seqs`) go through
+  cuDNN's statistics layout (`stats_of_lse`, `lse_of_stats`), as the call's do."""
+  t = q.shape[2]
+  out, lse = dense_forward(q, k, v, _seen(t, k.shape[2], causal, window, seqs))
+  out = out.astype(q.dtype).astype(jnp.float32)
+  if seqs is None:
+    return out, lse
+  rows = row_sequences(seqs.q_len, seqs.q_off, t)
+  stats = stats_of_lse(lse, seqs.q_len, seqs.q_off)
+  return _only_covered(out, lse_of_stats(stats, rows), rows)
 
 
-_XLA = {"forward": _bound(_xla_forward), "backward": _bound(_xla_backward)}
-# Where the private API is missing, the CUDA branch is never chosen (`unsupported`);
-# lowering a stand-in program for CUDA would then run the twin.
-_CALLS = _XLA if _API is None else {"forward": _bound(_cudnn_forward), "backward": _bound(_cudnn_backward)}
+def _xla_backward(q, k, v, out, do, lse, *, causal: bool, window=None, seqs: Sequences | None = None):
+  """What cuDNN's backward computes given the statistics and output, in jnp (the
+  gradients rounded to the input dtype, as cuDNN writes them)."""
+  t = q.shape[2]
+  if seqs is not None:  # the statistics as the packed call takes them
+    lse = lse_of_stats(stats_of_lse(lse, seqs.q_len, seqs.q_off), row_sequences(seqs.q_len, seqs.q_off, t))
+  grads = dense_backward(q, k, v, out, do, lse, _seen(t, k.shape[2], causal, window, seqs))
+  return tuple(g.astype(q.dtype).astype(jnp.float32) for g in grads)

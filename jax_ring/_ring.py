@@ -737,19 +737,20 @@ def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   return _q_blocked(dq, x.q) * scale, _kv_blocked(dk, cfg.block_kv), _kv_blocked(dv, cfg.block_kv)
 
 
-def cudnn_problem(*, is_causal, window, has_padding, segments, layout, custom, t, s, mods, lse_out):
-  """Why cuDNN cannot run this call's ring steps (None: it can). cuDNN's masks are
-  "whole" and "causal" on rows (`_cudnn`): each step must be one rectangle of its
-  queries and keys under one of them (`_CUDNN_KINDS`), which the contiguous and zigzag
-  layouts give for causal attention and every layout gives for full attention."""
-  if segments:
-    return "segment ids: cuDNN's masks here are causal or none"
+def cudnn_problem(*, is_causal, window, has_padding, segments, layout, custom, t, s, mods, lse_out, ring_size=2):
+  """Why cuDNN cannot run this call's ring steps (None: it can). Each step must be one
+  rectangle of its queries and keys under cuDNN's masks (`_cudnn_kinds`): the
+  contiguous and zigzag layouts give that for causal attention and every layout for
+  full attention; a causal window needs the contiguous layout (its edge is then on the
+  diagonal step, which cuDNN's sliding window takes, or on a step whose offset is known
+  when tracing, which runs in XLA: `_edge_rectangle`), and documents (segment ids) need
+  causal attention (each step then sees at most one document of its keys' earlier
+  shard, or the diagonal's own: `_step_sequences`). On a ring of one device every
+  layout is contiguous."""
   if has_padding:
     return (
       "padding (a length the layout does not divide, or per-row lengths): cuDNN's masks take no positions"
     )
-  if window is not None:
-    return "local_window_size: cuDNN's sliding window counts from each block's own first key"
   if mods.active:
     return f"cuDNN does not apply {', '.join(mods.names())} (the XLA tiles do)"
   if lse_out:
@@ -761,23 +762,65 @@ def cudnn_problem(*, is_causal, window, has_padding, segments, layout, custom, t
     )
   if is_causal and t != s:
     return f"causal attention with key length {s} != query length {t}"
+  if window is not None and not is_causal:
+    return "local_window_size without is_causal: cuDNN's sliding window looks back only"
+  if window is not None and layout != "contiguous" and ring_size > 1:
+    return f"local_window_size with the {layout} layout: cuDNN's window runs in the contiguous layout"
+  if segments and not is_causal:
+    return "segment ids without is_causal: cuDNN's packed documents run under the causal mask here"
   return None
 
 
+class _Kind(NamedTuple):
+  """One call of a cuDNN ring step: the rectangle of its query rows ("all", "first" or
+  "second" half) and key rows, and its mask ("whole": every query sees every key;
+  "causal": query row i sees key row j <= i, cuDNN's CAUSAL aligned at the top left,
+  and the window back from it). `edge`: the offset of the step's first query position
+  from its first key's, for a step whose window edge crosses it (run in XLA)."""
+
+  name: str
+  rows_q: str | None
+  rows_k: str | None
+  causal: bool
+  edge: int | None = None
+
+
 # A cuDNN ring step is one call on one rectangle of the step's (queries, keys), chosen
-# from the positions (`_cudnn_kind`): the kinds, with the query rows, key rows and mask
-# of their call ("whole": every query sees every key; "causal": query row i sees key
-# row j <= i, cuDNN's CAUSAL aligned at the top left). Queries and keys are in
-# ascending positions within a shard in the contiguous and zigzag layouts
-# (`cudnn_problem`), which makes "causal" on rows the causal mask on positions.
+# from the positions (`_cudnn_kind`). Queries and keys are in ascending positions within
+# a shard in the contiguous and zigzag layouts (`cudnn_problem`), which makes "causal" on
+# rows the causal mask on positions.
 _CUDNN_KINDS = (
-  ("hidden", None, None, None),
-  ("whole", "all", "all", False),
-  ("keys_first", "all", "first", False),  # zigzag: the shard's keys are earlier, by one chunk
-  ("queries_second", "second", "all", False),  # zigzag: the shard's keys are later, by one chunk
-  ("causal", "all", "all", True),  # the own shard (its queries' positions are its keys')
-  ("causal_second", "second", "all", True),  # the later half of the own keys (OwnHalves)
+  _Kind("hidden", None, None, False),
+  _Kind("whole", "all", "all", False),
+  _Kind("keys_first", "all", "first", False),  # zigzag: the shard's keys are earlier, by one chunk
+  _Kind("queries_second", "second", "all", False),  # zigzag: the shard's keys are later, by one chunk
+  _Kind("causal", "all", "all", True),  # the own shard (its queries' positions are its keys')
+  _Kind("causal_second", "second", "all", True),  # the later half of the own keys (OwnHalves)
 )
+# Documents per cuDNN call on the diagonal step: more run in further calls, this many at
+# a time (cuDNN's statistics of a packed call take [B * this, heads, T] floats).
+MAX_DOCUMENTS = 16
+
+
+def _cudnn_kinds(cfg: RingConfig, t: int) -> tuple[_Kind, ...]:
+  """The kinds of this call's steps: `_CUDNN_KINDS`, and under a causal window in the
+  contiguous layout one "edge" kind per ring step (offset j * t) that the window's
+  edge crosses."""
+  kinds = list(_CUDNN_KINDS)
+  if cfg.mask.window is not None and cfg.mask.is_causal:
+    left = cfg.mask.window[0]
+    for j in range(1, cfg.steps_back + 1):
+      d = j * t
+      if d + t - 1 > left and d - t + 1 <= left:
+        kinds.append(_Kind("edge", "all", "all", False, d))
+  return tuple(kinds)
+
+
+def _edge_rectangle(kind: _Kind, left: int, t: int):
+  """(query rows, first key row) of an edge step that can see anything: the window
+  shows query row i the key rows from i + offset - left on."""
+  delta = kind.edge - left
+  return min(t, t - delta), max(0, delta)
 
 
 def _rows(x, which: str, axis: int = 2):
@@ -801,24 +844,37 @@ def _put_rows(x, which: str, new, axis: int = 2):
   return lax.dynamic_update_slice_in_dim(x, new, start, axis=axis)
 
 
-def _cudnn_kind(cfg: RingConfig, q_pos, k_pos):
-  """The index in `_CUDNN_KINDS` of the one call a step runs, from the positions of
-  its queries [T] and keys [S]: each kind's condition is that its rectangle is exactly
-  what the causal mask lets through. None matching (which the admitted layouts never
-  give) is len(_CUDNN_KINDS): the step's output is NaN, never a wrong number. Full
-  attention is always "whole" (a Python int)."""
+def _cudnn_kind(cfg: RingConfig, kinds, q_pos, k_pos):
+  """The index in `kinds` of the one call a step runs, from the positions of its
+  queries [T] and keys [S]: each kind's condition is that its rectangle is exactly what
+  the causal mask and the window let through (an edge kind: that the step's offset is
+  its own). None matching (which the admitted layouts never give) is len(kinds): the
+  step's output is NaN, never a wrong number. Full attention is always "whole" (a
+  Python int)."""
   if not cfg.mask.is_causal:
     return 1
   t, s = q_pos.shape[0], k_pos.shape[0]
   lo, hi = jnp.min, jnp.max
   half = lambda x, which: _rows(x, which, axis=0)
+  left = None if cfg.mask.window is None else cfg.mask.window[0]
+
+  def seen(q, k):  # the window shows every query of q every key of k
+    return True if left is None else hi(q) - lo(k) <= left
+
+  hidden = hi(q_pos) < lo(k_pos)
+  if left is not None:
+    hidden = hidden | (lo(q_pos) - hi(k_pos) > left)
   conditions = [
-    hi(q_pos) < lo(k_pos),
-    lo(q_pos) >= hi(k_pos),
-    (lo(q_pos) >= hi(half(k_pos, "first"))) & (hi(q_pos) < lo(half(k_pos, "second")))
+    hidden,
+    (lo(q_pos) >= hi(k_pos)) & seen(q_pos, k_pos),
+    (lo(q_pos) >= hi(half(k_pos, "first")))
+    & (hi(q_pos) < lo(half(k_pos, "second")))
+    & seen(q_pos, half(k_pos, "first"))
     if s % 2 == 0
     else False,
-    (hi(half(q_pos, "first")) < lo(k_pos)) & (lo(half(q_pos, "second")) >= hi(k_pos))
+    (hi(half(q_pos, "first")) < lo(k_pos))
+    & (lo(half(q_pos, "second")) >= hi(k_pos))
+    & seen(half(q_pos, "second"), k_pos)
     if t % 2 == 0
     else False,
   ]
@@ -831,89 +887,242 @@ def _cudnn_kind(cfg: RingConfig, q_pos, k_pos):
     conditions.append(jnp.all(half(q_pos, "second") == k_pos) & (hi(half(q_pos, "first")) < lo(k_pos)))
   else:
     conditions.append(False)
-  kind = jnp.int32(len(_CUDNN_KINDS))
+  for kind in kinds[len(conditions) :]:  # edges: contiguous shards at the kind's offset
+    conditions.append((q_pos[0] - k_pos[0] == kind.edge) & (t == s))
+  index = jnp.int32(len(kinds))
   for i in reversed(range(len(conditions))):
-    kind = jnp.where(conditions[i], i, kind)
-  return kind
+    index = jnp.where(conditions[i], i, index)
+  return index
 
 
-def _cudnn_branches(t: int, s: int):
+def _cudnn_branches(kinds, t: int, s: int):
   """The kinds a step of t queries against s keys may be (the others' rectangles do
-  not exist at these lengths): (index, kind) pairs, for `lax.switch`."""
+  not exist at these lengths): indices into `kinds`, for `lax.switch`."""
   usable = []
-  for i, (name, rows_q, rows_k, _) in enumerate(_CUDNN_KINDS):
-    if (rows_q == "second" and t % 2) or (rows_k == "first" and s % 2):
+  for i, kind in enumerate(kinds):
+    if (kind.rows_q == "second" and t % 2) or (kind.rows_k == "first" and s % 2):
       continue
-    if name == "causal" and s > t or name == "causal_second" and 2 * s != t:
+    if kind.name == "causal" and s > t or kind.name == "causal_second" and 2 * s != t:
+      continue
+    if kind.name == "edge" and s != t:
       continue
     usable.append(i)
   return usable
 
 
-def _cudnn_step(cfg: RingConfig, kind, run, hidden, *args):
+def _cudnn_step(kinds, kind, run, hidden, *args):
   """run(kind's call) through `lax.switch` over the kinds a step can be, `hidden(*args)`
   for no call, and NaNs where no kind matched."""
   if isinstance(kind, int):
-    return run(_CUDNN_KINDS[kind], *args)
+    return run(kinds[kind], *args)
   t, s = args[0].shape[2], args[1].shape[2]
-  usable = _cudnn_branches(t, s)
-  branches = [hidden if i == 0 else functools.partial(run, _CUDNN_KINDS[i]) for i in usable]
+  usable = _cudnn_branches(kinds, t, s)
+  branches = [hidden if i == 0 else functools.partial(run, kinds[i]) for i in usable]
   branches.append(lambda *a: jax.tree.map(lambda x: x * jnp.nan, hidden(*a)))
-  index = jnp.full((len(_CUDNN_KINDS) + 1,), len(usable), jnp.int32)
+  index = jnp.full((len(kinds) + 1,), len(usable), jnp.int32)
   index = index.at[jnp.asarray(usable)].set(jnp.arange(len(usable), dtype=jnp.int32))
   return lax.switch(index[kind], branches, *args)
 
 
+# --- Documents (segment ids) in cuDNN's steps. ---
+#
+# Each document is one run of equal ids, in position order (`_documents_contiguous`
+# checks it once per call; otherwise the output is NaN). A diagonal step ("causal"
+# kinds: queries and keys are the same tokens) is then one packed call whose sequences
+# are the rows' runs; a step whose keys all come before its queries ("whole" kinds)
+# shares at most one document between them, the queries' first run and the keys' last.
+
+
+def _runs(seg, first, count: int):
+  """(starts, lengths) [B, count] of runs first, ..., first + count - 1 (in row order)
+  of equal non-negative ids in seg [B, T] (`first` [B, 1] or an int); -1 past the
+  last run."""
+  t = seg.shape[1]
+  valid = seg >= 0
+  differs = seg[:, 1:] != seg[:, :-1]
+  edge = jnp.ones_like(seg[:, :1], bool)
+  starts = valid & jnp.concatenate([edge, differs], axis=1)
+  ends = valid & jnp.concatenate([differs, edge], axis=1)
+  rank = jnp.cumsum(starts, axis=1) - 1  # the run each row belongs to
+  chosen = (rank >= first) & (rank < first + count)
+  pick = jax.vmap(lambda m: jnp.nonzero(m, size=count, fill_value=-1)[0].astype(jnp.int32))
+  begin, end = pick(starts & chosen), pick(ends & chosen)
+  del t
+  return begin, jnp.where(begin >= 0, end - begin + 1, -1)
+
+
+def _run_count(seg):
+  """Runs of equal non-negative ids per row [B]."""
+  differs = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  return jnp.sum((seg >= 0) & differs, axis=1)
+
+
+def _with_end(offsets):
+  """[B, M] -> [B, M + 1]: cuDNN's offsets have one entry more."""
+  return jnp.pad(offsets, ((0, 0), (0, 1)), constant_values=-1)
+
+
+def _diagonal_sequences(seg, group: int):
+  """The packed call of runs [group * MAX_DOCUMENTS, ...) of a diagonal step's rows."""
+  start, length = _runs(seg, group * MAX_DOCUMENTS, MAX_DOCUMENTS)
+  return _cudnn.Sequences(length, length, _with_end(start), _with_end(start))
+
+
+def _shared_sequence(q_seg, k_seg):
+  """(the packed call of the one document the queries' first run and the keys' last run
+  share, whether any row has one [B])."""
+  q_start, q_len = _runs(q_seg, 0, 1)
+  k_start, k_len = _runs(k_seg, _run_count(k_seg)[:, None] - 1, 1)
+  ids = lambda seg, start: jnp.take_along_axis(seg, jnp.maximum(start, 0), axis=1)
+  shared = (q_start >= 0) & (k_start >= 0) & (ids(q_seg, q_start) == ids(k_seg, k_start))
+  none = jnp.full_like(q_len, -1)
+  two = lambda x: jnp.concatenate([jnp.where(shared, x, -1), none], axis=1)  # cuDNN packs 2 or more
+  seqs = _cudnn.Sequences(two(q_len), two(k_len), _with_end(two(q_start)), _with_end(two(k_start)))
+  return seqs, jnp.any(shared)
+
+
+def _documents_contiguous(cfg: RingConfig, q_seg, q_pos):
+  """[B] bool: each row's documents (non-negative ids) are each one run in position
+  order over the whole ring, which the cuDNN steps assume (`_step_sequences`)."""
+  ids = lax.all_gather(q_seg, cfg.axis_name)  # [A, B, T]
+  pos = lax.all_gather(q_pos, cfg.axis_name)  # [A, T]
+  if cfg.axis_size and cfg.axis_size > cfg.ring_size:  # this device's sub-ring
+    first = lax.axis_index(cfg.axis_name) // cfg.ring_size * cfg.ring_size
+    ids = lax.dynamic_slice_in_dim(ids, first, cfg.ring_size, axis=0)
+    pos = lax.dynamic_slice_in_dim(pos, first, cfg.ring_size, axis=0)
+  b = ids.shape[1]
+  order = jnp.argsort(pos.reshape(-1))
+  ids = jnp.moveaxis(ids, 1, 0).reshape(b, -1)[:, order]
+  ranked = jnp.sort(jnp.where(ids >= 0, ids, -1), axis=1)
+  distinct = _run_count(ranked)
+  return _run_count(ids) == distinct
+
+
+def _step_sequences(kind: _Kind, q_seg, k_seg):
+  """For a "whole" kind with documents: (its packed call, whether to call at all)."""
+  return _shared_sequence(_rows(q_seg, kind.rows_q, 1), _rows(k_seg, kind.rows_k, 1))
+
+
+def _diagonal_groups(q_seg):
+  """Packed calls a diagonal step needs: ceil(runs / MAX_DOCUMENTS), at least 1."""
+  return jnp.maximum(1, -(-jnp.max(_run_count(q_seg)) // MAX_DOCUMENTS))
+
+
+def _edge_mask(cfg: RingConfig, kind: _Kind, q_pos, k_pos, q_seg, k_seg):
+  """(query rows, first key row, mask [B or 1, rows, keys]) of an edge step."""
+  left = cfg.mask.window[0]
+  rows, first = _edge_rectangle(kind, left, q_pos.shape[0])
+  qp, kp = q_pos[:rows], k_pos[first:]
+  seen = ((kp[None] <= qp[:, None]) & (qp[:, None] - kp[None] <= left))[None]
+  if q_seg is not None:
+    qs, ks = q_seg[:, :rows], k_seg[:, first:]
+    seen = seen & (qs[:, :, None] == ks[:, None, :]) & (qs[:, :, None] >= 0)
+  return rows, first, seen
+
+
+def _cudnn_window(cfg: RingConfig):
+  return None if cfg.mask.window is None else cfg.mask.window[0]
+
+
 def _cudnn_forward_state(cfg: RingConfig, x: Inputs):
-  """ring_forward_state with cuDNN's fused attention: each step one call (`_CUDNN_KINDS`),
+  """ring_forward_state with cuDNN's fused attention: each step one call (`_cudnn_kinds`),
   its (out, lse) in float32 merged exactly into the running pair's rows it covers."""
-  q, q_pos, _, kv = _pallas_args(x)
+  q, q_pos, q_seg, kv = _pallas_args(x)
   out = zeros_from(q, jnp.float32, x.kv.k)
   lse = jnp.full_like(out, -jnp.inf, shape=q.shape[:-1])
+  kinds = _cudnn_kinds(cfg, q.shape[2])
+  window = _cudnn_window(cfg)
 
-  def run(kind, q, k, v, out, lse):
-    _, rows_q, rows_k, causal = kind
-    o, l = _cudnn.forward(_rows(q, rows_q), _rows(k, rows_k), _rows(v, rows_k), causal=causal)
+  def merge(out, lse, rows_q, o, l):
     mo, ml = merge_local([_rows(out, rows_q), o], [_rows(lse, rows_q), l])
     return _put_rows(out, rows_q, mo), _put_rows(lse, rows_q, ml)
 
+  def run(kind, q, k, v, k_pos, k_seg, out, lse):
+    rq, rk = kind.rows_q, kind.rows_k
+    if kind.name == "edge":
+      rows, first, seen = _edge_mask(cfg, kind, q_pos, k_pos, q_seg, k_seg)
+      o, l = _cudnn.dense_forward(q[:, :, :rows], k[:, :, first:], v[:, :, first:], seen)
+      mo, ml = merge_local([out[:, :, :rows], o], [lse[:, :, :rows], l])
+      return out.at[:, :, :rows].set(mo), lse.at[:, :, :rows].set(ml)
+    qs, ks, vs = _rows(q, rq), _rows(k, rk), _rows(v, rk)
+    if q_seg is None:
+      o, l = _cudnn.forward(qs, ks, vs, causal=kind.causal, window=window if kind.causal else None)
+      return merge(out, lse, rq, o, l)
+    if kind.causal:  # the diagonal: its documents, MAX_DOCUMENTS a call
+      seg = _rows(q_seg, rq, 1)
+
+      def group(g, acc):
+        o, l = _cudnn.forward(qs, ks, vs, causal=True, window=window, seqs=_diagonal_sequences(seg, g))
+        return merge(*acc, rq, o, l)
+
+      return lax.fori_loop(0, _diagonal_groups(seg), group, (out, lse))
+    seqs, any_shared = _step_sequences(kind, q_seg, k_seg)
+    call = lambda acc: merge(*acc, rq, *_cudnn.forward(qs, ks, vs, causal=False, seqs=seqs))
+    return lax.cond(any_shared, call, lambda acc: acc, (out, lse))
+
   def compute(kv, acc):
     kv = _as_compute(kv, cfg.policy)
-    kind = _cudnn_kind(cfg, q_pos, kv.pos)
-    return _cudnn_step(cfg, kind, run, lambda q, k, v, out, lse: (out, lse), q, kv.k, kv.v, *acc)
+    kind = _cudnn_kind(cfg, kinds, q_pos, kv.pos)
+    hidden = lambda q, k, v, k_pos, k_seg, out, lse: (out, lse)
+    return _cudnn_step(kinds, kind, run, hidden, q, kv.k, kv.v, kv.pos, kv.seg, *acc)
 
   out, lse = _forward_passes(cfg, compute, kv, (out, lse))
+  if q_seg is not None:  # documents split over the ring: not what the calls assume
+    apart = ~_documents_contiguous(cfg, q_seg, q_pos)
+    out = jnp.where(apart[:, None, None, None], jnp.nan, out)
   return _q_blocked(out, x.q), _q_blocked(lse, x.q)
 
 
 def _cudnn_backward_state(cfg: RingConfig, x: Inputs, do, lse, out):
   """ring_backward_state with cuDNN's fused attention: each step's call's backward from
   the global output and lse, its dq, dk and dv added in float32 to the rows it covers."""
-  q, q_pos, _, kv = _pallas_args(x)
+  q, q_pos, q_seg, kv = _pallas_args(x)
   do, lse, out = _q_natural(do), _q_natural(lse), _q_natural(out)
   dq = zeros_varying_like(q.shape, jnp.float32, x.q, x.kv.k)
   zeros_kv = lambda: (
     zeros_varying_like(kv.k.shape, jnp.float32, x.q, x.kv.k),
     zeros_varying_like(kv.v.shape, jnp.float32, x.q, x.kv.v),
   )
+  kinds = _cudnn_kinds(cfg, q.shape[2])
+  window = _cudnn_window(cfg)
+  add = lambda acc, rows, g: _put_rows(acc, rows, _rows(acc, rows) + g)
 
-  def run(kind, q, k, v, dq, dk, dv):
-    _, rows_q, rows_k, causal = kind
-    qs = lambda a: _rows(a, rows_q)
-    gq, gk, gv = _cudnn.backward(
-      qs(q), _rows(k, rows_k), _rows(v, rows_k), qs(out), qs(do), qs(lse), causal=causal
-    )
-    add = lambda acc, rows, g: _put_rows(acc, rows, _rows(acc, rows) + g)
-    return add(dq, rows_q, gq), add(dk, rows_k, gk), add(dv, rows_k, gv)
+  def run(kind, q, k, v, k_pos, k_seg, dq, dk, dv):
+    rq, rk = kind.rows_q, kind.rows_k
+    if kind.name == "edge":
+      rows, first, seen = _edge_mask(cfg, kind, q_pos, k_pos, q_seg, k_seg)
+      cut = lambda a: a[:, :, :rows]
+      gq, gk, gv = _cudnn.dense_backward(
+        cut(q), k[:, :, first:], v[:, :, first:], cut(out), cut(do), lse[:, :, :rows], seen
+      )
+      return dq.at[:, :, :rows].add(gq), dk.at[:, :, first:].add(gk), dv.at[:, :, first:].add(gv)
+    qs = lambda a: _rows(a, rq)
+    ins = (qs(q), _rows(k, rk), _rows(v, rk), qs(out), qs(do), qs(lse))
+
+    def call(acc, **options):
+      dq, dk, dv = acc
+      gq, gk, gv = _cudnn.backward(*ins, **options)
+      return add(dq, rq, gq), add(dk, rk, gk), add(dv, rk, gv)
+
+    if q_seg is None:
+      return call((dq, dk, dv), causal=kind.causal, window=window if kind.causal else None)
+    if kind.causal:
+      seg = _rows(q_seg, rq, 1)
+      group = lambda g, acc: call(acc, causal=True, window=window, seqs=_diagonal_sequences(seg, g))
+      return lax.fori_loop(0, _diagonal_groups(seg), group, (dq, dk, dv))
+    seqs, any_shared = _step_sequences(kind, q_seg, k_seg)
+    return lax.cond(any_shared, lambda acc: call(acc, causal=False, seqs=seqs), lambda acc: acc, (dq, dk, dv))
 
   def compute(kv, dkv, dq):
     kv = _as_compute(kv, cfg.policy)
-    kind = _cudnn_kind(cfg, q_pos, kv.pos)
-    hidden = lambda q, k, v, dq, dk, dv: (dq, dk, dv)
-    dq, dk, dv = _cudnn_step(cfg, kind, run, hidden, q, kv.k, kv.v, dq, *dkv)
+    kind = _cudnn_kind(cfg, kinds, q_pos, kv.pos)
+    hidden = lambda q, k, v, k_pos, k_seg, dq, dk, dv: (dq, dk, dv)
+    dq, dk, dv = _cudnn_step(kinds, kind, run, hidden, q, kv.k, kv.v, kv.pos, kv.seg, dq, *dkv)
     return dq, (dk, dv)
 
-  cut = lambda kv, i: KVBlocks(_half(kv.k, i, 2), _half(kv.v, i, 2), _half(kv.pos, i, 0), None)
+  cut = lambda kv, i: KVBlocks(
+    _half(kv.k, i, 2), _half(kv.v, i, 2), _half(kv.pos, i, 0), None if kv.seg is None else _half(kv.seg, i, 1)
+  )
   own = own_halves(cfg, kv, cut, zeros_kv, 2, kv.k.shape[2], 1)
   (dk, dv), dq = _backward_passes(cfg, compute, kv, zeros_kv, dq, own)
   scale = jnp.asarray(cfg.scale, jnp.float32)

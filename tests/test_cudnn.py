@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import compare_with_reference, make_mesh, qkv, rel_err
+from conftest import compare_with_reference, cut_segments, make_mesh, qkv, rel_err
 
 import jax_ring
 from jax_ring import _cudnn, _ring, choose_kernel, layouts, reference_attention, ring_attention
@@ -93,6 +93,124 @@ def test_cudnn_ring_in_passes_of_one_kv_head(stand_in, late, is_causal, layout):
   _check_ring(4, is_causal, layout, jax_ring.BlockSizes(kv_heads=1))
 
 
+def _check_masked(devices, layout, window=None, documents=False, pad=False):
+  """Causal ring, kernel="cudnn", against float64: a window (contiguous layout) and/or
+  documents of mixed lengths crossing shards (two rows, one shifted by 3 tokens)."""
+  mesh = make_mesh((devices,), ("seq",))
+  n = 16 * devices
+  args = qkv(2, n, 4, 2, 16, seed=devices + (window or 0))
+  masks = {"is_causal": True}
+  if window is not None:
+    masks["local_window_size"] = (window, 0)
+  if documents:
+    masks["segment_ids"] = cut_segments(n, sorted({1, 2, 7, n // 2 + 1, n - 5}), n - 2 if pad else None)
+
+  def fn(q, k, v):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")  # no fallback: every call runs the cuDNN steps
+      return ring_attention(q, k, v, mesh=mesh, layout=layout, kernel="cudnn", policy="float32", **masks)
+
+  ref = lambda q, k, v: reference_attention(q, k, v, **masks)
+  compare_with_reference(fn, ref, args, TOL)
+  assert _cudnn_ran(fn, *args)
+
+
+slow = pytest.mark.slow
+
+
+# The steps' masks are checked on 1 to 8 devices above; end to end, each program takes
+# 4-20 s to compile here, so these run 1, 2, 4 and 8 devices between them.
+@pytest.mark.parametrize(
+  "devices, window",
+  [(1, 5), (4, 20), (4, 40), pytest.param(2, 20, marks=slow), pytest.param(8, 40, marks=slow)],
+)
+def test_cudnn_ring_with_a_window_equals_float64(stand_in, late, devices, window):
+  """Windows inside a shard, across one step and across two: the diagonal under cuDNN's
+  sliding window, whole steps, and the steps the window's edge crosses in XLA."""
+  _check_masked(devices, "contiguous", window=window)
+
+
+@pytest.mark.parametrize(
+  "devices, layout",
+  [
+    (4, "contiguous"),
+    (2, "zigzag"),
+    pytest.param(1, "contiguous", marks=slow),
+    pytest.param(8, "zigzag", marks=slow),
+  ],
+)
+def test_cudnn_ring_with_documents_equals_float64(stand_in, late, devices, layout, monkeypatch):
+  """Documents of 1 to 18 tokens crossing shards, a padded tail: packed calls on the
+  diagonal (two documents a call here, so it takes several) and the one document an
+  earlier shard shares with the queries in the other steps."""
+  monkeypatch.setattr(_ring, "MAX_DOCUMENTS", 2)
+  _check_masked(devices, layout, documents=True, pad=True)
+
+
+def test_cudnn_ring_with_documents_and_a_window_equals_float64(stand_in):
+  """Both, on 4 devices with CPU's backward scheme."""
+  _check_masked(4, "contiguous", window=12, documents=True)
+
+
+def test_documents_split_over_the_ring_give_nan_not_a_wrong_number(stand_in):
+  """The cuDNN steps take each document as one run of its id: ids that come back after
+  another document (here 0, 1, 0) make the row's output NaN, and only that row's."""
+  mesh = make_mesh((4,), ("seq",))
+  q, k, v = qkv(2, 64, 4, 2, 16)
+  ids = np.zeros((2, 64), np.int32)
+  ids[0, 20:40] = 1  # row 0: document 0 comes back after document 1
+  ids[1, 32:] = 1
+  out = ring_attention(q, k, v, mesh=mesh, is_causal=True, kernel="cudnn", segment_ids=jnp.asarray(ids))
+  assert bool(jnp.all(jnp.isnan(out[0]))) and bool(jnp.all(jnp.isfinite(out[1])))
+  expected = reference_attention(q[1:], k[1:], v[1:], is_causal=True, segment_ids=jnp.asarray(ids[1:]))
+  assert rel_err(out[1:], expected) < TOL
+
+
+def test_the_twin_packs_documents_and_windows_as_cudnn_does():
+  """`_cudnn._xla_forward` / `_xla_backward` with packed sequences (each query against
+  its own sequence's keys, places counted from each sequence's start, rows in no
+  sequence 0 and -inf) and with a window, against the float64 definition run on each
+  sequence alone; cuDNN's sliding window length counts the query's own key."""
+  rng = np.random.default_rng(1)
+  b, n, t, h = 2, 2, 24, 8
+  q, k, v, do = (jnp.asarray(rng.standard_normal((b, n, t, h)), jnp.float32) for _ in range(4))
+  # Row 0: queries [0, 5) against keys [12, 17), queries [5, 17) against keys [0, 12)
+  # (the keys of different sequences do not overlap, as in the ring's calls); row 1 one.
+  seqs = _cudnn.Sequences(
+    jnp.asarray([[5, 12], [20, -1]], jnp.int32),
+    jnp.asarray([[5, 12], [20, -1]], jnp.int32),
+    jnp.asarray([[0, 5, -1], [2, -1, -1]], jnp.int32),
+    jnp.asarray([[12, 0, -1], [3, -1, -1]], jnp.int32),
+  )
+  as_btnh = lambda x: jnp.swapaxes(jnp.asarray(x, jnp.float64), 1, 2)
+  for causal, window in ((False, None), (True, None), (True, 3)):
+    out, lse = _cudnn._xla_forward(q, k, v, causal=causal, window=window, seqs=seqs)
+    grads = _cudnn._xla_backward(q, k, v, out, do, lse, causal=causal, window=window, seqs=seqs)
+    for row, pieces in ((0, [(0, 5, 12, 5), (5, 12, 0, 12)]), (1, [(2, 20, 3, 20)])):
+      covered = np.zeros(t, bool)
+      dk_expected = np.zeros((n, t, h))
+      for qo, ql, ko, kl in pieces:
+        covered[qo : qo + ql] = True
+        window_arg = None if window is None else (window, 0)
+
+        def ref(q_, k_, v_, causal=causal, window_arg=window_arg):
+          o = reference_attention(
+            as_btnh(q_), as_btnh(k_), as_btnh(v_), is_causal=causal, scale=1.0, local_window_size=window_arg
+          )
+          return jnp.swapaxes(o, 1, 2)
+
+        piece = lambda x, o, n_, row=row: x[row : row + 1, :, o : o + n_]
+        expected, vjp = jax.vjp(ref, piece(q, qo, ql), piece(k, ko, kl), piece(v, ko, kl))
+        assert rel_err(out[row : row + 1, :, qo : qo + ql], expected) < TOL, (causal, window, row)
+        dq_e, dk_e, _ = vjp(piece(do, qo, ql).astype(jnp.float64))
+        assert rel_err(grads[0][row : row + 1, :, qo : qo + ql], dq_e) < TOL
+        dk_expected[:, ko : ko + kl] += np.asarray(dk_e[0])
+      assert rel_err(grads[1][row], dk_expected) < TOL, (causal, window, row)
+      assert bool(jnp.all(out[row, :, ~covered] == 0)) and bool(jnp.all(jnp.isneginf(lse[row, :, ~covered])))
+  if _cudnn._API is not None:
+    assert _cudnn._options(True, 7)["sliding_window_length"] == 8
+
+
 def test_cudnn_ring_in_bfloat16(stand_in):
   """The bfloat16 policy (cuDNN's inputs): each call's output and gradients rounded to
   bfloat16 as cuDNN writes them, merged and summed in float32."""
@@ -103,17 +221,82 @@ def test_cudnn_ring_in_bfloat16(stand_in):
   compare_with_reference(fn, ref, args, 2e-2)
 
 
-def _mask_of_kind(kind, t, s):
-  """The [t, s] mask the call of `_CUDNN_KINDS[kind]` lets through."""
-  name, rows_q, rows_k, causal = _ring._CUDNN_KINDS[kind]
-  mask = np.zeros((t, s), bool)
-  if name == "hidden":
+def _config(devices, window=None, layout="contiguous", t=8):
+  """The RingConfig of a causal cuDNN ring of `devices`, shards of t tokens."""
+  back, _ = _ring.schedule(layout, window, True, t, devices, False)
+  return _ring.RingConfig(
+    axis_name="seq",
+    ring_size=devices,
+    mask=_ring.MaskSpec(is_causal=True, window=window),
+    scale=1.0,
+    policy=jax_ring.Policy(),
+    block_q=t,
+    block_kv=t,
+    steps_back=back,
+    steps_fwd=0,
+    kernel="cudnn",
+  )
+
+
+def _rectangle(kind, t, s):
+  rq = slice(0, t) if kind.rows_q == "all" else slice(t // 2, t)
+  rk = slice(0, s) if kind.rows_k == "all" else slice(0, s // 2)
+  return rq, rk
+
+
+def _routed_mask(cfg, kinds, index, q_pos, k_pos, q_seg=None, k_seg=None):
+  """[B, t, s]: what the call (or XLA edge step) of `kinds[index]` lets through, from
+  its rectangle, its cuDNN mask (causal on rows, the window back from the diagonal)
+  and the documents it is given (`_cudnn.Sequences`, as cuDNN reads them)."""
+  t, s = len(q_pos), len(k_pos)
+  b = 1 if q_seg is None else q_seg.shape[0]
+  mask = np.zeros((b, t, s), bool)
+  kind = kinds[index]
+  if kind.name == "hidden":
     return mask
-  rq = slice(0, t) if rows_q == "all" else slice(t // 2, t)
-  rk = slice(0, s) if rows_k == "all" else slice(0, s // 2)
+  window = None if cfg.mask.window is None else cfg.mask.window[0]
+  if kind.name == "edge":  # runs in XLA from positions and ids: its rectangle must hold every visible pair
+    rows, first, seen = _ring._edge_mask(cfg, kind, jnp.asarray(q_pos), jnp.asarray(k_pos), q_seg, k_seg)
+    mask[:, :rows, first:] = np.asarray(seen)
+    return mask
+  rq, rk = _rectangle(kind, t, s)
   n, m = rq.stop - rq.start, rk.stop - rk.start
-  mask[rq, rk] = np.tril(np.ones((n, m), bool)) if causal else True
+  if q_seg is None:
+    cell = np.tril(np.ones((n, m), bool)) if kind.causal else np.ones((n, m), bool)
+    if kind.causal and window is not None:
+      cell &= np.subtract.outer(np.arange(n), np.arange(m)) <= window
+    mask[:, rq, rk] = cell
+    return mask
+  if kind.causal:  # the diagonal: every group of documents
+    seg = jnp.asarray(q_seg[:, rq])
+    for g in range(int(_ring._diagonal_groups(seg))):
+      seqs = _ring._diagonal_sequences(seg, g)
+      mask[:, rq, rk] |= np.asarray(_cudnn._seen(n, m, True, window, seqs))
+    return mask
+  seqs, shared = _ring._step_sequences(kind, jnp.asarray(q_seg), jnp.asarray(k_seg))
+  if bool(shared):
+    mask[:, rq, rk] = np.asarray(_cudnn._seen(n, m, False, None, seqs))
   return mask
+
+
+def _reference_mask(q_pos, k_pos, window=None, q_seg=None, k_seg=None):
+  """[B, t, s]: the causal mask on positions, the window, the documents (numpy)."""
+  mask = (q_pos[:, None] >= k_pos[None, :])[None]
+  if window is not None:
+    mask = mask & (q_pos[:, None] - k_pos[None, :] <= window)[None]
+  if q_seg is not None:
+    mask = mask & (q_seg[:, :, None] == k_seg[:, None, :]) & (q_seg[:, :, None] >= 0)
+  return mask
+
+
+def _shard_pairs(layout, devices, t):
+  """(q positions, k positions, q shard, k shard or (shard, half)) of every step and of
+  each half of the own keys (the late scheme's `OwnHalves`)."""
+  pos = [np.asarray(layouts.shard_positions(layout, r, t, devices)) for r in range(devices)]
+  pairs = [(pos[r], pos[j], r, (j, None)) for r in range(devices) for j in range(devices)]
+  pairs += [(pos[r], pos[r][: t // 2], r, (r, 0)) for r in range(devices)]
+  pairs += [(pos[r], pos[r][t // 2 :], r, (r, 1)) for r in range(devices)]
+  return pairs
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -122,48 +305,92 @@ def test_every_step_is_one_call_that_equals_the_causal_mask(layout, devices):
   """For every pair of shards (query shard r, key shard j) of a causal ring, and for each
   half of the own shard's keys (the late scheme's `OwnHalves`): `_cudnn_kind` finds a
   kind, and its call's rectangle and mask are exactly the causal mask on positions."""
-  cfg = _ring.RingConfig(
-    axis_name="seq",
-    ring_size=devices,
-    mask=_ring.MaskSpec(is_causal=True),
-    scale=1.0,
-    policy=jax_ring.Policy(),
-    block_q=8,
-    block_kv=8,
-    steps_back=devices - 1,
-    steps_fwd=0,
-    kernel="cudnn",
-  )
+  cfg = _config(devices, layout=layout)
+  kinds = _ring._cudnn_kinds(cfg, 8)
+  used = set()
+  for q_pos, k_pos, _, _ in _shard_pairs(layout, devices, 8):
+    index = int(_ring._cudnn_kind(cfg, kinds, jnp.asarray(q_pos), jnp.asarray(k_pos)))
+    assert index < len(kinds), (layout, q_pos, k_pos)
+    assert index in _ring._cudnn_branches(kinds, len(q_pos), len(k_pos)), index
+    np.testing.assert_array_equal(
+      _routed_mask(cfg, kinds, index, q_pos, k_pos), _reference_mask(q_pos, k_pos)
+    )
+    used.add(kinds[index].name)
+  expected = {
+    "contiguous": {"whole", "hidden", "causal"},
+    "zigzag": {"keys_first", "queries_second", "causal"},
+  }
+  assert expected[layout] | {"causal_second"} <= used or devices == 1, used
+
+
+# Windows of 1 key back to past the ring: inside a shard, its edge on the next shard's
+# first key, across a step (in XLA), beyond two shards, wider than the sequence.
+@pytest.mark.parametrize("window", [1, 3, 8, 9, 13, 15, 16, 21, 70])
+@pytest.mark.parametrize("devices", [1, 2, 3, 4, 8])
+def test_each_step_of_a_window_gets_the_window_the_mask_gives_it(window, devices):
+  """Causal windows in the contiguous layout: each scheduled step (and each half of the
+  own keys) is hidden, whole, the diagonal under cuDNN's sliding window, or an edge step
+  in XLA, and what it lets through is exactly the windowed causal mask."""
   t = 8
-  pos = [np.asarray(layouts.shard_positions(layout, r, t, devices)) for r in range(devices)]
-  pairs = [(pos[r], pos[j]) for r in range(devices) for j in range(devices)]
-  pairs += [(pos[r], pos[r][: t // 2]) for r in range(devices)] + [
-    (pos[r], pos[r][t // 2 :]) for r in range(devices)
-  ]
-  kinds = set()
-  for q_pos, k_pos in pairs:
-    kind = int(_ring._cudnn_kind(cfg, jnp.asarray(q_pos), jnp.asarray(k_pos)))
-    assert kind < len(_ring._CUDNN_KINDS), (layout, q_pos, k_pos)
-    assert kind in _ring._cudnn_branches(len(q_pos), len(k_pos)), kind
-    expected = q_pos[:, None] >= k_pos[None, :]
-    np.testing.assert_array_equal(_mask_of_kind(kind, len(q_pos), len(k_pos)), expected)
-    kinds.add(_ring._CUDNN_KINDS[kind][0])
-  used = {"contiguous": {"whole", "hidden", "causal"}, "zigzag": {"keys_first", "queries_second", "causal"}}
-  assert used[layout] | {"causal_second"} <= kinds or devices == 1, kinds
+  cfg = _config(devices, (window, 0), t=t)
+  kinds = _ring._cudnn_kinds(cfg, t)
+  used = set()
+  for q_pos, k_pos, r, (j, _) in _shard_pairs("contiguous", devices, t):
+    if 0 < r - j <= devices - 1 and r - j > cfg.steps_back:
+      continue  # never scheduled: the window ends before
+    index = int(_ring._cudnn_kind(cfg, kinds, jnp.asarray(q_pos), jnp.asarray(k_pos)))
+    assert index < len(kinds), (q_pos, k_pos)
+    routed = _routed_mask(cfg, kinds, index, q_pos, k_pos)
+    np.testing.assert_array_equal(routed, _reference_mask(q_pos, k_pos, window), err_msg=f"{r}, {j}")
+    used.add(kinds[index].name)
+  partial = {
+    (r, j) for r in range(devices) for j in range(r) if (r - j) * t - t + 1 <= window < (r - j) * t + t - 1
+  }
+  assert ("edge" in used) == bool(partial), used
+
+
+def _documents(devices, t, cuts, pad_from=None):
+  ids = np.asarray(cut_segments(devices * t, cuts, pad_from))
+  return ids
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("devices", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("window", [None, 5, 12])
+def test_each_step_gets_the_documents_the_mask_gives_it(layout, devices, window, monkeypatch):
+  """Documents of mixed lengths (one of 1 token, one longer than a shard, a padded tail)
+  over every step of a causal ring: the packed calls' sequences (`_cudnn.Sequences`, two
+  documents a call so the diagonal takes several) let through exactly the causal mask
+  within each document, with the window where there is one."""
+  if window is not None and layout == "zigzag" and devices > 1:
+    return  # refused by `cudnn_problem`: the window runs in the contiguous layout
+  monkeypatch.setattr(_ring, "MAX_DOCUMENTS", 2)
+  t = 8
+  cfg = _config(devices, None if window is None else (window, 0), layout, t)
+  kinds = _ring._cudnn_kinds(cfg, t)
+  n = devices * t
+  ids = _documents(devices, t, sorted({1, 2, 5, n // 2 + 1, n - 3} - {0, n}), pad_from=n - 2)
+  natural = np.asarray(layouts.shard_positions(layout, 0, n, 1))
+  for q_pos, k_pos, r, (j, _) in _shard_pairs(layout, devices, t):
+    index = int(_ring._cudnn_kind(cfg, kinds, jnp.asarray(q_pos), jnp.asarray(k_pos)))
+    assert index < len(kinds), (q_pos, k_pos)
+    q_seg, k_seg = ids[:, natural[q_pos]], ids[:, natural[k_pos]]
+    routed = _routed_mask(cfg, kinds, index, q_pos, k_pos, q_seg, k_seg)
+    expected = _reference_mask(q_pos, k_pos, window, q_seg, k_seg)
+    np.testing.assert_array_equal(routed, expected, err_msg=f"{layout}: queries {r}, keys {j}")
 
 
 def test_positions_no_kind_covers_give_nan_not_a_wrong_number():
   """Striped positions (which `cudnn_problem` keeps away from cuDNN) match no kind: the
   step's result is NaN."""
-  cfg = _ring.RingConfig(
-    "seq", 2, _ring.MaskSpec(is_causal=True), 1.0, jax_ring.Policy(), 4, 4, 1, 0, kernel="cudnn"
-  )
+  cfg = _config(2, t=4)
+  kinds = _ring._cudnn_kinds(cfg, 4)
   q_pos, k_pos = jnp.asarray([0, 2, 4, 6]), jnp.asarray([1, 3, 5, 7])
-  assert int(_ring._cudnn_kind(cfg, q_pos, k_pos)) == len(_ring._CUDNN_KINDS)
+  assert int(_ring._cudnn_kind(cfg, kinds, q_pos, k_pos)) == len(kinds)
   q, k, v = (jnp.ones((1, 2, 4, 8)),) * 3
   hidden = lambda q, k, v, o: o
   run = lambda kind, q, k, v, o: o + 1
-  out = _ring._cudnn_step(cfg, jnp.int32(len(_ring._CUDNN_KINDS)), run, hidden, q, k, v, jnp.zeros(3))
+  out = _ring._cudnn_step(kinds, jnp.int32(len(kinds)), run, hidden, q, k, v, jnp.zeros(3))
   assert bool(jnp.all(jnp.isnan(out)))
 
 
@@ -171,8 +398,9 @@ def test_positions_no_kind_covers_give_nan_not_a_wrong_number():
   "options, reason",
   [
     (dict(is_causal=True, layout="striped"), "striped layout"),
-    (dict(is_causal=True, local_window_size=(8, 0)), "local_window_size"),
-    (dict(is_causal=True, segment_ids=jnp.repeat(jnp.arange(4), 16)[None]), "segment ids"),
+    (dict(local_window_size=(8, 8)), "local_window_size without is_causal"),
+    (dict(is_causal=True, local_window_size=(8, 0), layout="zigzag"), "local_window_size with the zigzag"),
+    (dict(segment_ids=jnp.repeat(jnp.arange(4), 16)[None]), "segment ids without is_causal"),
     (dict(is_causal=True, logit_soft_cap=5.0), "logit_soft_cap"),
     (dict(is_causal=True, return_residual=True), "the lse is an output"),
     (dict(is_causal=True), "padding"),  # 62 tokens: 4 devices take 64

@@ -75,6 +75,41 @@ def _cases(smoke: bool):
       {"is_causal": True, "local_window_size": (256, 0)},
     ),
     ("causal, segment ids", 2, 1024, 4, 1, 64, {"is_causal": True, "segments": 3}, {}, None),
+    # Packed rows: 12 documents of mixed lengths a row, a padded tail on the first.
+    ("causal, 12 documents a row", 2, 8192, 8, 2, 128, {"is_causal": True, "segments": 12}, {}, None),
+    (
+      "causal, window 512",
+      1,
+      4096,
+      8,
+      2,
+      128,
+      {"is_causal": True, "local_window_size": (512, 0)},
+      {},
+      {"is_causal": True, "local_window_size": (512, 0)},
+    ),
+    (
+      "causal, window 4096",
+      1,
+      8192,
+      8,
+      2,
+      128,
+      {"is_causal": True, "local_window_size": (4096, 0)},
+      {},
+      {"is_causal": True, "local_window_size": (4096, 0)},
+    ),
+    (
+      "causal, window 512, 12 documents a row",
+      1,
+      8192,
+      4,
+      1,
+      256,
+      {"is_causal": True, "local_window_size": (512, 0), "segments": 12},
+      {},
+      None,
+    ),
     (
       "causal, 4 passes",
       1,
@@ -200,6 +235,27 @@ def _kernel_options(spec: str) -> dict:
   return dict(kernel=name, block_sizes=jax_ring.BlockSizes(pass_tokens=int(tokens)) if tokens else None)
 
 
+def _timed_mask(name: str, t: int) -> dict:
+  """ring_attention's mask options for a `--masks` entry at length t: "full", "causal",
+  "windowW" (causal, W keys back) or "documents" (causal, documents of mixed lengths
+  from 256 to 8192 tokens, log-uniform). FLOPs are counted as for causal attention."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  if name == "full":
+    return {"is_causal": False}
+  if name == "causal":
+    return {"is_causal": True}
+  if name.startswith("window"):
+    return {"is_causal": True, "local_window_size": (int(name[6:]), 0), "layout": "contiguous"}
+  if name == "documents":
+    rng = np.random.default_rng(t)
+    lengths = np.exp(rng.uniform(np.log(256), np.log(8192), t // 256)).astype(int)
+    ids = np.searchsorted(np.cumsum(lengths), np.arange(t), side="right").astype(np.int32)
+    return {"is_causal": True, "segment_ids": jnp.asarray(ids[None])}
+  raise SystemExit(f"--masks: {name!r} is none of windowW, documents")
+
+
 def timing(args) -> list[str]:
   import jax
   import jax.numpy as jnp
@@ -225,19 +281,23 @@ def timing(args) -> list[str]:
     k = jax.random.normal(keys[1], (b, t, kh, h), jnp.bfloat16)
     v = jax.random.normal(keys[2], (b, t, kh, h), jnp.bfloat16)
     g = jax.random.normal(keys[3], (b, t, n, h), jnp.bfloat16)
-    for causal in (False, True):
+    for mask_name in ["full", "causal", *filter(None, args.masks.split(","))]:
+      causal = mask_name != "full"
+      masks = _timed_mask(mask_name, t)
       flops = 4 * b * n * t * t * h * (0.5 if causal else 1.0)
       impls = {
         f"ring, {kern}": (
-          lambda q, k, v, kern=kern, causal=causal: jax_ring.ring_attention(
-            q, k, v, mesh=mesh, is_causal=causal, policy="bfloat16", **_kernel_options(kern)
+          lambda q, k, v, kern=kern, masks=masks: jax_ring.ring_attention(
+            q, k, v, mesh=mesh, policy="bfloat16", **masks, **_kernel_options(kern)
           )
         )
         for kern in args.kernels.split(",")
       }
-      impls["jax.nn cudnn"] = lambda q, k, v, causal=causal: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, implementation="cudnn"
-      )
+      if "segment_ids" not in masks:
+        nn_masks = {"is_causal": causal, "local_window_size": masks.get("local_window_size")}
+        impls["jax.nn cudnn"] = lambda q, k, v, nn_masks=nn_masks: jax.nn.dot_product_attention(
+          q, k, v, implementation="cudnn", **nn_masks
+        )
       for name, attend in impls.items():
         try:
           fwd = jax.jit(attend).lower(q, k, v).compile()
@@ -245,11 +305,11 @@ def timing(args) -> list[str]:
           t_f = median_time(fwd, q, k, v, repeats=args.repeats)
           t_b = median_time(both, q, k, v, g, repeats=args.repeats)
         except Exception as e:  # a refusal is a row, not the end of the run
-          lines.append(f"| {t} | {'causal' if causal else 'full'} | {name} | failed: {type(e).__name__} |")
+          lines.append(f"| {t} | {mask_name} | {name} | failed: {type(e).__name__} |")
           print(lines[-1], str(e)[:300], flush=True)
           continue
         lines.append(
-          f"| {t} | {'causal' if causal else 'full'} | {name} | {t_f * 1e3:.2f} | {flops / t_f / 1e12:.0f} | "
+          f"| {t} | {mask_name} | {name} | {t_f * 1e3:.2f} | {flops / t_f / 1e12:.0f} | "
           f"{flops / t_f / rate:.2f} | {t_b * 1e3:.2f} | {3.5 * flops / t_b / 1e12:.0f} | "
           f"{3.5 * flops / t_b / rate:.2f} | {memory_mib(both) / 1024:.2f} |"
         )
@@ -278,6 +338,11 @@ def parse_args(argv=None):
   )
   p.add_argument(
     "--check-policies", default="float32,bfloat16", help="precision policies to check (float32, bfloat16)"
+  )
+  p.add_argument(
+    "--masks",
+    default="",
+    help="masks timed besides full and causal: windowW (causal, W keys back), documents (default: none)",
   )
   p.add_argument("--repeats", type=int, default=20, help="timed runs after a warm-up (median kept)")
   p.add_argument("--out", default=None, help="Markdown file to hold the tables")

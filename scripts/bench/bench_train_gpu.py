@@ -58,6 +58,18 @@ def parse_args(argv=None):
   p.add_argument(
     "--torch", action="store_true", help="also PyTorch + transformers' step, where importable (default: off)"
   )
+  p.add_argument(
+    "--packed",
+    action="store_true",
+    help="rows of documents of mixed lengths, each with its own positions (default: one document a row)",
+  )
+  p.add_argument(
+    "--lora",
+    type=int,
+    default=0,
+    metavar="RANK",
+    help="train adapters of this rank on every projection, the base frozen in bfloat16 (default: 0, off)",
+  )
   p.add_argument("--steps", type=int, default=3, help="timed steps after the first (default: %(default)s)")
   p.add_argument(
     "--kernel",
@@ -80,6 +92,8 @@ def parse_args(argv=None):
     p.error(f"--lengths={args.lengths!r} must be integers separated by commas")
   if any(t < 2 for t in args.lengths):
     p.error(f"--lengths={args.lengths}: each must be at least 2 tokens")
+  if args.lora < 0:
+    p.error(f"--lora={args.lora} must be a rank >= 1, or 0 for no adapters")
   if args.steps < 1:
     p.error(f"--steps={args.steps} must be at least 1")
   return args
@@ -97,14 +111,40 @@ def model_config(name: str, tiny: bool):
   return cfg
 
 
-def flops_per_step(cfg, tokens: int) -> float:
+def flops_per_step(cfg, tokens: int, lora: bool = False) -> float:
   """6 x matmul parameters x T + 6 x T^2 x N x H x layers. Matmul parameters: every
-  projection and the head (the embedding lookup is no matmul; a tied head is)."""
+  projection and the head (the embedding lookup is no matmul; a tied head is). With
+  adapters, 4 x matmul parameters x T: a frozen weight's gradient is never formed (the
+  adapters' own matmuls are left out, under 1% at rank 16)."""
   d, v, f = cfg.dim, cfg.vocab_size, cfg.mlp_hidden
   n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   per_layer = d * h * (2 * n + 2 * k) + 3 * d * f
   matmul = cfg.num_layers * per_layer + v * d
-  return 6 * matmul * tokens + 6 * tokens * tokens * n * h * cfg.num_layers
+  return (4 if lora else 6) * matmul * tokens + 6 * tokens * tokens * n * h * cfg.num_layers
+
+
+# The dense bf16 peak of an H100 or H200 SXM in NVIDIA's specification (without
+# sparsity), the figure peers publish MFU against.
+SPEC_PEAK = 989e12
+
+
+def documents(tokens: int, vocab: int, seed: int = 0):
+  """(ids [1, tokens + 1], segment ids [1, tokens], positions [1, tokens]): documents
+  of mixed lengths (log-uniform from 256 to 8192 tokens, the last cut to fit), each
+  with its own positions from 0 and no target across its end."""
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  seg = np.zeros(tokens, np.int32)
+  pos = np.zeros(tokens, np.int32)
+  at, doc = 0, 0
+  while at < tokens:
+    n = min(tokens - at, int(np.exp(rng.uniform(np.log(256), np.log(8192)))))
+    seg[at : at + n] = doc
+    pos[at : at + n] = np.arange(n)
+    at, doc = at + n, doc + 1
+  ids = rng.integers(0, vocab, (1, tokens + 1)).astype(np.int32)
+  return ids, seg[None], pos[None]
 
 
 def jax_matmul_flops(n: int = 8192, reps: int = 10) -> float:
@@ -135,24 +175,40 @@ def jax_row(args, remat: str, tokens: int) -> dict:
   """jax_ring's step at `tokens` with `remat` on one device."""
   import jax
   import numpy as np
+  from flax import nnx
 
   from jax_ring import models
   from jax_ring.models.train import step as train_step
 
   cfg = model_config(args.model, args.tiny)
   mesh = jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
-  model = models.build(cfg, mesh=mesh, remat=remat, dtype="bfloat16", attention_kernel=args.kernel)
-  trainer = train_step.Trainer(model, train_step.make_tx(1e-5, 1, 100, 0.0, 1.0))
+  base_dtype = "bfloat16" if args.lora else "float32"
+  model = models.build(
+    cfg, mesh=mesh, remat=remat, dtype="bfloat16", param_dtype=base_dtype, attention_kernel=args.kernel
+  )
+  if args.lora:
+    models.add_lora(model, rank=args.lora, alpha=2 * args.lora)
+  trainable = nnx.LoRAParam if args.lora else nnx.Param
+  trainer = train_step.Trainer(model, train_step.make_tx(1e-5, 1, 100, 0.0, 1.0), trainable=trainable)
   del model
-  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, tokens + 1)).astype(np.int32)
-  batch = train_step.place_batch(trainer.model(), ids[:, :-1], ids[:, 1:], np.ones((1, tokens), np.float32))
+  if args.packed:
+    ids, seg, pos = documents(tokens, cfg.vocab_size)
+    weights = np.ones((1, tokens), np.float32)
+    weights[0, :-1] *= seg[0, 1:] == seg[0, :-1]  # no target across a document's end
+    batch = train_step.place_batch(trainer.model(), ids[:, :-1], ids[:, 1:], weights, seg, pos)
+    rows = dict(segment_ids=batch[3], positions=batch[4])
+    batch = batch[:3]
+  else:
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, tokens + 1)).astype(np.int32)
+    batch = train_step.place_batch(trainer.model(), ids[:, :-1], ids[:, 1:], np.ones((1, tokens), np.float32))
+    rows = {}
   start = time.perf_counter()
-  loss = float(trainer.step(*batch)[0])
+  loss = float(trainer.step(*batch, **rows)[0])
   first = time.perf_counter() - start
   times = []
   for _ in range(args.steps):
     start = time.perf_counter()
-    loss = float(trainer.step(*batch)[0])
+    loss = float(trainer.step(*batch, **rows)[0])
     times.append(time.perf_counter() - start)
   stats = jax.devices()[0].memory_stats() or {}
   return dict(
@@ -177,19 +233,44 @@ def torch_row(args, tokens: int) -> dict:
   values = models.checkpoints.config_json(cfg)
   cls = getattr(transformers, values["architectures"][0])
   config = transformers.AutoConfig.for_model(**values)
-  config._attn_implementation = "sdpa"
+  attention = "sdpa"
+  if args.packed and transformers.utils.is_flash_attn_2_available():
+    attention = "flash_attention_2"  # packed rows by position_ids: flash-attn's varlen kernel
+  config._attn_implementation = attention
   device = "cuda" if torch.cuda.is_available() else "cpu"
   torch.manual_seed(0)
-  model = cls(config).to(device)
+  if args.lora:  # the base in bfloat16, built on the GPU
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+      model = cls(config)
+    torch.set_default_dtype(torch.float32)
+    import peft
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=targets, lora_dropout=0.0)
+    model = peft.get_peft_model(model, lora)
+    for p in model.parameters():  # adapters and their moments in float32, as jax_ring's
+      if p.requires_grad:
+        p.data = p.data.float()
+    model.enable_input_require_grads()
+  else:
+    model = cls(config).to(device)
   model.gradient_checkpointing_enable()
   model.config.use_cache = False
   model.train()
-  opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
-  ids = torch.randint(0, cfg.vocab_size, (1, tokens + 1), device=device)
+  params = [p for p in model.parameters() if p.requires_grad]
+  opt = torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")
+  extra = {}
+  if args.packed:
+    ids_np, _, pos = documents(tokens, cfg.vocab_size)
+    ids = torch.tensor(ids_np, device=device, dtype=torch.long)
+    extra["position_ids"] = torch.tensor(pos, device=device, dtype=torch.long)
+  else:
+    ids = torch.randint(0, cfg.vocab_size, (1, tokens + 1), device=device)
 
   def step():
     with torch.autocast(device, dtype=torch.bfloat16):
-      out = model(input_ids=ids[:, :-1], labels=ids[:, :-1])
+      out = model(input_ids=ids[:, :-1], labels=ids[:, :-1], **extra)
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -209,9 +290,17 @@ def torch_row(args, tokens: int) -> dict:
     loss = step()
     times.append(time.perf_counter() - start)
   peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+  runs = attention
+  if args.packed and attention == "sdpa":  # transformers 4.54+ masks packed documents from position_ids
+    masks = hasattr(getattr(transformers, "masking_utils", None), "find_packed_sequence_indices")
+    runs += ", documents masked by position_ids" if masks else ", documents not masked from each other"
+  versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+  if args.lora:
+    versions += f", peft {__import__('peft').__version__}"
   return dict(
-    impl="torch+transformers",
-    versions=f"torch {torch.__version__}, transformers {transformers.__version__}",
+    impl="torch+transformers" + ("+peft" if args.lora else ""),
+    attention=runs,
+    versions=versions,
     loss=round(loss, 4),
     first_step_s=round(first, 2),
     step_s=_median(times),
@@ -249,6 +338,7 @@ def run_row(args, spec: str) -> dict:
     str(args.steps),
   ]
   cmd += ["--lengths", "2", "--kernel", args.kernel] + (["--tiny"] if args.tiny else [])
+  cmd += (["--packed"] if args.packed else []) + ["--lora", str(args.lora)]
   proc = subprocess.Popen(
     cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
   )
@@ -286,7 +376,13 @@ def main(argv=None) -> dict:
   peer_problem = torch_available() if args.torch else None
   rows = []
   report = dict(
-    model=args.model, device=device.device_kind, versions=versions, matmul_flops=matmul, rows=rows
+    model=args.model,
+    packed=args.packed,
+    lora=args.lora,
+    device=device.device_kind,
+    versions=versions,
+    matmul_flops=matmul,
+    rows=rows,
   )
 
   def record(row):
@@ -294,8 +390,10 @@ def main(argv=None) -> dict:
     keeps every row it finished."""
     if "step_s" in row:
       row["tokens_per_s"] = row["tokens"] / row["step_s"]
-      row["mfu"] = flops_per_step(cfg, row["tokens"]) / row["step_s"] / matmul
-    for key in ("step_s", "tokens_per_s", "mfu", "peak_bytes"):
+      flops = flops_per_step(cfg, row["tokens"], lora=bool(args.lora))
+      row["mfu"] = flops / row["step_s"] / matmul
+      row["mfu_spec"] = flops / row["step_s"] / SPEC_PEAK
+    for key in ("step_s", "tokens_per_s", "mfu", "mfu_spec", "peak_bytes"):
       row.setdefault(key, None)
     print(json.dumps(row), flush=True)
     if args.json:
@@ -313,7 +411,7 @@ def main(argv=None) -> dict:
     if args.remat == "auto" and ok:
       min(ok, key=lambda r: r["step_s"])["best"] = True
     if args.torch:
-      peer = dict(impl="torch+transformers", tokens=tokens)
+      peer = dict(impl="torch+transformers" + ("+peft" if args.lora else ""), tokens=tokens)
       peer |= dict(error=peer_problem) if peer_problem else run_row(args, f"torch:{tokens}")
       rows.append(peer)
       record(peer)
@@ -325,14 +423,14 @@ def main(argv=None) -> dict:
 
 
 def _print_table(rows) -> None:
-  print(f"{'impl':<20} {'remat':<10} {'tokens':>8} {'step s':>9} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
+  print(f"{'impl':<25} {'remat':<10} {'tokens':>8} {'step s':>9} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
   for r in rows:
     if r.get("step_s") is None:
-      print(f"{r['impl']:<20} {r.get('remat', ''):<10} {r['tokens']:>8}  {r.get('error', '')[:80]}")
+      print(f"{r['impl']:<25} {r.get('remat', ''):<10} {r['tokens']:>8}  {r.get('error', '')[:80]}")
       continue
     peak = "" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
     best = " *" if r.get("best") else ""
-    head = f"{r['impl']:<20} {r.get('remat', ''):<10} {r['tokens']:>8}"
+    head = f"{r['impl']:<25} {r.get('remat', ''):<10} {r['tokens']:>8}"
     print(f"{head} {r['step_s']:>9.3f} {r['tokens_per_s']:>10.0f} {r['mfu']:>6.3f} {peak:>9}{best}")
 
 
