@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from typing import Any, NamedTuple
 
@@ -737,7 +738,9 @@ def _pallas_backward_state(cfg: RingConfig, x: Inputs, do, lse, delta):
   return _q_blocked(dq, x.q) * scale, _kv_blocked(dk, cfg.block_kv), _kv_blocked(dv, cfg.block_kv)
 
 
-def cudnn_problem(*, is_causal, window, has_padding, segments, layout, custom, t, s, mods, lse_out, ring_size=2):
+def cudnn_problem(
+  *, is_causal, window, has_padding, segments, layout, custom, t, s, mods, lse_out, ring_size=2
+):
   """Why cuDNN cannot run this call's ring steps (None: it can). Each step must be one
   rectangle of its queries and keys under cuDNN's masks (`_cudnn_kinds`): the
   contiguous and zigzag layouts give that for causal attention and every layout for
@@ -813,6 +816,17 @@ def _cudnn_kinds(cfg: RingConfig, t: int) -> tuple[_Kind, ...]:
       d = j * t
       if d + t - 1 > left and d - t + 1 <= left:
         kinds.append(_Kind("edge", "all", "all", False, d))
+  edges = [k.edge for k in kinds if k.edge is not None]
+  if edges:
+    rows, first = min((_edge_rectangle(k, left, t) for k in kinds if k.edge is not None), key=lambda r: r[1])
+    logging.getLogger("jax_ring").info(
+      "jax_ring: cuDNN runs every ring step but those whose queries start %s positions after their keys: "
+      "the window's edge crosses them, which cuDNN's sliding window (counted back from each call's own "
+      "diagonal) cannot say; they run in XLA on at most %d x %d scores a head",
+      " or ".join(map(str, edges)),
+      rows,
+      t - first,
+    )
   return tuple(kinds)
 
 

@@ -327,13 +327,17 @@ def test_every_step_is_one_call_that_equals_the_causal_mask(layout, devices):
 # first key, across a step (in XLA), beyond two shards, wider than the sequence.
 @pytest.mark.parametrize("window", [1, 3, 8, 9, 13, 15, 16, 21, 70])
 @pytest.mark.parametrize("devices", [1, 2, 3, 4, 8])
-def test_each_step_of_a_window_gets_the_window_the_mask_gives_it(window, devices):
+def test_each_step_of_a_window_gets_the_window_the_mask_gives_it(window, devices, caplog):
   """Causal windows in the contiguous layout: each scheduled step (and each half of the
   own keys) is hidden, whole, the diagonal under cuDNN's sliding window, or an edge step
-  in XLA, and what it lets through is exactly the windowed causal mask."""
+  in XLA (said at INFO, with the offsets), and what it lets through is exactly the
+  windowed causal mask."""
   t = 8
   cfg = _config(devices, (window, 0), t=t)
-  kinds = _ring._cudnn_kinds(cfg, t)
+  with caplog.at_level("INFO", logger="jax_ring"):
+    kinds = _ring._cudnn_kinds(cfg, t)
+  edges = [str(k.edge) for k in kinds if k.edge is not None]
+  assert ("run in XLA" in caplog.text) == bool(edges) and all(e in caplog.text for e in edges), caplog.text
   used = set()
   for q_pos, k_pos, r, (j, _) in _shard_pairs("contiguous", devices, t):
     if 0 < r - j <= devices - 1 and r - j > cfg.steps_back:

@@ -8,9 +8,12 @@
 # models/).
 #
 #   bash scripts/bench/run_gpu.sh [OUT]
+#   PARTS="check packed gemma lora" bash scripts/bench/run_gpu.sh [OUT]
 #
-# Sized to one command of under 9 minutes on an H200: the limits below add up to 540 s,
-# and the parts took about 330 s there (2026-11-27), most of it compiling training steps.
+# PARTS (default: probe check train time_h128 time_h64 train_long) picks the parts; each
+# set above fits one command of under 10 minutes on an H200. The default parts took
+# about 330 s there (2026-11-27), "check packed gemma lora" about 420 s (2026-11-28),
+# most of it compiling training steps and building the 8B model.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:-results/gpu}"
@@ -19,8 +22,10 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # each part's peak, not a preallocated 75%
 py="${PYTHON:-python3}"
+PARTS="${PARTS:-probe check train time_h128 time_h64 train_long}"
 part() {  # part SECONDS NAME COMMAND...: runs COMMAND, SIGKILLed past SECONDS
   local limit=$1 name=$2; shift 2
+  case " $PARTS " in *" $name "*) ;; *) return ;; esac
   local start=$SECONDS
   timeout -s KILL "$limit" "$@"
   echo "== $name: exit $? after $((SECONDS - start)) s (limit $limit s)"
@@ -40,9 +45,10 @@ print('private cuDNN API problem:', _cudnn.API_PROBLEM)
 for h in (64, 128):
   print('auto, head dim', h, '->', jax_ring.choose_kernel('auto', d.platform, h, device_kind=d.device_kind))
 " 2>&1 | tee -a "$OUT/device.txt"
-# 1. Exactness: cuDNN per ring step against float64, in bfloat16 (float32 inputs go to
-#    the Triton kernel, whose rows are in docs/benchmarks.md from earlier runs).
-part 60 check "$py" scripts/bench/bench_gpu.py --check --check-kernels cudnn --check-policies bfloat16 \
+# 1. Exactness: cuDNN per ring step against float64, in bfloat16, windows and packed
+#    documents included (float32 inputs go to the Triton kernel, whose rows are in
+#    docs/benchmarks.md from earlier runs).
+part 150 check "$py" scripts/bench/bench_gpu.py --check --check-kernels cudnn --check-policies bfloat16 \
   --out "$OUT/check.md"
 # 2. Llama-3.2-1B's AdamW step, jax_ring (cuDNN ring kernel) against PyTorch + transformers.
 part 180 train "$py" scripts/bench/bench_train_gpu.py --model llama-3.2-1b --lengths 16384,32768 \
@@ -56,3 +62,13 @@ part 55 time_h64 "$py" scripts/bench/bench_gpu.py --time --lengths 32768 --head-
 # 4. Long steps on one GPU: time and peak memory.
 part 150 train_long "$py" scripts/bench/bench_train_gpu.py --model llama-3.2-1b --lengths 65536,131072 \
   --remat full --steps 1 --timeout 90 --json "$OUT/train_long.json"
+# 5. The training steps users run first (each beside its PyTorch peer): Llama-3.2-1B on
+#    rows of documents of mixed lengths, Gemma 3 1B (sliding window 512 and global
+#    layers), Llama-3.1-8B with rank-16 adapters on every projection (bf16 frozen base;
+#    the peer: peft), and the 8B alone at 64K.
+T="$py scripts/bench/bench_train_gpu.py --remat attention --steps 2 --torch"
+part 110 packed $T --model llama-3.2-1b --packed --lengths 32768 --timeout 60 --json "$OUT/packed.json"
+part 200 gemma $T --model gemma-3-1b --lengths 16384,32768 --timeout 70 --json "$OUT/gemma.json"
+part 170 lora $T --model llama-3.1-8b --lora 16 --lengths 32768 --timeout 110 --json "$OUT/lora.json"
+part 150 lora $py scripts/bench/bench_train_gpu.py --remat attention --steps 1 --model llama-3.1-8b --lora 16 \
+  --lengths 65536 --timeout 140 --json "$OUT/lora_long.json"
