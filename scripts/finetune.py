@@ -35,6 +35,7 @@ line before anything is written (--skip-bad leaves such records out and counts t
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 
 from jax_ring.models import cli, runtime
@@ -188,11 +189,30 @@ def load_data(args, tokenizer):
   return loader, evaluator
 
 
+def check_paths(args) -> None:
+  """Every path argument, before anything is loaded: each refusal one line."""
+  if not os.path.exists(args.path):
+    raise SystemExit(
+      f"finetune.py: {args.path}: no such file or folder (a GGUF file or a Hugging Face folder)"
+    )
+  for flag, path, kind in (
+    ("--text", args.text, "file"),
+    ("--chat-template", args.chat_template, "file"),
+    ("--data", args.data, "file or folder"),
+    ("--eval-data", args.eval_data, "file or folder"),
+  ):
+    if path is not None and not os.path.exists(path):
+      raise SystemExit(f"finetune.py: {flag} {path}: no such {kind}")
+    if path is not None and kind == "file" and not os.path.isfile(path):
+      raise SystemExit(f"finetune.py: {flag} {path}: a folder, not a file")
+
+
 def main(argv=None):
   args = parse_args(argv)
   for name in ("steps", "devices", "length", "batch"):
     if getattr(args, name) < 1:
       raise SystemExit(f"finetune.py: --{name} {getattr(args, name)}: must be at least 1")
+  check_paths(args)
   runtime.setup(args)
   import jax
   from flax import nnx
@@ -262,11 +282,17 @@ def main(argv=None):
   if args.fsdp and len(devices) > 1:
     whole = train_step.unsplit_bytes(model)
     if whole:
-      total = train_step.per_device_bytes(nnx.state(model, nnx.Param)) * len(devices)
+      weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+      share = (
+        "every weight"
+        if whole >= weights
+        else f"{whole / 2**20:.0f} MiB of the {weights / 2**20:.0f} MiB of weights"
+      )
       print(
-        f"finetune.py: warning: --devices {args.devices} divides no dimension of some weights, which FSDP "
-        f"keeps whole on every device: {whole / 2**20:.0f} MiB a device of {total / 2**20:.0f} MiB "
-        "(their AdamW moments too); a device count that divides the model's widths (2, 4, 8) splits them all"
+        f"finetune.py: warning: --devices {len(devices)} divides no dimension of {share}, which FSDP keeps "
+        f"whole on every device ({whole / 2**20:.0f} MiB a device, their AdamW moments too); the "
+        "step's temporaries grow too, as the weights gather whole on each device; a device count that "
+        "divides the model's widths (2, 4, 8) splits them all"
       )
   try:
     report = finetune.finetune(

@@ -288,7 +288,7 @@ def _weights(config, seed):
     if config["model_type"] == "qwen2":
       for name, size in (("q_proj", n * h), ("k_proj", kv * h), ("v_proj", kv * h)):
         w[p + f"self_attn.{name}.bias"] = (rng.standard_normal(size) * 0.3).astype(np.float32)
-    if config["model_type"] in ("qwen3", "gemma3_text"):
+    if config["model_type"] in ("qwen3", "gemma3_text", "qwen3_moe"):
       w[p + "self_attn.q_norm.weight"] = norm(h)
       w[p + "self_attn.k_norm.weight"] = norm(h)
     if olmo:  # over all heads' width, and a norm after the MLP
@@ -298,12 +298,45 @@ def _weights(config, seed):
     if gemma:
       w[p + "pre_feedforward_layernorm.weight"] = norm(d)
       w[p + "post_feedforward_layernorm.weight"] = norm(d)
+    if config["model_type"] in ("qwen3_moe", "mixtral"):
+      _experts(w, p, i, config, mat)
     if config["model_type"] == "phi3":  # one tensor for q, k, v and one for gate, up
       parts = [w.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
       w[p + "self_attn.qkv_proj.weight"] = np.concatenate(parts)
       parts = [w.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
       w[p + "mlp.gate_up_proj.weight"] = np.concatenate(parts)
   return w
+
+
+def _experts(w, p, i, config, mat):
+  """Layer i's MLP made sparse where the family makes it so: Mixtral's every layer
+  (`block_sparse_moe`, w1 gate, w3 up, w2 down), Qwen3-MoE's layers outside
+  `mlp_only_layers` at every `decoder_sparse_step`-th (`mlp.gate` and `mlp.experts`)."""
+  d = config["hidden_size"]
+  experts = config.get("num_experts") or config["num_local_experts"]
+  if config["model_type"] == "mixtral":
+    f = config["intermediate_size"]
+    for x in ("gate", "up", "down"):
+      del w[p + f"mlp.{x}_proj.weight"]
+    w[p + "block_sparse_moe.gate.weight"] = mat(experts, d) * 3
+    for e in range(experts):
+      q = p + f"block_sparse_moe.experts.{e}."
+      w |= {q + "w1.weight": mat(f, d), q + "w3.weight": mat(f, d), q + "w2.weight": mat(d, f)}
+    return
+  step = config.get("decoder_sparse_step", 1)
+  if i in config.get("mlp_only_layers", []) or (i + 1) % step:
+    return
+  f = config["moe_intermediate_size"]
+  for x in ("gate", "up", "down"):
+    del w[p + f"mlp.{x}_proj.weight"]
+  w[p + "mlp.gate.weight"] = mat(experts, d) * 3
+  for e in range(experts):
+    q = p + f"mlp.experts.{e}."
+    w |= {
+      q + "gate_proj.weight": mat(f, d),
+      q + "up_proj.weight": mat(f, d),
+      q + "down_proj.weight": mat(d, f),
+    }
 
 
 # llama.cpp's names for Hugging Face's (convert_hf_to_gguf.py's tensor map), per layer.

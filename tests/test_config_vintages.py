@@ -32,6 +32,15 @@ DEFAULTS = {
   "phi3": dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None),
   "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False),
   "qwen3": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, head_dim=128),
+  "qwen3_moe": dict(
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    norm_topk_prob=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+  ),
+  "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False, sliding_window=None),
   "gemma3_text": dict(
     rms_norm_eps=1e-6,
     rope_theta=1_000_000.0,
@@ -65,6 +74,8 @@ def as_transformers_reads(config: dict) -> dict:
       out["layer_types"] = ["sliding_attention" if (i + 1) % period else "full_attention" for i in layers]
   elif params is not None:
     out["rope_theta"], out["rope_scaling"] = params["rope_theta"], default(params)
+  if kind == "qwen3_moe":  # 5.24 writes num_local_experts; its config class reads either
+    out["num_experts"] = out.get("num_experts") or out["num_local_experts"]
   return out
 
 
@@ -91,7 +102,7 @@ def _numpy_logits(w, reads, tokens):
   match reads["model_type"]:
     case "gemma3_text":
       return gemma3_logits(w, reads, tokens)
-    case "qwen3":
+    case "qwen3" | "qwen3_moe":
       return llama_logits(w, reads, tokens, qk_norm=True)
     case "qwen2":
       return llama_logits(w, reads, tokens, qkv_bias=True)
@@ -106,13 +117,33 @@ def _numpy_logits(w, reads, tokens):
 
 def test_every_version_and_architecture_is_here():
   """4.45 to 5.x (the versions whose config.json differ), each architecture from the
-  version that added it (OLMo 2: 4.47, Gemma 3: 4.50, Qwen 3: 4.51; Mistral, Phi-3 and
-  Qwen 2.5 in every one), and the releases' files."""
+  version that added it (OLMo 2: 4.47, Gemma 3: 4.50, Qwen 3 and Qwen3-MoE: 4.51;
+  Mistral, Mixtral, Phi-3 and Qwen 2.5 in every one), and the releases' files."""
   assert VERSIONS == ["4.45.2", "4.50.3", "4.51.3", "4.53.3", "4.55.4", "4.56.2", "4.57.6", "5.0.0", "5.24.0"]
   names = {v: sorted(p.stem for p in FILES if p.parent.name == v) for v in VERSIONS}
-  assert names["4.45.2"] == ["llama", "mistral", "phi3", "qwen2"]
-  assert names["4.50.3"] == ["gemma3", "gemma3-variant", "llama", "mistral", "olmo2", "phi3", "qwen2"]
-  every = ["gemma3", "gemma3-variant", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3"]
+  assert names["4.45.2"] == ["llama", "mistral", "mixtral", "phi3", "qwen2"]
+  assert names["4.50.3"] == [
+    "gemma3",
+    "gemma3-variant",
+    "llama",
+    "mistral",
+    "mixtral",
+    "olmo2",
+    "phi3",
+    "qwen2",
+  ]
+  every = [
+    "gemma3",
+    "gemma3-variant",
+    "llama",
+    "mistral",
+    "mixtral",
+    "olmo2",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+  ]
   assert all(names[v] == every for v in VERSIONS[2:])
   releases = sorted(p.stem for p in FILES if p.parent.name == "releases")
   assert releases == [
@@ -125,6 +156,8 @@ def test_every_version_and_architecture_is_here():
   assert "dtype" in keys("4.56.2", "llama") and "torch_dtype" in keys("4.55.4", "llama")
   assert "use_bidirectional_attention" in keys("4.57.6", "gemma3")
   assert "rope_parameters" in keys("5.0.0", "llama") and "rope_theta" not in keys("5.24.0", "gemma3")
+  # 5.24's Qwen3-MoE writes the count of experts under Mixtral's name.
+  assert "num_experts" in keys("5.0.0", "qwen3_moe") and "num_local_experts" in keys("5.24.0", "qwen3_moe")
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -147,6 +180,13 @@ def test_each_written_config_loads_with_the_logits_transformers_would_give(writt
 # --- Keys that change the computation and are not applied: refused, named. ---
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+LLAMA3 = dict(
+  rope_type="llama3",
+  factor=4.0,
+  low_freq_factor=1.0,
+  high_freq_factor=4.0,
+  original_max_position_embeddings=8,
+)
 BAD = [
   ("5.24.0/gemma3.json", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
   ("4.57.6/qwen3.json", {"use_sliding_window": True, "sliding_window": 4}, "use_sliding_window=True"),
@@ -163,7 +203,19 @@ BAD = [
   ("4.57.6/olmo2.json", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
   ("releases/phi-4-mini.json", {"full_attn_mod": 2}, "full_attn_mod=2"),
   ("5.24.0/phi3.json", {"embd_pdrop": 0.1}, "embd_pdrop=0.1"),
-  ("4.45.2/phi3.json", {"rope_scaling": {"type": "yarn", "factor": 2.0}}, "'yarn'"),
+  # transformers' Phi-3 takes LongRoPE alone: the refusal names it, whatever else is asked.
+  (
+    "4.45.2/phi3.json",
+    {"rope_scaling": {"type": "yarn", "factor": 2.0}},
+    "'yarn' is not one Phi-3 takes (supported: 'default', 'longrope'",
+  ),
+  (
+    "4.57.6/phi3.json",
+    {"rope_scaling": {"type": "linear", "factor": 2.0}},
+    "'linear' is not one Phi-3 takes",
+  ),
+  ("5.24.0/phi3.json", {"rope_parameters": dict(LLAMA3, rope_theta=1e4)}, "'llama3' is not one Phi-3 takes"),
+  ("5.24.0/qwen3_moe.json", {"num_experts": 8}, "num_experts and num_local_experts differ"),
 ]
 
 

@@ -647,6 +647,8 @@ def test_finetune_script_reports_checkpoints_and_resumes(tmp_path):
     (["--devices", "0"], "--devices 0: must be at least 1"),
     (["--length", "100000"], "length=100000 exceeds the model's context length 512"),
     (["--length", "300", "--text", None], "the text has 200 tokens; length=300"),
+    (["--text", "missing.txt"], "--text missing.txt: no such file"),
+    (["--data", "missing.jsonl"], "--data missing.jsonl: no such file or folder"),
   ],
 )
 def test_finetune_script_refuses_bad_settings_before_writing(tmp_path, options, says):
@@ -667,6 +669,15 @@ def test_finetune_script_refuses_bad_settings_before_writing(tmp_path, options, 
   with pytest.raises(SystemExit, match=re.escape(says)):
     script.main([str(tmp_path / "m"), "--devices", "2", "--out", str(tmp_path / "run"), *options])
   assert not (tmp_path / "run").exists()
+
+
+def test_finetune_script_refuses_a_model_path_that_is_not_there(tmp_path):
+  """In one line, before JAX starts a device or anything is read."""
+  import finetune as script
+
+  with pytest.raises(SystemExit, match="nowhere: no such file or folder") as refused:
+    script.main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "run")])
+  assert "\n" not in str(refused.value) and not (tmp_path / "run").exists()
 
 
 def test_fsdp_on_a_device_count_that_splits_nothing_says_so(capsys):

@@ -146,6 +146,20 @@ HF_FUSED = _fused(tables.HF_NAMES, _LAYER + "self_attn.qkv_proj.weight", _LAYER 
 GGUF_FUSED = _fused(_GGUF_NAMES, "blk.{i}.attn_qkv.weight", "blk.{i}.ffn_up.weight")
 
 
+def _check_scaling_kind(cfg) -> None:
+  """transformers' Phi-3 takes LongRoPE alone ("longrope", or "su", its first name):
+  its config check refuses every other rope_type (5.24: "type field must be one of
+  ['longrope']")."""
+  params = cfg.get("rope_parameters")
+  values = params if isinstance(params, dict) else cfg.get("rope_scaling")
+  kind = None if values is None else values.get("rope_type", values.get("type", "default"))
+  if kind not in (None, "default", "longrope", "su"):
+    raise ValueError(
+      f"{cfg.where}: rope scaling rope_type={kind!r} is not one Phi-3 takes (supported: 'default', "
+      "'longrope' and its first name 'su', as transformers' Phi-3)"
+    )
+
+
 def config_from_hf(cfg, **overrides) -> Phi3Config:
   """Phi-3's config.json: Llama's keys, `original_max_position_embeddings`,
   `partial_rotary_factor` (top level, or in 5.x's rope_parameters), LongRoPE
@@ -165,6 +179,7 @@ def config_from_hf(cfg, **overrides) -> Phi3Config:
       f"hidden_size={fields['dim']}: transformers' Phi-3 takes head_dim = hidden_size / heads"
     )
   original = cfg.int("original_max_position_embeddings")
+  _check_scaling_kind(cfg)
   theta, scaling = cfg.rope(
     context_length=fields["context_length"], original_max_position_embeddings=original
   )

@@ -102,6 +102,17 @@ HF_TENSORS = tables.table(tables.HF_NAMES, tables.LLAMA_PARTS + tables.QK_NORMS)
 }
 
 
+def _expert_count(cfg) -> int:
+  """The number of experts: `num_experts` as transformers 4.x writes it, or
+  `num_local_experts` as 5.x's `save_pretrained` does (5.24); both must agree."""
+  given = {name: cfg.int(name) for name in ("num_experts", "num_local_experts") if cfg.get(name) is not None}
+  if not given:
+    raise ValueError(f"{cfg.where}: 'num_experts' (or 'num_local_experts') is missing: the number of experts")
+  if len(set(given.values())) > 1:
+    raise ValueError(f"{cfg.where}: num_experts and num_local_experts differ ({given}): one number of experts")
+  return next(iter(given.values()))
+
+
 def config_from_hf(cfg, **overrides) -> Qwen3MoeConfig:
   """Qwen3-MoE's config.json: Qwen 3's keys and the experts'. `output_router_logits`
   and `router_aux_loss_coef` concern training's loss only; they are read."""
@@ -113,7 +124,7 @@ def config_from_hf(cfg, **overrides) -> Qwen3MoeConfig:
   return llama.config_from_hf(
     cfg,
     cls=Qwen3MoeConfig,
-    num_experts=cfg.int("num_experts"),
+    num_experts=_expert_count(cfg),
     num_experts_per_tok=cfg.int("num_experts_per_tok"),
     moe_hidden=cfg.int("moe_intermediate_size"),
     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),

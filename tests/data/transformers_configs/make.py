@@ -1,6 +1,7 @@
 """Writes the config.json that an installed transformers version's `save_pretrained`
 writes for the tests' small Llama 3, Mistral, Qwen 2.5, Qwen 3, OLMo 2, Phi-3 and Gemma 3
-configs (tests/test_config_vintages.py), into a folder named after the version:
+configs, and Mixtral's and Qwen3-MoE's (tests/test_config_vintages.py), into a folder
+named after the version:
 
     python -m venv /tmp/tf && /tmp/tf/bin/pip install transformers==4.55.4
     /tmp/tf/bin/python tests/data/transformers_configs/make.py tests/data/transformers_configs
@@ -8,8 +9,9 @@ configs (tests/test_config_vintages.py), into a folder named after the version:
 
 No torch is needed: only the configuration classes are used. The files in this folder
 were written so by transformers 4.45.2, 4.50.3, 4.51.3, 4.53.3, 4.55.4, 4.56.2, 4.57.6,
-5.0.0 and 5.24.0 (OLMo 2 from 4.47, Gemma 3 from 4.50, Qwen 3 from 4.51; Qwen 2.5's,
-Mistral's and Phi-3's in every one; 4.45.2's Phi-3 has no partial rotary factor).
+5.0.0 and 5.24.0 (OLMo 2 from 4.47, Gemma 3 from 4.50, Qwen 3 and Qwen3-MoE from 4.51;
+Qwen 2.5's, Mistral's, Phi-3's and Mixtral's in every one; 4.45.2's Phi-3 has no partial
+rotary factor).
 `releases/` holds the published checkpoints' own config.json files, shrunk to a few
 small layers by `shrink` below.
 """
@@ -486,7 +488,7 @@ def main(root: str) -> None:
     qwen = transformers.Qwen3Config(
       **(COMMON | dict(hidden_size=48)),
       num_hidden_layers=2,
-      rms_norm_eps=1e-6,
+      rms_norm_eps=1e-5,  # not the 1e-6 default: the q/k norms must read it
       tie_word_embeddings=True,
       max_window_layers=2,
       **rope(1_000_000.0, None),
@@ -519,6 +521,35 @@ def main(root: str) -> None:
       **dtype("float32"),
     )
     save(variant, folder, "gemma3-variant")
+  experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.01)
+  mixtral = transformers.MixtralConfig(
+    **COMMON,
+    num_hidden_layers=2,
+    rms_norm_eps=1e-5,
+    num_local_experts=4,
+    tie_word_embeddings=False,
+    **(rope(1_000_000.0, None) if V5 else dict(rope_theta=1_000_000.0)),
+    **experts,
+    **dtype("bfloat16"),
+  )
+  save(mixtral, folder, "mixtral")
+  if hasattr(transformers, "Qwen3MoeConfig"):
+    qwen_moe = transformers.Qwen3MoeConfig(
+      **(COMMON | dict(hidden_size=48)),
+      num_hidden_layers=3,
+      rms_norm_eps=1e-5,  # not Qwen 3's 1e-6 default: the q/k norms must read it
+      tie_word_embeddings=False,
+      max_window_layers=3,
+      num_experts=4,
+      moe_intermediate_size=32,
+      norm_topk_prob=False,
+      decoder_sparse_step=1,
+      mlp_only_layers=[1],
+      **rope(1_000_000.0, None),
+      **experts,
+      **dtype("bfloat16"),
+    )
+    save(qwen_moe, folder, "qwen3_moe")
   print(transformers.__version__, sorted(os.listdir(folder)))
 
 
