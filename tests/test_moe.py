@@ -694,3 +694,19 @@ def test_gguf_equals_the_numpy_forward_and_the_ring(arch, tmp_path):
     assert rel_err(got[b], llama_logits(weights, config, tokens[b], qk_norm=arch == "qwen3_moe")) < F64_TOL
   ring, _ = models.load(tmp_path / "moe.gguf", mesh=make_mesh((4,), ("seq",)), cache_dir=tmp_path / "cache")
   assert rel_err(ring(jnp.asarray(tokens)), got) < RING_TOL
+
+
+@pytest.mark.parametrize("arch, sparse", [("qwen3_moe", 2), ("mixtral", 2)])
+def test_each_sparse_layer_weighs_its_balance_loss_by_the_mean_over_layers(arch, sparse, tmp_path):
+  """transformers adds router_aux_loss_coef times one load-balancing loss over every
+  sparse layer's router; here each layer adds its own, weighted coef / (sparse layers),
+  so the total stays at coef's scale however deep the model (Qwen3-MoE's test model:
+  3 layers, 1 dense; Mixtral's: 2)."""
+  config = _config(arch)
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  save_file(_weights(arch, config), str(tmp_path / "model.safetensors"))
+  model, _ = models.load(tmp_path, attention="dense")
+  layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, moe.MoE)]
+  assert len(layers) == sparse
+  coef = config["router_aux_loss_coef"]
+  assert [layer.balance for layer in layers] == pytest.approx([coef / sparse] * sparse, rel=1e-12)
