@@ -10,6 +10,7 @@ ValueErrors that name them."""
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import gguf  # noqa: E402  - installed by the test command (the [models] extra): missing is an error
 import jax
@@ -701,6 +702,18 @@ def test_named_configs_have_the_published_sizes():
   # Phi-3-mini 3,821,079,552 (KerasHub's Phi-3 presets).
   assert sum(count("phi-4-mini").values()) == 3_836_021_760
   assert sum(count("phi-3-mini-4k").values()) == 3_821_079_552
+  # Phi-3-mini-128k: the 4K model's weights; its LongRoPE lists are the current release's
+  # ("longrope", not the first release's "su": tests/data/phi3-mini-128k-longrope.json).
+  assert sum(count("phi-3-mini-128k").values()) == 3_821_079_552
+  released = json.loads((Path(__file__).parent / "data" / "phi3-mini-128k-longrope.json").read_text())
+  current = released["phi-3-mini-128k-instruct (current release, rope_scaling type 'longrope')"]
+  first = released["phi-3-mini-128k-instruct (first release, rope_scaling type 'su', transformers 4.39.3)"]
+  scaling = models.config("phi-3-mini-128k").rope_scaling
+  assert (scaling.kind, scaling.original_max_position_embeddings) == ("longrope", 4096)
+  assert list(scaling.factors) == current["short_factor"] and list(scaling.long_factors) == current["long_factor"]
+  assert list(scaling.long_factors) != first["long_factor"] or list(scaling.factors) != first["short_factor"]
+  assert models.config("phi-3-mini-128k").context_length == current["max_position_embeddings"]
+  assert scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), rel=1e-12)
   long = dict(rope_base=1e7, norm_eps=1e-5, context_length=1_010_000)
   assert models.config("qwen2.5-7b-instruct-1m") == dataclasses.replace(models.config("qwen2.5-7b"), **long)
   gemma = count("gemma-3-270m")
