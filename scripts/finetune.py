@@ -1,5 +1,6 @@
-"""Fine-tunes a pretrained model (a GGUF file or a Hugging Face folder: Llama 3, Qwen 3,
-Gemma 3) over the ring: every layer's attention over the devices, AdamW with warmup,
+"""Fine-tunes a pretrained model (a GGUF file or a Hugging Face folder of any of the nine
+families models.load reads: Llama 3, Mistral, Qwen 2.5, Qwen 3, Qwen3-MoE, OLMo 2,
+Phi-3, Gemma 3, Mixtral) over the ring: every layer's attention over the devices, AdamW with warmup,
 cosine decay and clipping, the loss chunked so the [T, vocab] logits never exist, the
 weights and optimizer state split over the devices with --fsdp (models.train.finetune).
 
@@ -15,6 +16,8 @@ template; the loss on the assistant's turns).
         [--columns NAME=COLUMN,...] [--chat-template FILE] [--long split|truncate|drop]
         [--skip-bad] [--eval-data E | --eval-fraction F] [--eval-every K]]
         [--length T] [--steps N] [--devices D] [--fsdp | --no-fsdp] [--lr LR] [--out DIR]
+        [--remat full|attention|offload|none] [--dtype float32|bfloat16] [--capacity-factor C]
+        [--no-progress]
         [--lora-rank R [--lora-alpha A] [--lora-targets q,k,v,o,gate,up,down] [--merge]]
 
 Writes DIR/metrics.jsonl and TensorBoard event files in DIR/tb/ as each step ends

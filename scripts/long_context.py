@@ -14,8 +14,9 @@ depths.
     bash scripts/run_demo.sh [--full | --quick] [--lengths 4096 8192] [--out DIR]
     bash scripts/run_demo.sh --model PATH   # any checkpoint models.load reads
 
---model: a Hugging Face folder (with tokenizer.json) or a GGUF file of Llama 3, Qwen 3
-or Gemma 3 instead of the packaged Gemma 3 270M.
+--model: a Hugging Face folder (with tokenizer.json) or a GGUF file of any family
+models.load reads (Llama 3, Mistral, Qwen 2.5, Qwen 3, Qwen3-MoE, OLMo 2, Phi-3,
+Gemma 3, Mixtral) instead of the packaged Gemma 3 270M.
 
 Writes DIR/report.json (every answer; per reader and length: prefill seconds and
 tokens/s, decode ms/token, compiled temp memory per device; the ring's largest logit

@@ -710,7 +710,8 @@ def test_named_configs_have_the_published_sizes():
   first = released["phi-3-mini-128k-instruct (first release, rope_scaling type 'su', transformers 4.39.3)"]
   scaling = models.config("phi-3-mini-128k").rope_scaling
   assert (scaling.kind, scaling.original_max_position_embeddings) == ("longrope", 4096)
-  assert list(scaling.factors) == current["short_factor"] and list(scaling.long_factors) == current["long_factor"]
+  assert list(scaling.factors) == current["short_factor"]
+  assert list(scaling.long_factors) == current["long_factor"]
   assert list(scaling.long_factors) != first["long_factor"] or list(scaling.factors) != first["short_factor"]
   assert models.config("phi-3-mini-128k").context_length == current["max_position_embeddings"]
   assert scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), rel=1e-12)

@@ -109,7 +109,7 @@ def _expert_count(cfg) -> int:
   if not given:
     raise ValueError(f"{cfg.where}: 'num_experts' (or 'num_local_experts') is missing: the number of experts")
   if len(set(given.values())) > 1:
-    raise ValueError(f"{cfg.where}: num_experts and num_local_experts differ ({given}): one number of experts")
+    raise ValueError(f"{cfg.where}: num_experts and num_local_experts differ ({given}): give one count")
   return next(iter(given.values()))
 
 
