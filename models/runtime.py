@@ -174,6 +174,32 @@ def initialize_distributed(
   return False
 
 
+def limit_malloc(arenas: int = 2, mmap_threshold: int = 131072) -> bool:
+  """glibc's allocator settings `run_demo.sh` exports (MALLOC_ARENA_MAX=2,
+  MALLOC_MMAP_THRESHOLD_=131072), set from inside the process with `mallopt`, before
+  JAX starts its threads: at most `arenas` heaps, and blocks from `mmap_threshold` bytes
+  up mapped on their own, so freed step buffers go back to the system. Without them
+  glibc keeps an arena per thread and its freed memory: Gemma 3 270M's fine-tuning step
+  on 8 simulated devices peaked about 0.9 GiB higher. An environment that sets either
+  variable keeps its own. False where glibc is not the C library (nothing changed)."""
+  import ctypes
+  import ctypes.util
+  import os
+
+  try:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    mallopt = libc.mallopt
+  except (OSError, AttributeError):
+    return False
+  m_mmap_threshold, m_arena_max = -3, -8  # glibc's malloc.h
+  done = True
+  if "MALLOC_ARENA_MAX" not in os.environ:
+    done &= mallopt(m_arena_max, arenas) == 1
+  if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+    done &= mallopt(m_mmap_threshold, mmap_threshold) == 1
+  return bool(done)
+
+
 def setup(args: argparse.Namespace) -> None:
   """Devices, then the distributed runtime, from the flags of `add_flags`."""
   simulate_devices(args.devices)

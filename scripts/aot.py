@@ -35,6 +35,16 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several compiles at once (the tests)
 
 
+def step_heading(name: str, layers: int | None, remat: str) -> str:
+  """What a named model's compiled step is: "qwen3-30b-a3b AdamW step (1 of 48 layers,
+  FSDP, remat full)"."""
+  from jax_ring import models
+
+  every = models.config(name).num_layers
+  count = f"{layers} of {every} layers" if layers and layers != every else f"{every} layers"
+  return f"{name} AdamW step ({count}, FSDP, remat {remat})"
+
+
 def print_each_line_once() -> None:
   """Routes this process's stderr (file descriptor 2, which the CUDA plugin and libtpu
   write to from C++) through a filter that passes each line once: the plugin logs
@@ -309,7 +319,7 @@ def main(argv=None):
     return
   what = "DecoderLM step" if args.model else "ring attention"
   if isinstance(args.model, str):
-    what = f"{args.model} AdamW step (FSDP, remat {args.remat})"
+    what = step_heading(args.model, args.layers, args.remat)
   print(f"{args.target}: {what}, T={args.seq_len}, kernel={args.kernel}: {result['kernel_resolved']}")
   print(f"  ({result['kernel_reason']})")
   if "max_length" in result:

@@ -216,6 +216,7 @@ def main(argv=None):
     if getattr(args, name) < 1:
       raise SystemExit(f"finetune.py: --{name} {getattr(args, name)}: must be at least 1")
   check_paths(args)
+  runtime.limit_malloc()  # before JAX starts its threads (run_demo.sh's settings)
   runtime.setup(args)
   import jax
   from flax import nnx

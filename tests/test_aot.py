@@ -612,3 +612,19 @@ def test_without_the_aot_extra_the_script_names_the_fix(target, needs):
   done = _process(sys.executable, ["scripts/aot.py", f"--target={target}", "--seq-len=4096"])
   assert done.returncode == 2, done.stderr[-3000:]
   assert "[aot] extra" in done.stderr and needs in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_step_of_some_layers_says_how_many_of_how_many():
+  """The heading of `--model NAME --train --layers N` names N of the model's layers."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("aot_script", ROOT / "scripts" / "aot.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  assert (
+    script.step_heading("llama-3.1-8b", 1, "full")
+    == "llama-3.1-8b AdamW step (1 of 32 layers, FSDP, remat full)"
+  )
+  assert script.step_heading("qwen3-30b-a3b", None, "offload").startswith(
+    "qwen3-30b-a3b AdamW step (48 layers,"
+  )
