@@ -4,8 +4,11 @@ One call of a query block against one key/value block, in the Pallas kernels' la
 (BNTH): q [B, N, T, H] pre-scaled (N = K * G; query head n reads kv head n // G), k, v
 [B, K, S, H], all in the compute dtype. cuDNN takes no positions, so a call's mask is
 one of two: every query sees every key, or `causal`: query row i sees key rows j <= i
-(cuDNN's CAUSAL mask, aligned at the top left). The ring (`_ring`) makes each step one
-such call on the rectangle of its queries and keys that the positions let through.
+(cuDNN's CAUSAL mask, aligned at the top left), with a `window` of w keys back from
+there (cuDNN's sliding window, length w + 1); and `seqs` packs documents (`Sequences`:
+cuDNN's "THD" layout, each document a sequence of its own, its rows' places counted
+from the sequence's start). The ring (`_ring`) makes each step one such call on the
+rectangle of its queries and keys that the positions let through.
 
 - `forward(q, k, v, causal=)` -> (out, lse): out [B, N, T, H] float32 (cuDNN writes
   it in the input dtype), lse [B, N, T] float32, the natural-log sum of exponentials of
