@@ -1081,9 +1081,6 @@ def _cudnn_forward_state(cfg: RingConfig, x: Inputs):
     return _cudnn_step(kinds, kind, run, hidden, q, kv.k, kv.v, kv.pos, kv.seg, *acc)
 
   out, lse = _forward_passes(cfg, compute, kv, (out, lse))
-  if q_seg is not None:  # documents split over the ring: not what the calls assume
-    apart = ~_documents_contiguous(cfg, q_seg, q_pos)
-    out = jnp.where(apart[:, None, None, None], jnp.nan, out)
   return _q_blocked(out, x.q), _q_blocked(lse, x.q)
 
 
@@ -1212,6 +1209,9 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args=None):
   kept = zeros_varying_like(q.shape, pol.delta_dtype(q.dtype), q, k)
   lse = zeros_varying_like(q.shape[:3], pol.accum_dtype, q, k)
   (kept, lse), _ = lax.scan(group, (kept, lse), jnp.arange(groups))
+  if cfg.kernel == "cudnn" and q_seg is not None:  # documents split over the ring: not what the calls assume
+    apart = ~_documents_contiguous(cfg, q_seg, q_pos)  # once a call, not once a head group
+    kept = jnp.where(apart[:, None, None, None], jnp.nan, kept)
   # Named, so that a rematerialization policy can keep them for the backward instead of
   # running the ring's forward again (jax.checkpoint_policies.save_only_these_names).
   kept = checkpoint_name(kept, "jax_ring.attention_out")

@@ -316,28 +316,18 @@ def _experts(w, p, i, config, mat):
   d = config["hidden_size"]
   experts = config.get("num_experts") or config["num_local_experts"]
   if config["model_type"] == "mixtral":
-    f = config["intermediate_size"]
-    for x in ("gate", "up", "down"):
-      del w[p + f"mlp.{x}_proj.weight"]
-    w[p + "block_sparse_moe.gate.weight"] = mat(experts, d) * 3
-    for e in range(experts):
-      q = p + f"block_sparse_moe.experts.{e}."
-      w |= {q + "w1.weight": mat(f, d), q + "w3.weight": mat(f, d), q + "w2.weight": mat(d, f)}
-    return
-  step = config.get("decoder_sparse_step", 1)
-  if i in config.get("mlp_only_layers", []) or (i + 1) % step:
-    return
-  f = config["moe_intermediate_size"]
+    f, where, names = config["intermediate_size"], "block_sparse_moe.", ("w1", "w3", "w2")
+  else:
+    if i in config.get("mlp_only_layers", []) or (i + 1) % config.get("decoder_sparse_step", 1):
+      return
+    f, where, names = config["moe_intermediate_size"], "mlp.", ("gate_proj", "up_proj", "down_proj")
   for x in ("gate", "up", "down"):
     del w[p + f"mlp.{x}_proj.weight"]
-  w[p + "mlp.gate.weight"] = mat(experts, d) * 3
+  w[p + where + "gate.weight"] = mat(experts, d) * 3
+  gate, up, down = names
   for e in range(experts):
-    q = p + f"mlp.experts.{e}."
-    w |= {
-      q + "gate_proj.weight": mat(f, d),
-      q + "up_proj.weight": mat(f, d),
-      q + "down_proj.weight": mat(d, f),
-    }
+    q = p + where + f"experts.{e}."
+    w |= {q + f"{gate}.weight": mat(f, d), q + f"{up}.weight": mat(f, d), q + f"{down}.weight": mat(d, f)}
 
 
 # llama.cpp's names for Hugging Face's (convert_hf_to_gguf.py's tensor map), per layer.
