@@ -218,8 +218,8 @@ def test_vocabulary_rings_equal_the_gathered_table(fsdp):
     return jnp.sum(ce * weights) / jnp.sum(weights)
 
   batch = train_step.place_batch(ring, tokens, targets, weights)
-  value, grads = nnx.value_and_grad(lambda m: train_step.loss(m, *batch, chunk=16))(ring)
-  expected, expected_grads = nnx.value_and_grad(full)(dense)
+  value, grads = nnx.jit(nnx.value_and_grad(lambda m: train_step.loss(m, *batch, chunk=16)))(ring)
+  expected, expected_grads = nnx.jit(nnx.value_and_grad(full))(dense)
   assert abs(float(value) - float(expected)) < 1e-6 * float(expected)
   for (path, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected_grads)):
     assert rel_err(a[...], b[...]) < 1e-5, path
@@ -402,8 +402,10 @@ def test_training_loss_in_the_ring_order_equals_natural_order():
     ce = optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets)
     return jnp.sum(ce * weights) / jnp.sum(weights)
 
-  value, grads = nnx.value_and_grad(lambda m: train_step.loss(m, tokens, targets, weights, chunk=128))(ring)
-  expected, expected_grads = nnx.value_and_grad(full)(dense)
+  value, grads = nnx.jit(nnx.value_and_grad(lambda m: train_step.loss(m, tokens, targets, weights, chunk=128)))(
+    ring
+  )
+  expected, expected_grads = nnx.jit(nnx.value_and_grad(full))(dense)
   assert abs(float(value) - float(expected)) < 1e-6 * float(expected)
   for (path, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected_grads)):
     assert rel_err(a[...], b[...]) < 1e-5, path
@@ -758,8 +760,10 @@ def test_blocks_that_repeat_with_a_period_train_as_a_scan():
   # ... and each period's three windowed blocks as a scan over their weights stacked
   # [periods, 3, ...] (an MLP kernel: [2, 3, 64, 128]).
   assert "f32[2,3,64,128]" in jaxpr
-  value, grads = nnx.value_and_grad(lambda m: train_step.loss(m, *batch, chunk=16))(scanned)
-  expected, expected_grads = nnx.value_and_grad(lambda m: train_step.loss(m, *batch, chunk=16))(unrolled)
+  # jitted: eager dispatch of eight layers' ring costs several times their compile.
+  value_and_grad = nnx.jit(nnx.value_and_grad(lambda m: train_step.loss(m, *batch, chunk=16)))
+  value, grads = value_and_grad(scanned)
+  expected, expected_grads = value_and_grad(unrolled)
   assert abs(float(value) - float(expected)) < 1e-6 * abs(float(expected))
   for (path, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected_grads)):
     assert rel_err(a[...], b[...]) < 1e-5, path

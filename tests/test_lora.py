@@ -67,7 +67,7 @@ def _adapter_grads(model):
       m(TOKENS) * jnp.asarray(np.random.default_rng(3).standard_normal((1, 64, 97)), jnp.float32)
     )
 
-  grads = nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+  grads = nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam)))(model)
   return {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(grads)}
 
 

@@ -332,7 +332,7 @@ def test_expert_parallelism_equals_gathered_experts(devices):
     graphdef, state = nnx.split(model)
     program = str(jax.make_jaxpr(lambda s, t, g=graphdef: nnx.merge(g, s)(t))(state, tokens))
     assert ("all_to_all" in program) is split
-    value, grads = nnx.value_and_grad(_loss)(model, tokens)
+    value, grads = nnx.jit(nnx.value_and_grad(_loss))(model, tokens)
     results.append((float(value), dict(nnx.to_flat_state(grads)), int(moe.dropped_tokens(model))))
   (v0, g0, d0), (v1, g1, d1) = results
   assert abs(v0 - v1) <= RING_TOL * abs(v1) and d0 == d1 > 0
@@ -390,7 +390,7 @@ def test_ring_equals_dense_forward_and_gradients(checkpoint, devices):
   ring, _ = models.load(folder, mesh=make_mesh((devices,), ("seq",)))
   tokens = jnp.asarray(_tokens(64, seed=devices))
   assert rel_err(ring(tokens), dense(tokens)) < RING_TOL
-  grad = lambda m: nnx.grad(_loss)(m, tokens)
+  grad = lambda m: nnx.jit(nnx.grad(_loss))(m, tokens)
   g_ring, g_dense = nnx.to_flat_state(grad(ring)), dict(nnx.to_flat_state(grad(dense)))
   for path, value in g_ring:
     assert rel_err(value[...], g_dense[path][...]) < RING_TOL, path

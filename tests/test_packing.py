@@ -116,6 +116,16 @@ def _flat(tree):
   return {".".join(map(str, k)): np.asarray(v[...], np.float64) for k, v in nnx.to_flat_state(tree)}
 
 
+def _summed(m, ids, mask):
+  logits = m(ids[None, :-1])[0].astype(jnp.float64)
+  ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, ids[1:, None], axis=-1)[:, 0]
+  return jnp.sum(ce * mask[1:])
+
+
+# One program per (model, length): eager dispatch of a model's layers costs more than compiling them.
+_summed_grad = nnx.jit(nnx.value_and_grad(_summed))
+
+
 def _reference(family, examples):
   """Sum over the examples of each one's summed cross-entropy, and its gradient: each
   alone, dense attention on one device, float64 weights and compute."""
@@ -126,14 +136,9 @@ def _reference(family, examples):
   weights32 = nnx.state(models.build(cfg, attention="dense", rngs=nnx.Rngs(0)), nnx.Param)
   nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.float64), weights32))  # the ring's weights, exactly
 
-  def summed(m, ids, mask):
-    logits = m(ids[None, :-1])[0].astype(jnp.float64)
-    ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, ids[1:, None], axis=-1)[:, 0]
-    return jnp.sum(ce * mask[1:])
-
   total, grads = 0.0, None
   for ids, mask in examples:
-    value, g = nnx.value_and_grad(summed)(model, jnp.asarray(ids), jnp.asarray(mask, jnp.float64))
+    value, g = _summed_grad(model, jnp.asarray(ids), jnp.asarray(mask, jnp.float64))
     g = _flat(g)
     total += float(value)
     grads = g if grads is None else {k: grads[k] + g[k] for k in g}
