@@ -335,6 +335,13 @@ def main(argv=None):
     )
     if m.get("host_temp_bytes"):
       print(f"  host memory per device (offloaded layer inputs): {m['host_temp_bytes']:.2f} GiB")
+      # XLA's rematerialization pass runs before host offloading and counts the offloaded
+      # stack as device memory: its "Can't reduce memory use below" warning above is about
+      # peak + host, not the compiled program (docs/guides/training.md, "Layer inputs").
+      print(
+        '  (where XLA warned "Can\'t reduce memory use below ...", its figure counts these host '
+        "bytes as device memory; the peak above is the compiled program's)"
+      )
   for op, n in sorted(result["collective_bytes"].items()):
     print(f"  {op}: {n / 2**20:.1f} MiB per device")
   for op, (count, n) in sorted(result["outside_loops"].items()):
