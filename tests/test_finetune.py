@@ -402,9 +402,9 @@ def test_training_loss_in_the_ring_order_equals_natural_order():
     ce = optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets)
     return jnp.sum(ce * weights) / jnp.sum(weights)
 
-  value, grads = nnx.jit(nnx.value_and_grad(lambda m: train_step.loss(m, tokens, targets, weights, chunk=128)))(
-    ring
-  )
+  value, grads = nnx.jit(
+    nnx.value_and_grad(lambda m: train_step.loss(m, tokens, targets, weights, chunk=128))
+  )(ring)
   expected, expected_grads = nnx.jit(nnx.value_and_grad(full))(dense)
   assert abs(float(value) - float(expected)) < 1e-6 * float(expected)
   for (path, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected_grads)):
