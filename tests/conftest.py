@@ -100,7 +100,7 @@ def cut_segments(length, cuts, pad_from=None):
 
 
 @functools.cache
-def _forward_and_vjp(fn):
+def forward_and_vjp(fn):
   """One jitted program: (outputs, input gradients for cotangent `cot`) of fn; one per
   function object, so a reference shared by several tests compiles once per shape."""
 
@@ -135,9 +135,9 @@ def compare_with_reference(fn, ref_fn, args, tol, seed=3):
   cot = tree.unflatten(
     [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) for k, x in zip(keys, leaves)]
   )
-  out, grads = _forward_and_vjp(fn)(tuple(args), cot)
+  out, grads = forward_and_vjp(fn)(tuple(args), cot)
   args64 = tuple(a.astype(jnp.float64) for a in args)
-  ref, ref_grads = _forward_and_vjp(ref_fn)(args64, jax.tree.map(lambda c: c.astype(jnp.float64), cot))
+  ref, ref_grads = forward_and_vjp(ref_fn)(args64, jax.tree.map(lambda c: c.astype(jnp.float64), cot))
   # zip would drop what one side lacks (an lse, a gradient): the structures first.
   assert jax.tree.structure(out) == jax.tree.structure(ref), (
     jax.tree.structure(out),

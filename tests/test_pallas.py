@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import compare_with_reference, make_mesh, padded_segments, qkv, rel_err
+from conftest import compare_with_reference, forward_and_vjp, make_mesh, padded_segments, qkv, rel_err
 from jax.sharding import PartitionSpec as P
 
 import jax_ring
@@ -325,8 +325,7 @@ def test_ring_with_pallas_kernel_half_precision(preset):
   args = qkv(1, 256, 4, 2, 32)
   cot = jax.random.normal(jax.random.PRNGKey(5), args[0].shape, jnp.float32)
   ref_fn = functools.partial(reference_attention, is_causal=True)
-  ref = jax.vjp(ref_fn, *(x.astype(jnp.float64) for x in args))
-  ref = (ref[0], ref[1](cot.astype(jnp.float64)))
+  ref = forward_and_vjp(ref_fn)(tuple(x.astype(jnp.float64) for x in args), cot.astype(jnp.float64))
   errors = {}
   for kernel in ("pallas", "xla"):
     fn = functools.partial(ring_attention, mesh=mesh, is_causal=True, policy=preset, kernel=kernel)

@@ -9,7 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, compare_with_reference, cut_segments, make_mesh, qkv, rel_err
+from conftest import (
+  assert_close,
+  compare_with_reference,
+  cut_segments,
+  forward_and_vjp,
+  make_mesh,
+  qkv,
+  rel_err,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -158,14 +166,14 @@ def test_exact_delta_shrinks_the_bf16_backward_error():
   mesh = make_mesh((2,), ("seq",))
   ref = lambda q, k, v: reference_attention(q, k, v, is_causal=True, scale=1.0)
   wide = tuple(x.astype(jnp.float64) for x in (q, k, v))
-  ref_grads = jax.vjp(ref, *wide)[1](cot.astype(jnp.float64))
+  ref_grads = forward_and_vjp(ref)(wide, cot.astype(jnp.float64))[1]
   used = {}
   for exact in (True, False):
     policy = jax_ring.Policy(compute_dtype=jnp.bfloat16, precision="default", exact_delta=exact)
     fn = lambda q, k, v, policy=policy: ring_attention(
       q, k, v, mesh=mesh, is_causal=True, scale=1.0, policy=policy
     )
-    grads = jax.vjp(fn, q, k, v)[1](cot)
+    grads = forward_and_vjp(fn)((q, k, v), cot)[1]
     used[exact] = [_tolerance_used(g, r) for g, r in zip(grads, ref_grads)]
   assert all(u < 1.0 for u in used[True]), used
   assert used[True][1] < used[False][1], used  # dK

@@ -6,7 +6,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import _forward_and_vjp, make_mesh, qkv, rel_err
+from conftest import forward_and_vjp, make_mesh, qkv, rel_err
 
 import jax_ring
 from jax_ring import PRESETS, Policy, policy_for, reference_attention, ring_attention
@@ -76,10 +76,10 @@ def _errors(policy, devices, dtype=jnp.float32, **options):
   )
   shape = jax.eval_shape(fn, q, k, v)
   cot = jax.random.normal(jax.random.PRNGKey(5), shape.shape, jnp.float32).astype(shape.dtype)
-  out, grads = _forward_and_vjp(fn)((q, k, v), cot)  # one jitted program each
+  out, grads = forward_and_vjp(fn)((q, k, v), cot)  # one jitted program each
   ref_fn = lambda q, k, v: reference_attention(q, k, v, **options)
   wide = tuple(x.astype(jnp.float64) for x in (q, k, v))
-  ref, ref_grads = _forward_and_vjp(ref_fn)(wide, cot.astype(jnp.float64))
+  ref, ref_grads = forward_and_vjp(ref_fn)(wide, cot.astype(jnp.float64))
   for g, x in zip(grads, (q, k, v)):
     assert g.dtype == x.dtype
   return out, [rel_err(out, ref)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)]
