@@ -665,11 +665,25 @@ def test_named_configs_have_the_published_sizes():
   170M embedding and 100M transformer parameters (Google's model card)."""
   from flax import nnx
 
-  def count(name, **kw):
-    model = nnx.eval_shape(lambda: models.build(models.config(name), attention="dense", **kw))
+  def sizes(config):
+    model = nnx.eval_shape(lambda: models.build(config, attention="dense"))
     return {
       ".".join(map(str, k)): int(np.prod(v.shape)) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
     }
+
+  def count(name):
+    """The parameters outside the blocks by name, and the blocks' together ("blocks"),
+    from the model built with one and with two of its blocks (nothing allocated; tracing
+    all 28-36 blocks of each config took most of this test's time): the second block
+    must have the first's shapes, and the config's blocks are that block's count times
+    `num_layers`."""
+    config = models.config(name)
+    one, two = (sizes(dataclasses.replace(config, num_layers=n)) for n in (1, 2))
+    part = lambda d, prefix: {k.removeprefix(prefix): v for k, v in d.items() if k.startswith(prefix)}
+    rest = lambda d: {k: v for k, v in d.items() if not k.startswith("blocks.")}
+    block = part(one, "blocks.0.")
+    assert block and part(two, "blocks.1.") == block and rest(one) == rest(two), name
+    return rest(one) | {"blocks": sum(block.values()) * config.num_layers}
 
   assert sum(count("llama-3.1-8b").values()) == 8_030_261_248
   assert sum(count("llama-3.2-1b").values()) == 1_235_814_400
