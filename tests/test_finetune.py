@@ -256,8 +256,14 @@ def test_embedding_ring_moving_the_table_or_the_rows(moving, shape, names, table
     out_specs=P(*token_spec, None),
   )
   put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
-  rows, pull = jax.vjp(lambda w: lookup(w, put(tokens, *token_spec)), put(table, table_axes, None))
-  (grad,) = pull(put(cot, *token_spec, None))
+  placed = put(tokens, *token_spec)
+
+  @jax.jit  # one program (op-by-op dispatch of the ring's forward and backward cost more)
+  def rows_and_grad(w, c):
+    rows, pull = jax.vjp(lambda w: lookup(w, placed), w)
+    return rows, *pull(c)
+
+  rows, grad = rows_and_grad(put(table, table_axes, None), put(cot, *token_spec, None))
   expected_grad = np.zeros((64, 8))
   np.add.at(expected_grad, tokens.reshape(-1), cot.reshape(-1, 8).astype(np.float64))
   np.testing.assert_array_equal(np.asarray(rows), table[tokens])
@@ -298,8 +304,14 @@ def test_loss_ring_moving_the_table_or_the_rows(moving, transposed, shape, names
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
   stored = table.T if transposed else table
   args = (put(h, P(*token_spec, None)), put(stored, table_spec))
-  ce, pull = jax.vjp(lambda h, w: loss(h, w, put(targets, P(*token_spec))), *args)
-  dh, dtable = pull(put(cot, P(*token_spec)))
+  placed = put(targets, P(*token_spec))
+
+  @jax.jit  # one program (op-by-op dispatch of the ring's forward and backward cost more)
+  def values_and_grads(h, w, c):
+    ce, pull = jax.vjp(lambda h, w: loss(h, w, placed), h, w)
+    return ce, *pull(c)
+
+  ce, dh, dtable = values_and_grads(*args, put(cot, P(*token_spec)))
   logits = h.astype(np.float64) @ table.astype(np.float64).T
   top = logits.max(-1, keepdims=True)
   p = np.exp(logits - top)
