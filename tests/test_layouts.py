@@ -1,5 +1,7 @@
 """Layouts: permutations, positions, every layout x mask against the reference, work."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -61,20 +63,35 @@ MASKS = {
 }
 
 
+LENGTH = 53  # divides neither 2p nor p*p
+
+
+@functools.cache
+def _mask_options(mask):
+  options = dict(MASKS[mask])
+  if options.get("segment_ids") == "padded":
+    options["segment_ids"] = padded_segments(2, LENGTH)
+  return options
+
+
+@functools.cache
+def _reference(mask):
+  """One reference function per mask: its float64 program compiles once for the eight
+  (layout, device count) cases that use it."""
+  return functools.partial(reference_attention, **_mask_options(mask))
+
+
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("layout", ["striped", "zigzag"])
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 def test_every_layout_and_mask_matches_reference(p, layout, mask):
-  options = dict(MASKS[mask])
-  length = 53  # divides neither 2p nor p*p
-  if options.get("segment_ids") == "padded":
-    options["segment_ids"] = padded_segments(2, length)
+  options = _mask_options(mask)
   mesh = make_mesh((p,), ("seq",))
-  args = qkv(2, length, 4, 2, 8)
+  args = qkv(2, LENGTH, 4, 2, 8)
   fn = lambda q, k, v: ring_attention(
     q, k, v, mesh=mesh, layout=layout, block_sizes=jax_ring.BlockSizes(4, 4, kv_heads=1), **options
   )
-  compare_with_reference(fn, lambda q, k, v: reference_attention(q, k, v, **options), args, 1e-5)
+  compare_with_reference(fn, _reference(mask), args, 1e-5)
 
 
 def test_auto_layout_keeps_short_causal_shards_contiguous():
