@@ -35,7 +35,7 @@ def dense(path):
   del model
 
 
-def test_harness_answers_ruler_as_the_main_jobs_reader(tmp_path, ring8, dense):
+def test_harness_answers_ruler_as_the_main_jobs_reader(tmp_path, ring8, dense, monkeypatch):
   """lm_eval runs RULER's niah_single_1 at 512 tokens (its documents sized with the
   tokenizer saved for it) with the jax_ring model over 8 devices: the harness scores 1
   exactly when the needle's number is in the answer, and the answer is what the main
@@ -52,6 +52,14 @@ def test_harness_answers_ruler_as_the_main_jobs_reader(tmp_path, ring8, dense):
   new = 10
   lm = harness.RingLM(loaded=(ring8, tokenizer), devices=8, max_gen_toks=new)
   tokenizer_files.save_tokenizer(tokenizer, tmp_path, context_length=32768)
+  # RULER makes 500 documents a length (a constant in lm_eval's niah_utils.py), sizing
+  # each with the tokenizer: 27 s here, for the one this test reads. Its task module,
+  # loaded from its file when the task is, takes generate_samples from prepare_niah then.
+  from lm_eval.tasks.ruler import prepare_niah
+
+  make = prepare_niah.generate_samples
+  one = lambda *args, **kw: make(*args, **(kw | {"num_samples": 1}))
+  monkeypatch.setattr(prepare_niah, "generate_samples", one)
   tasks = harness.ruler_tasks(["niah_single_1"], {"max_seq_lengths": [512], "tokenizer": str(tmp_path)})
   results = evaluate(lm, tasks, limit=1, bootstrap_iters=0, log_samples=True)
   (sample,) = results["samples"]["niah_single_1"]
