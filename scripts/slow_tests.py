@@ -1,7 +1,7 @@
 """Writes tests/slow.txt, the tests `-m "not slow"` leaves out, from pytest's timings.
 
     bash scripts/run_tests.sh --durations=0 | tee /tmp/durations.txt
-    python scripts/slow_tests.py /tmp/durations.txt [--seconds 2]
+    python scripts/slow_tests.py /tmp/durations.txt [--seconds 1.5]
 
 A test is slow when its set-up and call took `--seconds` or more together (on the
 2-core CI machine, two pytest-xdist workers); tests/conftest.py marks the listed ones
@@ -29,7 +29,7 @@ HEADER = """\
 def parse_args(argv=None):
   parser = cli.parser(__doc__)
   parser.add_argument("durations", help="pytest's output with --durations=0")
-  parser.add_argument("--seconds", type=float, default=2.0, help="a test this slow or slower is slow")
+  parser.add_argument("--seconds", type=float, default=1.5, help="a test this slow or slower is slow")
   parser.add_argument("--out", default=str(OUT), help="the list to write")
   return parser.parse_args(argv)
 

@@ -166,7 +166,7 @@ def _slow_tests() -> frozenset:
 
 
 def pytest_collection_modifyitems(config, items):
-  """Marks `slow` the tests tests/slow.txt lists (each took 2 s or more on 2 cores;
+  """Marks `slow` the tests tests/slow.txt lists (each took 1.5 s or more on 2 cores;
   scripts/slow_tests.py writes the list from a timed run): `-m "not slow"` runs the
   rest in under 5 minutes. What the slow ones buy: docs/development.md, "Tests"."""
   slow = _slow_tests()
