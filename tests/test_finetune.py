@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_mesh, rel_err
+from conftest import forward_and_vjp, make_mesh, rel_err
 from flax import nnx
 
 from jax_ring import hlo, models
@@ -257,13 +257,10 @@ def test_embedding_ring_moving_the_table_or_the_rows(moving, shape, names, table
   )
   put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
   placed = put(tokens, *token_spec)
-
-  @jax.jit  # one program (op-by-op dispatch of the ring's forward and backward cost more)
-  def rows_and_grad(w, c):
-    rows, pull = jax.vjp(lambda w: lookup(w, placed), w)
-    return rows, *pull(c)
-
-  rows, grad = rows_and_grad(put(table, table_axes, None), put(cot, *token_spec, None))
+  # One jitted program (op-by-op dispatch of the ring's forward and backward cost more).
+  rows, (grad,) = forward_and_vjp(lambda w: lookup(w, placed))(
+    (put(table, table_axes, None),), put(cot, *token_spec, None)
+  )
   expected_grad = np.zeros((64, 8))
   np.add.at(expected_grad, tokens.reshape(-1), cot.reshape(-1, 8).astype(np.float64))
   np.testing.assert_array_equal(np.asarray(rows), table[tokens])
@@ -305,13 +302,8 @@ def test_loss_ring_moving_the_table_or_the_rows(moving, transposed, shape, names
   stored = table.T if transposed else table
   args = (put(h, P(*token_spec, None)), put(stored, table_spec))
   placed = put(targets, P(*token_spec))
-
-  @jax.jit  # one program (op-by-op dispatch of the ring's forward and backward cost more)
-  def values_and_grads(h, w, c):
-    ce, pull = jax.vjp(lambda h, w: loss(h, w, placed), h, w)
-    return ce, *pull(c)
-
-  ce, dh, dtable = values_and_grads(*args, put(cot, P(*token_spec)))
+  # One jitted program (op-by-op dispatch of the ring's forward and backward cost more).
+  ce, (dh, dtable) = forward_and_vjp(lambda h, w: loss(h, w, placed))(args, put(cot, P(*token_spec)))
   logits = h.astype(np.float64) @ table.astype(np.float64).T
   top = logits.max(-1, keepdims=True)
   p = np.exp(logits - top)

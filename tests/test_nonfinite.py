@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh, rel_err
+from conftest import forward_and_vjp, make_mesh, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -131,9 +131,8 @@ def test_poisoned_gradients_are_not_finite_and_no_wider_than_jax_nn(kernel):
   mask = dense_mask(seg, True)
   cot = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32)
   ring = lambda *a: ring_attention(*a, mesh=mesh, is_causal=True, segment_ids=seg, kernel=kernel)
-  pull = jax.jit(lambda f, *a: jax.vjp(f, *a[:3])[1](a[3]), static_argnums=0)  # one program each
-  ours = pull(ring, q, k, v, cot)
-  theirs = pull(lambda *a: jax.nn.dot_product_attention(*a, mask=mask), q, k, v, cot)
+  ours = forward_and_vjp(ring)((q, k, v), cot)[1]  # one jitted program each
+  theirs = forward_and_vjp(lambda *a: jax.nn.dot_product_attention(*a, mask=mask))((q, k, v), cot)[1]
   # jax.nn's finite mask value hides the "q+" row's 0 / 0. There the poison may reach
   # its own dq row, dv of the keys it sees, and dk of its kv head (dK = dS^T Q meets
   # 0 * -inf in every key's row, as in jax.nn's "q" -inf case).
