@@ -489,10 +489,11 @@ def test_chunked_cross_entropy_holds_no_full_logits():
 
 @pytest.mark.slow
 def test_feed_forward_in_chunks_equals_it_whole(monkeypatch):
-  """A block's feed-forward run over each device's tokens in chunks (`FF_TOKENS` 4: 2
-  or 4 chunks of 4 tokens a device) gives the AdamW step the whole one gives (FSDP,
-  remat "full", (8,) and (2, 4) meshes) and Gemma's block the same logits; a forward
-  holds fewer temporaries in chunks where the MLP is the largest activation."""
+  """A block's feed-forward run over each device's tokens in chunks (`FF_TOKENS` 4: 4
+  chunks of 4 tokens a device) gives the AdamW step the whole one gives (FSDP, remat
+  "full", the (2, 4) mesh with a batch axis) and Gemma's block the same logits over 8
+  devices; a forward holds fewer temporaries in chunks where the MLP is the largest
+  activation."""
 
   def chunks(most):
     monkeypatch.setattr(decoder, "FF_TOKENS", most)
@@ -506,7 +507,7 @@ def test_feed_forward_in_chunks_equals_it_whole(monkeypatch):
     loss, stats = trainer.step(*batch)
     return (float(loss), float(stats["grad_norm"]), jax.tree.map(np.asarray, trainer.params)), loops
 
-  for shape, names, batch_axis in MESHES:
+  for shape, names, batch_axis in MESHES[1:]:
     mesh = make_mesh(shape, names)
     chunks(16384)
     whole, loops = step(mesh, batch_axis)

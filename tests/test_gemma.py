@@ -251,14 +251,6 @@ def test_ring_on_2_devices_equals_dense(ring2, dense, dense_601):
   _check_ring(ring2, dense, dense_601, 599)
 
 
-@pytest.mark.parametrize("devices, length", [(4, 601)])  # 2 and 8 devices have tests of their own
-def test_ring_equals_dense(path, dense, dense_601, devices, length):
-  ring, _ = models.load_gguf(path, mesh=make_mesh((devices,), ("seq",)), attention="ring")
-  _check_ring(ring, dense, dense_601, length)
-  del ring
-  gc.collect()
-
-
 @pytest.mark.parametrize("length", [597])  # a length the 8 devices do not divide
 def test_ring_on_8_devices_equals_dense(ring8, dense, dense_601, length):
   _check_ring(ring8, dense, dense_601, length)
