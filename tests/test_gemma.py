@@ -56,7 +56,8 @@ def dense(path):
 
 @pytest.fixture(scope="module")
 def ring2(path):
-  """Ring attention over 2 devices, for the gradients and a device count of its own."""
+  """Ring attention over 2 devices (the weights replicated on each), for the gradients
+  and a device count of its own."""
   model, _ = models.load_gguf(path, mesh=make_mesh((2,), ("seq",)), attention="ring")
   yield model
   del model
@@ -65,9 +66,11 @@ def ring2(path):
 
 @pytest.fixture(scope="module")
 def ring8(path):
-  """Ring attention over 8 devices (the weights replicated on each: 4 GB), shared by
-  the module's tests."""
-  model, _ = models.load_gguf(path, mesh=make_mesh((8,), ("seq",)), attention="ring")
+  """Ring attention over 8 devices with the weights split over them, as the main job
+  loads it (replicated: 2 devices, above), shared by the module's tests. Its calls run
+  the blocks as a scan over their periods, which compiles in a sixth of the time the
+  18 layers one by one take."""
+  model, _ = models.load(path, mesh=make_mesh((8,), ("seq",)), attention="ring", fsdp=True)
   yield model
   del model
   gc.collect()
@@ -473,7 +476,9 @@ def test_long_context_grid(tmp_path, ring8, dense, tokenizer, capsys):
   assert all(r["temp_mib"] > 0 and r["prefill_s"] > 0 for r in report["runs"])
   report["dense_temp_mib"] = long_context.dense_memory(report, dense)
   ring_mib = [r for r in report["runs"] if r["reader"] == "ring"][0]["temp_mib"]
-  assert set(report["dense_temp_mib"]) == {512} and report["dense_temp_mib"][512] > ring_mib
+  # At 512 tokens a ring device's temporaries are mostly a layer's gathered weights
+  # (FSDP, as the main job loads it), more than one device's whole prefill needs.
+  assert set(report["dense_temp_mib"]) == {512} and 0 < report["dense_temp_mib"][512] < ring_mib
   assert "| passkey | 512 | ring | " in script.table(report)
   ruler = dict(tasks=["niah_single_1"], lengths=[512], scores={"ring": {"niah_single_1": {"512": 0.5}}})
   assert "| ring | 512 | 1/1 | 0.50 |" in script.beside_ruler(report, ruler).splitlines()
