@@ -430,6 +430,10 @@ def finetune(
       signal.signal(sig, old)
     log.close()
     state.close()
+  # The AdamW moments are in state/ now; the export below needs only the weights. Freed,
+  # they no longer sit beside its host copy of the weights (Gemma 3 270M on 8 devices:
+  # the run's peak resident memory was the export's, 2 GiB of moments included).
+  trainer.opt_state = None
   tuned = trainer.model()
   if jax.process_count() > 1:  # every process gathers the weights; the first writes them
     from jax.experimental import multihost_utils
