@@ -303,7 +303,9 @@ class ShortConv(nnx.Module):
     padded = jnp.pad(h, ((0, 0), (self.width - 1, 0), (0, 0)))
     ends = jnp.full((b,), t) if lengths is None else jnp.asarray(lengths)
     index = ends[:, None] + jnp.arange(self.width - 1)[None]  # rows lengths-width+1.. of h, padded
-    self.state[...] = jnp.take_along_axis(padded, index[:, :, None], axis=1).astype(self.state.dtype)
+    ring_nn._replace_value(
+      self.state, jnp.take_along_axis(padded, index[:, :, None], axis=1).astype(self.state.dtype)
+    )
     return self._mix(padded, t)
 
   def decode(self, h, segment_ids=None):
@@ -311,7 +313,7 @@ class ShortConv(nnx.Module):
     del segment_ids
     t = h.shape[1]
     padded = jnp.concatenate([self.state[...].astype(h.dtype), h], axis=1)
-    self.state[...] = padded[:, t:].astype(self.state.dtype)
+    ring_nn._replace_value(self.state, padded[:, t:].astype(self.state.dtype))
     return self._mix(padded, t)
 
 
