@@ -117,18 +117,23 @@ def _flat(tree):
 
 
 def _summed(m, ids, mask):
-  logits = m(ids[None, :-1])[0].astype(jnp.float64)
-  ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, ids[1:, None], axis=-1)[:, 0]
-  return jnp.sum(ce * mask[1:])
+  """Summed masked cross-entropy of rows [B, L] (each row one example, alone)."""
+  logits = m(ids[:, :-1]).astype(jnp.float64)
+  ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
+  return jnp.sum(ce * mask[:, 1:])
 
 
-# One program per (model, length): eager dispatch of a model's layers costs more than compiling them.
+# One program per model: the examples run as the rows of one batch, each padded at its
+# end to the longest with weight 0 (causal attention: what follows an example's tokens
+# changes none of their logits), and eager dispatch of a model's layers costs more than
+# compiling them.
 _summed_grad = nnx.jit(nnx.value_and_grad(_summed))
 
 
 def _reference(family, examples):
   """Sum over the examples of each one's summed cross-entropy, and its gradient: each
-  alone, dense attention on one device, float64 weights and compute."""
+  alone (its own row of a batch), dense attention on one device, float64 weights and
+  compute."""
   if family in _REFERENCE:
     return _REFERENCE[family]
   cfg = _tiny(family)
@@ -136,13 +141,13 @@ def _reference(family, examples):
   weights32 = nnx.state(models.build(cfg, attention="dense", rngs=nnx.Rngs(0)), nnx.Param)
   nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.float64), weights32))  # the ring's weights, exactly
 
-  total, grads = 0.0, None
-  for ids, mask in examples:
-    value, g = _summed_grad(model, jnp.asarray(ids), jnp.asarray(mask, jnp.float64))
-    g = _flat(g)
-    total += float(value)
-    grads = g if grads is None else {k: grads[k] + g[k] for k in g}
-  _REFERENCE[family] = total, grads
+  longest = max(len(ids) for ids, _ in examples)
+  ids = np.zeros((len(examples), longest), np.int32)
+  mask = np.zeros((len(examples), longest), np.float64)
+  for row, (x, w) in enumerate(examples):
+    ids[row, : len(x)], mask[row, : len(w)] = x, w
+  value, grads = _summed_grad(model, jnp.asarray(ids), jnp.asarray(mask))
+  _REFERENCE[family] = float(value), _flat(grads)
   return _REFERENCE[family]
 
 
