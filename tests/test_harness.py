@@ -6,6 +6,7 @@ real model's ring is held to its dense model by the Gemma tests; what this modul
 checks (the adapter's prompts, answers and scores) does not depend on the weights."""
 
 import dataclasses
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -81,8 +82,16 @@ def test_harness_answers_ruler_as_the_main_jobs_reader(tmp_path, ring8, dense, m
   make = prepare_niah.generate_samples
   one = lambda *args, **kw: make(*args, **(kw | {"num_samples": 1}))
   monkeypatch.setattr(prepare_niah, "generate_samples", one)
-  tasks = harness.ruler_tasks(["niah_single_1"], {"max_seq_lengths": [512], "tokenizer": str(tmp_path)})
-  results = evaluate(lm, tasks, limit=1, bootstrap_iters=0, log_samples=True)
+  try:
+    tasks = harness.ruler_tasks(["niah_single_1"], {"max_seq_lengths": [512], "tokenizer": str(tmp_path)})
+    results = evaluate(lm, tasks, limit=1, bootstrap_iters=0, log_samples=True)
+  finally:
+    # The task's module took the patched function by name when it was loaded, and stays
+    # loaded: it gets the original back too, or later tests in this process would make
+    # one document a length.
+    for module in list(sys.modules.values()):
+      if getattr(module, "generate_samples", None) is one:
+        module.generate_samples = make
   (sample,) = results["samples"]["niah_single_1"]
   answer, (needle,) = sample["resps"][0][0], sample["target"]
   assert results["results"]["niah_single_1"]["512,none"] == float(needle in answer)
