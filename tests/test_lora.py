@@ -117,7 +117,7 @@ def test_only_the_adapters_get_gradients(fsdp):
     trainer = train_step.Trainer(model, optax.adam(1e-3), chunk=16, trainable=trainable)
     placed = train_step.place_batch(model, *batch)
     step = lambda p, o: train_step._step(
-      trainer.graphdef, trainer.tx, train_step.cross_entropy, 16, p, trainer.rest, o, *placed
+      trainer.graphdef, trainer.tx, train_step.cross_entropy, 16, trainer.plan, p, trainer.rest, o, *placed
     )
     return _dot_shapes(jax.make_jaxpr(step)(trainer.params, trainer.opt_state).jaxpr), trainer
 

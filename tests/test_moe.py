@@ -514,9 +514,11 @@ def test_fsdp_training_steps_equal_the_replicated_model():
     )
     (l0, _), (l1, _) = (t.step(*batch) for t in trainers)
     assert abs(float(l0) - float(l1)) <= RING_TOL * abs(float(l0))
-  for (path, a), (_, b) in zip(nnx.to_flat_state(trainers[0].params), nnx.to_flat_state(trainers[1].params)):
+  for (path, a), (_, b) in zip(
+    nnx.to_flat_state(trainers[0].weights()), nnx.to_flat_state(trainers[1].weights())
+  ):
     assert rel_err(b[...], a[...]) < RING_TOL, path
-  gate = trainers[1].params["blocks"][0]["mlp"]["gate"][...]
+  gate = trainers[1].weights()["blocks"][0]["mlp"]["gate"][...]
   assert gate.addressable_shards[0].data.size * 8 == gate.size  # the experts' stack is split 8 ways
 
 

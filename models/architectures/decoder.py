@@ -12,6 +12,7 @@ Legend: B batch, T sequence length, D model width, V vocabulary size.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 
 import flax.errors
@@ -627,16 +628,22 @@ class CausalLM(nnx.Module):
         x = self._run_block(block, x, attend, training, gather=gather)
     return x
 
-  def _scanned_blocks(self, x, attend):
-    """A training call's blocks as one `lax.scan` over their stacked weights, where the
-    blocks repeat with a period p (Llama and Qwen: every block alike, p = 1; Gemma 3:
-    five windowed blocks and a global one, p = 6) and FSDP or remat is on: the scan's
-    body runs p blocks, and the backward pass then recomputes, gathers and reduces one
-    period's layers at a time (unrolled, XLA was free to run every layer's recomputation
-    at once and held every layer's gradient until one combined reduction: Gemma 3 270M's
-    18 layers at 1,024 tokens on 8 devices, 1.3 GiB of temporaries a device). Layers
-    past the last whole period run after the scan, one by one. None with fewer than two
-    periods, or no period."""
+  def scan_plan(self):
+    """How a training call runs the blocks as a scan (`_scanned_blocks`): one list per
+    run of alike consecutive blocks in the period, holding for each of the scan's steps
+    the indices of that run's blocks ([[0], [1], ...] for Llama; Gemma 3 270M: [[0..4],
+    [6..10], [12..16]] and [[5], [11], [17]]). None where a training call runs the
+    blocks one by one. `stack_blocks` stacks a state's weights this way ahead of the
+    call (what `train.step.Trainer` keeps), so that the call does not stack them."""
+    planned = self._plan()
+    if planned is None:
+      return None
+    _, period, groups, runs = planned
+    return [[[g * period + k for k in run] for g in range(groups)] for run in runs]
+
+  def _plan(self):
+    """(each block's split, the period, the whole periods, the runs of alike blocks in
+    a period) of the training scan, or None (`scan_plan`)."""
     policy = REMAT_POLICIES[self.remat]
     if len(self.blocks) < 2 or (policy is None and not self.fsdp):
       return None
@@ -644,7 +651,6 @@ class CausalLM(nnx.Module):
     period = _period([g for g, _, _ in splits])
     if period is None or len(splits) // period < 2:
       return None
-    groups = len(splits) // period
     # A period's consecutive alike blocks (Gemma 3's five windowed ones) run as a scan of
     # their own inside the period's: unrolled, XLA combined their gradients' reductions
     # into one and held all five layers' gathered weights and gradients at once.
@@ -654,16 +660,38 @@ class CausalLM(nnx.Module):
         runs[-1].append(k)
       else:
         runs.append([k])
-    stack = lambda *xs: jnp.stack(xs)
-    stacked = [
-      tuple(
-        jax.tree.map(
-          stack, *[jax.tree.map(stack, *[splits[g * period + k][part] for k in run]) for g in range(groups)]
+    return splits, period, len(splits) // period, runs
+
+  def _scanned_blocks(self, x, attend):
+    """A training call's blocks as one `lax.scan` over their stacked weights, where the
+    blocks repeat with a period p (Llama and Qwen: every block alike, p = 1; Gemma 3:
+    five windowed blocks and a global one, p = 6) and FSDP or remat is on: the scan's
+    body runs p blocks, and the backward pass then recomputes, gathers and reduces one
+    period's layers at a time (unrolled, XLA was free to run every layer's recomputation
+    at once and held every layer's gradient until one combined reduction: Gemma 3 270M's
+    18 layers at 1,024 tokens on 8 devices, 1.3 GiB of temporaries a device). Layers
+    past the last whole period run after the scan, one by one. None with fewer than two
+    periods, or no period. The weights come stacked from `stacked_blocks` where the
+    caller has them so (the trainer), else the call stacks them: a copy of every
+    scanned block's weights, and of their gradients, for the call."""
+    planned = self._plan()
+    if planned is None:
+      return None
+    policy = REMAT_POLICIES[self.remat]
+    splits, period, groups, runs = planned
+    stacked = (_STACKED.get() or {}).get(id(self))
+    if stacked is None:
+      stack = lambda *xs: jnp.stack(xs)
+      stacked = [
+        tuple(
+          jax.tree.map(
+            stack,
+            *[jax.tree.map(stack, *[splits[g * period + k][part] for k in run]) for g in range(groups)],
+          )
+          for part in (1, 2)
         )
-        for part in (1, 2)
-      )
-      for run in runs
-    ]
+        for run in runs
+      ]
     graphdefs = [splits[run[0]][0] for run in runs]
 
     # The layer inputs the backward pass keeps (a stack [layers, B, T, D]) travel as
@@ -856,6 +884,73 @@ class CausalLM(nnx.Module):
 @nnx.jit
 def _forward(model, tokens, segment_ids=None, positions=None):
   return model.logits(model.hidden(tokens, segment_ids=segment_ids, positions=positions))
+
+
+# The scanned blocks' weights, stacked ahead of a training call (`stacked_blocks`), by
+# the id of the model they belong to.
+_STACKED = contextvars.ContextVar("jax_ring_stacked_blocks", default=None)
+SCANNED = "scanned_blocks"  # where `stack_blocks` puts them in a model's state
+
+
+@contextlib.contextmanager
+def stacked_blocks(model, states):
+  """Within it, `model`'s training calls take the scanned blocks' weights from `states`
+  (the model's states as `stack_blocks` left them, e.g. the trained and the frozen
+  weights) instead of stacking the blocks' own: the blocks' own are then not read."""
+  runs = []
+  for r in range(len(model.scan_plan())):
+    parts = [st[SCANNED][r] for st in states if SCANNED in st and r in st[SCANNED]]
+    whole = nnx.merge_state(*parts) if len(parts) > 1 else parts[0]
+    runs.append(tuple(nnx.split_state(whole, nnx.Param, ...)))
+  token = _STACKED.set({**(_STACKED.get() or {}), id(model): runs})
+  try:
+    yield
+  finally:
+    _STACKED.reset(token)
+
+
+def stack_blocks(state, plan, stack=None):
+  """`state` (a model's, or part of it: `nnx.split`'s) with the weights of the blocks a
+  training scan runs (`plan`: `CausalLM.scan_plan()`) moved into one array per weight
+  and run of alike blocks, [steps, blocks in the run, ...], under `state[SCANNED][r]`;
+  the blocks past the last whole period stay where they were. `stack(list of lists of
+  arrays) -> array` makes each stacked array (default `jnp.stack` twice).
+  `unstack_blocks` undoes it."""
+  if plan is None:
+    return state
+  stack = stack or (lambda rows: jnp.stack([jnp.stack(row) for row in rows]))
+  flat = list(nnx.to_flat_state(state))
+  owner = {
+    i: (r, g, j) for r, run in enumerate(plan) for g, step in enumerate(run) for j, i in enumerate(step)
+  }
+  kept, by_leaf = [], {}
+  for path, var in flat:
+    if len(path) > 1 and path[0] == "blocks" and path[1] in owner:
+      r, g, j = owner[path[1]]
+      by_leaf.setdefault((r, path[2:]), {})[(g, j)] = var
+    else:
+      kept.append((path, var))
+  for (r, rest), parts in by_leaf.items():
+    rows = [[parts[(g, j)].get_value() for j in range(len(step))] for g, step in enumerate(plan[r])]
+    kept.append(((SCANNED, r, *rest), parts[(0, 0)].replace(stack(rows))))
+  return nnx.from_flat_state(kept)
+
+
+def unstack_blocks(state, plan):
+  """`stack_blocks`' state with each scanned block's weights back in its own place (as
+  slices of the stacked arrays: copies, outside a traced function)."""
+  if plan is None:
+    return state
+  flat = []
+  for path, var in nnx.to_flat_state(state):
+    if path[0] != SCANNED:
+      flat.append((path, var))
+      continue
+    r, rest = path[1], path[2:]
+    for g, step in enumerate(plan[r]):
+      for j, i in enumerate(step):
+        flat.append((("blocks", i, *rest), var.replace(var.get_value()[g, j])))
+  return nnx.from_flat_state(flat)
 
 
 def _period(graphdefs) -> int | None:
