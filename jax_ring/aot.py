@@ -315,6 +315,15 @@ def report(compiled) -> dict:
   }
 
 
+def attention_hidden(report: dict) -> bool:
+  """Every attention ring transfer of a `report`'s program, forward and backward (the
+  loops named "... ring step" and the backward's "ring pass edges"), asynchronous and
+  with compute under it. The vocabulary's "ring loop"s are not attention (the lookup's
+  have no compute to hide under)."""
+  steps = [s for s in report["ring_steps"] if s["name"].endswith(("ring step", "ring pass edges"))]
+  return bool(steps) and all(s["synchronous"] == 0 and s["exposed"] == 0 for s in steps)
+
+
 def _outside_loops(text: str) -> dict[str, list[int]]:
   """op -> [count, bytes per device] of the collectives outside every loop
   (`hlo.loop_free_collectives`)."""

@@ -154,6 +154,17 @@ def parse_args(argv=None):
     "--granularity", type=int, default=None, help="bisect to this many tokens (default: 2 x devices x 1024)"
   )
   p.add_argument("--upper", type=int, default=1 << 24, help="--max-length: the longest length tried")
+  p.add_argument(
+    "--hidden",
+    action="store_true",
+    help="--max-length: a length counts only if every attention ring transfer has compute under it",
+  )
+  p.add_argument(
+    "--host-budget-gib",
+    type=float,
+    default=None,
+    help="--max-length: host memory a device may hold (remat offload's layer inputs)",
+  )
   p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
   return p.parse_args(argv)
 
@@ -216,6 +227,7 @@ def compile_for(mesh, args, seq_len: int):
       capacity_factor=args.capacity_factor,
       lora_rank=args.lora_rank,
       lora_alpha=args.lora_alpha,
+      device_bytes=aot.target(args.target).memory_bytes,
     )
   if args.model:
     return compile_model(mesh, args, seq_len)
@@ -256,14 +268,20 @@ def main(argv=None):
 
     def fits(length: int) -> bool:
       try:
-        memory = compile_for(mesh, args, length).memory_analysis()
+        compiled = compile_for(mesh, args, length)
       except Exception as e:  # a compiler that refuses a size (out of memory) says so
         if "memory" in str(e).lower() or "RESOURCE_EXHAUSTED" in str(e):
           return False
         raise
+      memory = compiled.memory_analysis()
       used = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
       if isinstance(args.model, str):  # donated weights and optimizer state: outputs reuse them
         used -= memory.alias_size_in_bytes
+      host = int(getattr(memory, "host_temp_size_in_bytes", 0) or 0)
+      if args.host_budget_gib is not None and host > args.host_budget_gib * 2**30:
+        return False
+      if args.hidden and not aot.attention_hidden(aot.report(compiled)):
+        return False
       return used <= budget
 
     result["budget_gib"] = budget / 2**30
@@ -272,6 +290,7 @@ def main(argv=None):
   compiled = compile_for(mesh, args, args.seq_len)
   result["seq_len"] = args.seq_len
   result |= aot.report(compiled)
+  result["attention_hidden"] = aot.attention_hidden(result)
   if isinstance(args.model, str):
     from jax_ring.models.train import step as train_step
 

@@ -392,6 +392,50 @@ def test_moe_step_with_capacity_runs_no_product_over_every_expert():
   assert "dropped_tokens" not in report  # counted by each step, not known when compiling
 
 
+_OFFLOAD_OPTIONS = """
+import json, jax
+from jax_ring import aot
+from jax_ring.models.train import step as train_step
+seen = []
+compile = jax.stages.Lowered.compile
+def spy(self, compiler_options=None, **kwargs):
+  seen.append(compiler_options)
+  return compile(self, compiler_options=compiler_options, **kwargs)
+jax.stages.Lowered.compile = spy
+mesh, device = aot.target_mesh("h100x8"), aot.target("h100x8").memory_bytes
+for remat in ("offload", "full"):
+  train_step.compile_train_step("qwen3-0.6b", mesh, seq_len=16384, layers=1, remat=remat, device_bytes=device)
+print(json.dumps({"options": seen, "device": device}))
+"""
+
+
+def test_attention_hidden_asks_every_attention_ring_transfer_and_no_other():
+  """`aot.attention_hidden` (what `aot.py --max-length --hidden` bisects on): true when
+  each attention ring loop is asynchronous with nothing exposed; the vocabulary's ring
+  loops do not count; a program without attention ring loops is not "hidden"."""
+  from jax_ring import aot as aot_module
+
+  step = lambda name, sync=0, exposed=0: {"name": name, "synchronous": sync, "exposed": exposed}
+  lookup = step("forward ring loop", exposed=1)
+  good = [step("forward ring step"), step("backward ring step"), step("backward ring pass edges"), lookup]
+  assert aot_module.attention_hidden({"ring_steps": good})
+  assert not aot_module.attention_hidden({"ring_steps": [*good, step("backward ring step", sync=1)]})
+  assert not aot_module.attention_hidden({"ring_steps": [*good, step("backward ring pass edges", exposed=2)]})
+  assert not aot_module.attention_hidden({"ring_steps": [lookup]})
+
+
+def test_offloaded_step_raises_the_schedulers_memory_limit_by_the_host_bytes():
+  """With remat "offload" the step compiles for a GPU with XLA's scheduler limit
+  raised by the layer inputs kept in host memory (the scheduler counts them as device
+  memory: at 4M tokens Llama-3.1-8B's backward ring steps ran synchronously without
+  it): 95% of the device times (device + host) / device. Without offload, XLA's
+  defaults. Qwen3-0.6B with one block at 16K tokens on 8 x H100: 2,048 tokens a
+  device x 1,024 x 2 bytes in host memory."""
+  found = json.loads(_run(["-c", _OFFLOAD_OPTIONS]).strip().splitlines()[-1])
+  device, host = found["device"], 1 * 2048 * 1024 * 2
+  assert found["options"] == [{"xla_gpu_memory_limit_slop_factor": -(-95 * (device + host) // device)}, None]
+
+
 def test_offloaded_layer_inputs_live_in_host_memory():
   """--remat offload: the step keeps each layer's input in host memory, exactly the
   stack of the layers' inputs (2 layers x 2,048 tokens a device x 4,096 in bfloat16),

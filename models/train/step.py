@@ -270,6 +270,9 @@ class Trainer:
     # The blocks' own arrays, now copied into the stacks: the first step deletes them,
     # as it deletes (donates) the model's other trained arrays.
     self._stacked_from = _stacked_arrays(params, self.plan) + _stacked_arrays(rest, self.plan)
+    # What the compile needs to know of layer inputs kept in host memory (`_program`).
+    offload = isinstance(model, decoder.CausalLM) and model.remat == "offload"
+    self._offload = (model.config, model.placement[0]) if offload else None
     self.tx, self.chunk = tx, chunk
     self.opt_state = tx.init(self.params)
     self.opt_state = jax.tree.map(_on_mesh(model), self.opt_state)
@@ -291,9 +294,23 @@ class Trainer:
     if key not in self._programs:
       extra = (rows,) if rows else ()  # without rows, the program takes the six arguments it always took
       lowered = self._step.lower(self.params, self.rest, self.opt_state, tokens, targets, weights, *extra)
-      self._programs[key] = lowered.compile()
+      self._programs[key] = lowered.compile(compiler_options=self._compiler_options(tokens) or None)
       runtime.release_free_memory()
     return self._programs[key]
+
+  def _compiler_options(self, tokens) -> dict:
+    """`offload_compiler_options` for this step on this machine's devices."""
+    if self._offload is None:
+      return {}
+    config, mesh = self._offload
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    if device.platform not in ("gpu", "cuda"):
+      return {}
+    local = tokens.addressable_shards[0].data.size if isinstance(tokens, jax.Array) else np.size(tokens)
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    return offload_compiler_options(
+      device.platform, host_bytes=offloaded_bytes(config, local), device_bytes=limit
+    )
 
   def step(self, tokens, targets, weights, *, segment_ids=None, positions=None):
     """One AdamW step on a batch: (loss, stats). Packed rows take `segment_ids` and
@@ -363,6 +380,30 @@ def _on_mesh(model):
 def _rows(segment_ids, positions) -> dict:
   """A packed batch's segment_ids and positions, those given, for the objective."""
   return {k: v for k, v in dict(segment_ids=segment_ids, positions=positions).items() if v is not None}
+
+
+def offloaded_bytes(config, tokens_per_device: int, dtype=None) -> int:
+  """The bytes a device keeps in host memory under remat "offload": every layer's input,
+  [its tokens, D] in the compute dtype (`dtype`, else the config's; `decoder.LAYER_INPUT`)."""
+  dt = dtype or decoder.dtypes(config)[0] or decoder.dtypes(config)[1]
+  return config.num_layers * tokens_per_device * config.dim * jnp.dtype(dt).itemsize
+
+
+def offload_compiler_options(platform: str, *, host_bytes: int, device_bytes: int | None) -> dict:
+  """XLA options for a step that keeps its layer inputs in host memory (remat
+  "offload"). XLA:GPU's latency-hiding scheduler keeps a program under the device's
+  memory times `xla_gpu_memory_limit_slop_factor` / 100 (95 by default), and counts
+  the host-memory stack of layer inputs as device memory, as the rematerialization pass
+  before it does (`scripts/aot.py` explains its warning). Past that limit it gives up
+  overlap for memory: Llama-3.1-8B's step at 4M tokens on 8 x H100 (128 GiB of layer
+  inputs in host memory a device, 58.8 GiB of device memory) ran its backward ring
+  steps synchronously. The factor here raises the limit by the host bytes, so that the
+  scheduler works to 95% of the device plus the stack; `step_memory` still checks the
+  compiled program against the device alone. Empty off GPUs or with nothing in host
+  memory."""
+  if platform not in ("gpu", "cuda") or host_bytes <= 0 or not device_bytes:
+    return {}
+  return {"xla_gpu_memory_limit_slop_factor": math.ceil(95 * (device_bytes + host_bytes) / device_bytes)}
 
 
 def _stack_placed(rows):
@@ -448,6 +489,7 @@ def compile_train_step(
   capacity_factor: float | None = None,
   lora_rank: int | None = None,
   lora_alpha: float | None = None,
+  device_bytes: int | None = None,
 ):
   """One whole AdamW step of the named model (`models.config(name)`) with `fsdp=True`,
   per-layer `remat` and the chunked loss, over `mesh`'s "seq" axis, compiled with
@@ -459,7 +501,8 @@ def compile_train_step(
   (`models.add_lora`, alpha `lora_alpha`, default 2 x rank) on every projection (the
   attention's alone for a mixture of experts) are all the step trains: the base stays
   in `param_dtype` with no gradient or optimizer state, the adapters and their AdamW
-  moments float32."""
+  moments float32. `device_bytes`: a device's memory, for the scheduler's limit with
+  remat "offload" (`offload_compiler_options`)."""
   # Training past the released context (as long-context fine-tuning does): the model
   # takes sequences up to seq_len, with its rotary settings as released.
   cfg = checkpoints.config(name)
@@ -505,7 +548,15 @@ def compile_train_step(
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)
     weights = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=rows)
     step = jax.jit(functools.partial(_step, graphdef, tx, cross_entropy, chunk, plan), donate_argnums=(0, 2))
-    return step.lower(params, rest, opt_state, tokens, tokens, weights).compile()
+    options = {}
+    if remat == "offload":
+      host = offloaded_bytes(cfg, batch * seq_len // auto.shape["seq"], dtype)
+      options = offload_compiler_options(
+        auto.devices.flat[0].platform, host_bytes=host, device_bytes=device_bytes
+      )
+    return step.lower(params, rest, opt_state, tokens, tokens, weights).compile(
+      compiler_options=options or None
+    )
 
 
 def _stack_abstract(rows):
