@@ -308,6 +308,9 @@ def report(compiled) -> dict:
     # Copies and transposes outside every loop of 64 MiB and more: (op, bytes).
     "large_copies": hlo.loop_free_copies(text, 64 * 2**20),
     "ring_steps": [o._asdict() | {"overlapped": o.overlapped} for o in hlo.ring_overlap(text)],
+    # Copies between a device and host memory in loops (remat "offload"), and the
+    # compute under each.
+    "host_transfers": [h._asdict() for h in hlo.host_transfers(text)],
     "collectives": [c._asdict() for c in hlo.collectives(text)],
     "launch_grids": launch_grids(text),
     "tpu_grids": tpu_grids(text) if "tpu_custom_call" in text else {},

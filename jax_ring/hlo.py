@@ -495,3 +495,59 @@ def loop_free_copies(compiled, min_bytes: int = 0) -> list[tuple[str, int]]:
 
   visit(entry)
   return found
+
+
+class HostTransfer(NamedTuple):
+  """One asynchronous copy between a device and its host's memory inside a loop body
+  (remat "offload": a layer's input going out in the forward pass, coming back in the
+  backward), from `host_transfers`."""
+
+  body: str  # the loop body it runs in
+  direction: str  # "to host" or "from host"
+  bytes: int  # the device-side array's bytes
+  compute: int  # heavy ops (`_heavy`) between its start and its done
+  prefetched: bool  # its done lies in a later iteration than its start (XLA's pipeliner)
+
+
+_HOST = ":S(5)}"  # the pinned host memory space in a scheduled module's layouts
+
+
+def host_transfers(compiled) -> list[HostTransfer]:
+  """Every asynchronous host copy in a loop body of a compiled program (a `fusion-start`
+  or `copy-start` with an operand or result in host memory, and its done) and the
+  compute between its start and done. A copy back from the host that the loop body
+  starts and also waits for has only that compute to hide under; one started an
+  iteration ahead (`prefetched`) has a whole iteration. `compiled`: a
+  `jax.stages.Compiled` or its `as_text()`."""
+  hlo = compiled if isinstance(compiled, str) else compiled.as_text()
+  comps, _ = _computations(hlo)
+  found = []
+  for body in sorted(_while_callers(comps)):
+    open_: dict[str, list] = {}
+    done_names = set()
+    lines = comps.get(body, ())
+    for line in lines:
+      ins = _instruction(line)
+      if ins is None:
+        continue
+      name, opcode = ins
+      if opcode in ("fusion-start", "copy-start") and _HOST in line:
+        shapes = line.split("= ", 1)[1].split(f" {opcode}(", 1)[0]
+        parts = _tuple_elements(shapes) if shapes.startswith("(") else [shapes]
+        result = parts[1] if len(parts) > 1 else parts[0]
+        if _HOST in result:  # device -> host: the update sent out
+          operands = _tuple_elements(parts[0]) if parts[0].startswith("(") else [parts[0]]
+          device = [p for p in operands if _HOST not in p and "[]" not in p]
+          open_[name] = ["to host", shape_bytes(device[0]) if device else 0, 0]
+        else:
+          open_[name] = ["from host", shape_bytes(result), 0]
+      elif opcode in ("fusion-done", "copy-done") and _operand(line) in open_:
+        direction, size, compute = open_.pop(_operand(line))
+        done_names.add(name)
+        found.append(HostTransfer(body, direction, size, compute, False))
+      elif _heavy(opcode, line, comps):
+        for t in open_.values():
+          t[2] += 1
+    for direction, size, compute in open_.values():  # done in the next iteration
+      found.append(HostTransfer(body, direction, size, compute, True))
+  return found

@@ -467,6 +467,47 @@ ENTRY %main (a: (s32[], f32[8])) -> (s32[], f32[8]) {
 """
 
 
+HOST_COPIES = """
+%body (p: (s32[], bf16[4,8])) -> (s32[], bf16[1,8]) {
+  %p = (s32[], bf16[4,8]{1,0:S(5)}) parameter(0)
+  %stack = bf16[4,8]{1,0:S(5)} get-tuple-element(%p), index=1
+  %i = s32[] get-tuple-element(%p), index=0
+  %in = ((bf16[4,8]{1,0:S(5)}, s32[]), bf16[1,8]{1,0}, u32[]) fusion-start(%stack, %i), calls=%ds
+  %e = bf16[1,8]{1,0} add(%i, %i)
+  %back = bf16[1,8]{1,0} fusion-done(%in)
+  %k = bf16[1,8]{1,0} custom-call(%back), custom_call_target="__cublas$gemm"
+  %out = ((bf16[4,8]{1,0:S(5)}, bf16[1,8]{1,0}, s32[]), bf16[4,8]{1,0:S(5)}, u32[]) fusion-start(%stack, \
+%k, %i), calls=%dus
+  %k2 = bf16[1,8]{1,0} custom-call(%k), custom_call_target="__cublas$gemm"
+  %gone = bf16[4,8]{1,0:S(5)} fusion-done(%out)
+  ROOT %t = (s32[], bf16[1,8]) tuple(%i, %k2)
+}
+
+ENTRY %main (a: (s32[], bf16[4,8])) -> (s32[], bf16[1,8]) {
+  %a = (s32[], bf16[4,8]) parameter(0)
+  ROOT %w = (s32[], bf16[1,8]) while(%a), condition=%cond, body=%body
+}
+"""
+
+
+def test_host_transfers_reads_each_copy_and_the_compute_under_it():
+  """hlo.host_transfers: in a loop body, the copy back from host memory (a slice of the
+  S(5) stack) with only elementwise work before its done has no compute under it; the
+  copy out (an update of the stack) has the GEMM issued before its done; sizes are the
+  device-side arrays'."""
+  from jax_ring.hlo import host_transfers
+
+  found = host_transfers(HOST_COPIES)
+  assert [(h.direction, h.bytes, h.compute, h.prefetched) for h in found] == [
+    ("from host", 16, 0, False),
+    ("to host", 16, 1, False),
+  ]
+  # Started here and waited for in the next iteration: prefetched.
+  ahead = HOST_COPIES.replace("  %back = bf16[1,8]{1,0} fusion-done(%in)\n", "")
+  found = [(h.direction, h.prefetched) for h in host_transfers(ahead)]
+  assert found == [("to host", False), ("from host", True)]
+
+
 def test_loop_free_copies_reads_copies_and_transposes_outside_loops():
   """hlo.loop_free_copies: a transpose fusion and a copy in the entry are listed with
   their result bytes; a copy inside the loop body and an add fusion are not."""

@@ -18,6 +18,8 @@ import optax
 import pytest
 from conftest import forward_and_vjp, make_mesh, rel_err
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_ring import hlo, models
 from jax_ring import nn as ring_nn
@@ -844,6 +846,27 @@ def test_offload_options_raise_the_gpu_schedulers_limit_by_the_host_bytes():
   assert options == {"xla_gpu_memory_limit_slop_factor": 249}
   assert train_step.offload_compiler_options("cpu", host_bytes=host, device_bytes=h100) == {}
   assert train_step.offload_compiler_options("gpu", host_bytes=0, device_bytes=h100) == {}
+
+
+def test_compiled_steps_moments_are_split_as_their_weights():
+  """`compile_train_step` places AdamW's moments as the weights they follow: a stacked
+  stack of experts [layers, 1, E, D, F] split along its experts, as the weights are
+  (placed by their own shapes, 48 layers split 8 ways would have won), the step count
+  replicated."""
+  mesh = make_mesh((8,), ("seq",))
+  experts = NamedSharding(mesh, P(None, None, "seq", None, None))
+  params = {"scanned_blocks": {0: {"mlp": {"gate": jax.ShapeDtypeStruct((48, 1, 16, 8, 4), jnp.float32)}}}}
+  placed = {
+    "scanned_blocks": {
+      0: {"mlp": {"gate": jax.ShapeDtypeStruct((48, 1, 16, 8, 4), jnp.float32, sharding=experts)}}
+    }
+  }
+  state = jax.eval_shape(optax.adam(1e-3).init, params)
+  found = train_step._placed_as(state, placed, mesh)
+  leaves = jax.tree.leaves(found)
+  moments = [x for x in leaves if x.ndim]
+  assert len(moments) == 2 and all(x.sharding == experts for x in moments)
+  assert all(x.sharding.spec == P() for x in leaves if not x.ndim)
 
 
 def test_check_run_refuses_each_bad_setting_by_name():

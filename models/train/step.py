@@ -543,7 +543,10 @@ def compile_train_step(
     rest = tuple(map(stack, rest)) if isinstance(rest, tuple) else stack(rest)
     tx = make_tx(1e-5, 100, 1000, 0.1, 1.0)
     plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    opt_state = jax.tree_util.tree_map_with_path(abstract, jax.eval_shape(tx.init, plain))
+    # The moments split as the weights they follow (as `Trainer`'s, made by zeros_like):
+    # placed by their own shapes, a stack of experts [layers, 1, E, ...] split along its
+    # layers, not its experts.
+    opt_state = _placed_as(jax.eval_shape(tx.init, plain), params, auto)
     rows = NamedSharding(auto, P(None, "seq"))
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)
     weights = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=rows)
@@ -557,6 +560,19 @@ def compile_train_step(
     return step.lower(params, rest, opt_state, tokens, tokens, weights).compile(
       compiler_options=options or None
     )
+
+
+def _placed_as(state, params, mesh):
+  """`state` (abstract) with each leaf whose path ends in a weight's path placed as that
+  weight (AdamW's moments), the rest (the step count) replicated."""
+  where = {tuple(path): leaf.sharding for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+  def place(path, leaf):
+    path = tuple(path)
+    found = next((where[path[i:]] for i in range(len(path)) if path[i:] in where), None)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=found or NamedSharding(mesh, P()))
+
+  return jax.tree_util.tree_map_with_path(place, state)
 
 
 def _stack_abstract(rows):
