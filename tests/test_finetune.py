@@ -835,7 +835,7 @@ def test_trainer_keeps_the_scanned_blocks_stacked_and_steps_as_the_per_block_lay
 
 
 def test_offload_options_raise_the_gpu_schedulers_limit_by_the_host_bytes():
-  """95% of the device plus the layer inputs in host memory, as a factor of the device;
+  """The device plus twice the layer inputs in host memory, as a factor of the device;
   nothing off GPUs or without host bytes. Llama-3.1-8B at 4M tokens on 8 x H100: 128
   GiB of layer inputs a device (32 layers x 524,288 tokens x 4,096 x 2 bytes)."""
   config = models.config("llama-3.1-8b")
@@ -843,7 +843,7 @@ def test_offload_options_raise_the_gpu_schedulers_limit_by_the_host_bytes():
   assert host == 128 * 2**30
   h100 = 84929347584
   options = train_step.offload_compiler_options("cuda", host_bytes=host, device_bytes=h100)
-  assert options == {"xla_gpu_memory_limit_slop_factor": 249}
+  assert options == {"xla_gpu_memory_limit_slop_factor": 424}
   assert train_step.offload_compiler_options("cpu", host_bytes=host, device_bytes=h100) == {}
   assert train_step.offload_compiler_options("gpu", host_bytes=0, device_bytes=h100) == {}
 
