@@ -746,6 +746,21 @@ def test_document_batch_scores_exactly_the_answer():
       assert answer[1:-1] in tok.decode(ids[row, : scored[0] + 1])  # a fact the document holds
 
 
+# Gemma 3's blocks with a period of 4 (three windowed, one global), two periods.
+PERIODIC = models.GemmaConfig(
+  vocab_size=256,
+  dim=64,
+  num_layers=8,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=16,
+  mlp_hidden=128,
+  window=8,
+  global_every=4,
+  context_length=512,
+)
+
+
 @pytest.mark.slow  # 45 s: the scanned and the unrolled model's gradients, compiled
 def test_blocks_that_repeat_with_a_period_train_as_a_scan():
   """Gemma 3's blocks repeat with a period (windowed ones, then a global one): with FSDP
@@ -753,18 +768,7 @@ def test_blocks_that_repeat_with_a_period_train_as_a_scan():
   alike windowed blocks as a scan of their own inside it (the backward then holds one
   layer's gathered weights and gradients at a time), and its loss and gradients equal
   the unrolled model's (no FSDP, no remat) on 4 devices."""
-  config = models.GemmaConfig(
-    vocab_size=256,
-    dim=64,
-    num_layers=8,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    mlp_hidden=128,
-    window=8,
-    global_every=4,
-    context_length=512,
-  )
+  config = PERIODIC
   mesh = make_mesh((4,), ("seq",))
   scanned = models.build(config, mesh=mesh, fsdp=True, remat="attention", rngs=nnx.Rngs(3))
   unrolled = models.build(config, mesh=mesh, rngs=nnx.Rngs(3))
@@ -791,18 +795,7 @@ def test_trainer_keeps_the_scanned_blocks_stacked_and_steps_as_the_per_block_lay
   and new weights of the step given one array per block (which stacks them in the
   call), on 4 devices with FSDP, and the compiled step's temporaries are smaller (the
   copy the call no longer makes)."""
-  config = models.GemmaConfig(
-    vocab_size=256,
-    dim=64,
-    num_layers=8,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    mlp_hidden=128,
-    window=8,
-    global_every=4,
-    context_length=512,
-  )
+  config = PERIODIC
   mesh = make_mesh((4,), ("seq",))
   tx = train_step.make_tx(3e-3, 1, 10, 0.01, 1.0)
   model = models.build(config, mesh=mesh, fsdp=True, remat="attention", rngs=nnx.Rngs(3))

@@ -909,16 +909,15 @@ def stacked_blocks(model, states):
     _STACKED.reset(token)
 
 
-def stack_blocks(state, plan, stack=None):
+def stack_blocks(state, plan, stack):
   """`state` (a model's, or part of it: `nnx.split`'s) with the weights of the blocks a
   training scan runs (`plan`: `CausalLM.scan_plan()`) moved into one array per weight
   and run of alike blocks, [steps, blocks in the run, ...], under `state[SCANNED][r]`;
   the blocks past the last whole period stay where they were. `stack(list of lists of
-  arrays) -> array` makes each stacked array (default `jnp.stack` twice).
+  arrays) -> array` makes each stacked array (placed, or abstract: `train.step`).
   `unstack_blocks` undoes it."""
   if plan is None:
     return state
-  stack = stack or (lambda rows: jnp.stack([jnp.stack(row) for row in rows]))
   flat = list(nnx.to_flat_state(state))
   owner = {
     i: (r, g, j) for r, run in enumerate(plan) for g, step in enumerate(run) for j, i in enumerate(step)

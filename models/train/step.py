@@ -413,11 +413,18 @@ def _stack_placed(rows):
   """A stacked weight [steps, blocks in the run, ...] from its blocks' arrays, split as
   each of them is (`decoder.stack_blocks`)."""
   stacked = jnp.stack([jnp.stack(row) for row in rows])
-  sharding = rows[0][0].sharding
-  if isinstance(sharding, NamedSharding):
-    spec = tuple(sharding.spec) + (None,) * (rows[0][0].ndim - len(sharding.spec))
-    stacked = jax.device_put(stacked, NamedSharding(sharding.mesh, P(None, None, *spec)))
-  return stacked
+  sharding = _stacked_sharding(rows[0][0])
+  return stacked if sharding is None else jax.device_put(stacked, sharding)
+
+
+def _stacked_sharding(weight):
+  """Where a stack [steps, blocks in the run, ...] of arrays placed as `weight` goes:
+  each block's part split as `weight` is; None for a weight without a NamedSharding."""
+  sharding = getattr(weight, "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return None
+  spec = tuple(sharding.spec) + (None,) * (len(weight.shape) - len(sharding.spec))
+  return NamedSharding(sharding.mesh, P(None, None, *spec))
 
 
 def _stacked_arrays(state, plan) -> list:
@@ -581,11 +588,8 @@ def _placed_as(state, params, mesh):
 def _stack_abstract(rows):
   """`_stack_placed` for abstract weights (`jax.ShapeDtypeStruct`s)."""
   first = rows[0][0]
-  sharding = getattr(first, "sharding", None)
-  if isinstance(sharding, NamedSharding):
-    spec = tuple(sharding.spec) + (None,) * (len(first.shape) - len(sharding.spec))
-    sharding = NamedSharding(sharding.mesh, P(None, None, *spec))
-  return jax.ShapeDtypeStruct((len(rows), len(rows[0]), *first.shape), first.dtype, sharding=sharding)
+  shape = (len(rows), len(rows[0]), *first.shape)
+  return jax.ShapeDtypeStruct(shape, first.dtype, sharding=_stacked_sharding(first))
 
 
 def _fsdp_or_whole(path, shape, mesh):
