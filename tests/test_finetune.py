@@ -862,6 +862,33 @@ def test_compiled_steps_moments_are_split_as_their_weights():
   assert all(x.sharding.spec == P() for x in leaves if not x.ndim)
 
 
+def test_a_restore_lets_the_trainers_arrays_go_and_gives_back_the_saved_state(tmp_path):
+  """`state.Checkpoints.restore` replaces the trainer's weights and moments with the
+  saved ones after deleting its own (restored beside them, a resumed run held both),
+  and the restored weights are the saved ones, on 4 devices with FSDP."""
+  from jax_ring.models.train.state import Checkpoints
+
+  mesh = make_mesh((4,), ("seq",))
+  model = models.build(PERIODIC, mesh=mesh, fsdp=True, remat="full", rngs=nnx.Rngs(3))
+  trainer = train_step.Trainer(model, train_step.make_tx(1e-3, 1, 10, 0.0, 1.0), chunk=16)
+  trainer.step(*train_step.place_batch(model, *_batch(batch=1, length=64)))
+  saved = jax.tree.map(np.asarray, trainer.weights())
+  state = Checkpoints(tmp_path, every=1)
+  state.save(1, trainer, force=True)
+  state.manager.wait_until_finished()
+  fresh = train_step.Trainer(
+    models.build(PERIODIC, mesh=mesh, fsdp=True, remat="full", rngs=nnx.Rngs(4)),
+    train_step.make_tx(1e-3, 1, 10, 0.0, 1.0),
+    chunk=16,
+  )
+  before = jax.tree.leaves((fresh.params, fresh.opt_state))
+  state.restore(1, fresh)
+  state.close()
+  assert all(a.is_deleted() for a in before)
+  for (path, a), (_, b) in zip(nnx.to_flat_state(fresh.weights()), nnx.to_flat_state(saved)):
+    np.testing.assert_array_equal(np.asarray(a[...]), b[...], err_msg=str(path))
+
+
 def test_check_run_refuses_each_bad_setting_by_name():
   """`finetune.check_run` itself (not only the script): no steps, no batch, a length past
   the context; a length of exactly the context runs."""

@@ -37,8 +37,17 @@ class Checkpoints:
 
   def restore(self, step: int, trainer):
     # Restored with the target's shardings (this run's mesh and FSDP setting), whatever
-    # mesh or process count wrote the checkpoint.
+    # mesh or process count wrote the checkpoint. The target is abstract and the
+    # trainer's own arrays go first: restored beside them, Gemma 3 270M's resumed
+    # fine-tune on 8 devices peaked 1 GiB above the uninterrupted run (7.2 GiB).
+    import jax
+
     target = {"params": nnx.to_pure_dict(trainer.params), "opt": trainer.opt_state}
+    shape = lambda x: (
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+    )
+    target = jax.tree.map(shape, target)
+    trainer.release()
     restored = self.manager.restore(step, args=self.ocp.args.StandardRestore(target))
     nnx.replace_by_pure_dict(trainer.params, restored["params"])
     trainer.opt_state = restored["opt"]

@@ -312,6 +312,15 @@ class Trainer:
       device.platform, host_bytes=offloaded_bytes(config, local), device_bytes=limit
     )
 
+  def release(self) -> None:
+    """Deletes the trainer's weights and optimizer state on the devices (and the
+    blocks' arrays it copied into its stacks), for a restore to replace them
+    (`state.Checkpoints.restore`)."""
+    for array in [*jax.tree.leaves((self.params, self.opt_state)), *self._stacked_from]:
+      if isinstance(array, jax.Array) and not array.is_deleted():
+        array.delete()
+    self._stacked_from = []
+
   def step(self, tokens, targets, weights, *, segment_ids=None, positions=None):
     """One AdamW step on a batch: (loss, stats). Packed rows take `segment_ids` and
     `positions` [B, T] (`loss`)."""
