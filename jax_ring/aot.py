@@ -327,6 +327,17 @@ def attention_hidden(report: dict) -> bool:
   return bool(steps) and all(s["synchronous"] == 0 and s["exposed"] == 0 for s in steps)
 
 
+def transfers_hidden(report: dict) -> bool:
+  """`attention_hidden`, and every copy between a device and its host's memory in the
+  report's loops (remat "offload": "host_transfers") with compute under it, each copy
+  back to the device started an iteration before the one that reads it (`prefetched`)."""
+  copies = report.get("host_transfers", [])
+  back = [c for c in copies if c["direction"] == "from host"]
+  return (
+    attention_hidden(report) and all(c["compute"] > 0 for c in copies) and all(c["prefetched"] for c in back)
+  )
+
+
 def _outside_loops(text: str) -> dict[str, list[int]]:
   """op -> [count, bytes per device] of the collectives outside every loop
   (`hlo.loop_free_collectives`)."""

@@ -497,6 +497,34 @@ def loop_free_copies(compiled, min_bytes: int = 0) -> list[tuple[str, int]]:
   return found
 
 
+def _carried_unread(lines) -> set[str]:
+  """Names of a loop body's values whose only readers are the body's ROOT tuple (the
+  carry), directly or through bitcasts and copies of them alone."""
+  users: dict[str, list[tuple[str, str]]] = {}
+  root = None
+  for line in lines:
+    ins = _instruction(line)
+    if ins is None:
+      continue
+    name, opcode = ins
+    if line.lstrip().startswith("ROOT"):
+      root = name
+    for operand in re.findall(r"%([\w.\-]+)", line.split("=", 1)[1]):
+      users.setdefault(operand, []).append((name, opcode))
+
+  def unread(name, depth=0):
+    found = users.get(name, [])
+    return (
+      bool(found)
+      and depth < 8
+      and all(
+        user == root or (opcode in ("bitcast", "copy") and unread(user, depth + 1)) for user, opcode in found
+      )
+    )
+
+  return {name for name in users if unread(name)}
+
+
 class HostTransfer(NamedTuple):
   """One asynchronous copy between a device and its host's memory inside a loop body
   (remat "offload": a layer's input going out in the forward pass, coming back in the
@@ -506,7 +534,9 @@ class HostTransfer(NamedTuple):
   direction: str  # "to host" or "from host"
   bytes: int  # the device-side array's bytes
   compute: int  # heavy ops (`_heavy`) between its start and its done
-  prefetched: bool  # its done lies in a later iteration than its start (XLA's pipeliner)
+  # Read in a later iteration than its start: its done lies there (XLA's pipeliner), or
+  # a copy back's result goes into the loop's carry unread (issued one layer ahead).
+  prefetched: bool
 
 
 _HOST = ":S(5)}"  # the pinned host memory space in a scheduled module's layouts
@@ -516,16 +546,17 @@ def host_transfers(compiled) -> list[HostTransfer]:
   """Every asynchronous host copy in a loop body of a compiled program (a `fusion-start`
   or `copy-start` with an operand or result in host memory, and its done) and the
   compute between its start and done. A copy back from the host that the loop body
-  starts and also waits for has only that compute to hide under; one started an
-  iteration ahead (`prefetched`) has a whole iteration. `compiled`: a
+  starts and also waits for has only that compute to hide under, unless the iteration
+  only carries its result to the next one, which reads it; one started an iteration
+  ahead or read in the next (`prefetched`) has a whole iteration. `compiled`: a
   `jax.stages.Compiled` or its `as_text()`."""
   hlo = compiled if isinstance(compiled, str) else compiled.as_text()
   comps, _ = _computations(hlo)
   found = []
   for body in sorted(_while_callers(comps)):
     open_: dict[str, list] = {}
-    done_names = set()
     lines = comps.get(body, ())
+    carried = _carried_unread(lines)
     for line in lines:
       ins = _instruction(line)
       if ins is None:
@@ -543,8 +574,8 @@ def host_transfers(compiled) -> list[HostTransfer]:
           open_[name] = ["from host", shape_bytes(result), 0]
       elif opcode in ("fusion-done", "copy-done") and _operand(line) in open_:
         direction, size, compute = open_.pop(_operand(line))
-        done_names.add(name)
-        found.append(HostTransfer(body, direction, size, compute, False))
+        ahead = direction == "from host" and name in carried
+        found.append(HostTransfer(body, direction, size, compute, ahead))
       elif _heavy(opcode, line, comps):
         for t in open_.values():
           t[2] += 1

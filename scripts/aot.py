@@ -157,7 +157,8 @@ def parse_args(argv=None):
   p.add_argument(
     "--hidden",
     action="store_true",
-    help="--max-length: a length counts only if every attention ring transfer has compute under it",
+    help="--max-length: a length counts only if every attention ring transfer and every host copy "
+    "has compute under it, the copies back started a layer ahead (remat offload)",
   )
   p.add_argument(
     "--host-budget-gib",
@@ -280,7 +281,7 @@ def main(argv=None):
       host = int(getattr(memory, "host_temp_size_in_bytes", 0) or 0)
       if args.host_budget_gib is not None and host > args.host_budget_gib * 2**30:
         return False
-      if args.hidden and not aot.attention_hidden(aot.report(compiled)):
+      if args.hidden and not aot.transfers_hidden(aot.report(compiled)):
         return False
       return used <= budget
 
@@ -291,6 +292,7 @@ def main(argv=None):
   result["seq_len"] = args.seq_len
   result |= aot.report(compiled)
   result["attention_hidden"] = aot.attention_hidden(result)
+  result["transfers_hidden"] = aot.transfers_hidden(result)
   if isinstance(args.model, str):
     from jax_ring.models.train import step as train_step
 

@@ -423,6 +423,16 @@ def test_attention_hidden_asks_every_attention_ring_transfer_and_no_other():
   assert not aot_module.attention_hidden({"ring_steps": [*good, step("backward ring step", sync=1)]})
   assert not aot_module.attention_hidden({"ring_steps": [*good, step("backward ring pass edges", exposed=2)]})
   assert not aot_module.attention_hidden({"ring_steps": [lookup]})
+  # `aot.transfers_hidden` (what `--hidden` bisects on) asks the host copies too.
+  copy = lambda direction, compute=3, prefetched=False: dict(
+    direction=direction, compute=compute, prefetched=prefetched
+  )
+  copies = [copy("to host"), copy("from host", prefetched=True)]
+  assert aot_module.transfers_hidden({"ring_steps": good, "host_transfers": copies})
+  assert aot_module.transfers_hidden({"ring_steps": good})
+  assert not aot_module.transfers_hidden({"ring_steps": [lookup], "host_transfers": copies})
+  for bad in (copy("from host"), copy("from host", 0, True), copy("to host", 0)):
+    assert not aot_module.transfers_hidden({"ring_steps": good, "host_transfers": [*copies, bad]}), bad
 
 
 def test_offloaded_step_raises_the_schedulers_memory_limit_by_the_host_bytes():
@@ -441,12 +451,20 @@ def test_offloaded_step_raises_the_schedulers_memory_limit_by_the_host_bytes():
 def test_offloaded_layer_inputs_live_in_host_memory():
   """--remat offload: the step keeps each layer's input in host memory, exactly the
   stack of the layers' inputs (2 layers x 2,048 tokens a device x 4,096 in bfloat16),
-  and it still fits."""
+  and it still fits. The backward pass copies each layer's input back one layer ahead:
+  the copy runs under the compute of the layer before it in the backward, and the
+  iteration only carries its result to the next, which reads it."""
   report = aot(
     "--target=h100x8", "--model=llama-3.1-8b", "--train", "--layers=2", "--seq-len=16384", "--remat=offload"
   )
   assert report["memory"]["host_temp_bytes"] == 2 * 16384 // 8 * 4096 * 2
   assert report["fits"] is True
+  layer = 16384 // 8 * 4096 * 2
+  back = [h for h in report["host_transfers"] if h["direction"] == "from host"]
+  out = [h for h in report["host_transfers"] if h["direction"] == "to host"]
+  assert [h["bytes"] for h in out] == [layer] and out[0]["compute"] > 0, out
+  assert [h["bytes"] for h in back] == [layer], back
+  assert all(h["prefetched"] and h["compute"] > 0 for h in back), back
 
 
 SCHEDULED = """
@@ -508,6 +526,17 @@ def test_host_transfers_reads_each_copy_and_the_compute_under_it():
   ahead = HOST_COPIES.replace("  %back = bf16[1,8]{1,0} fusion-done(%in)\n", "")
   found = [(h.direction, h.prefetched) for h in host_transfers(ahead)]
   assert found == [("to host", False), ("from host", True)]
+  # Waited for here, but only carried to the next iteration, which reads it: prefetched.
+  carried = HOST_COPIES.replace("custom-call(%back)", "custom-call(%e)")
+  carried = carried.replace("tuple(%i, %k2)", "tuple(%i, %k2, %back)")
+  found = [(h.direction, h.prefetched) for h in host_transfers(carried)]
+  assert found == [("from host", True), ("to host", False)]
+  # Read here as well as carried: not.
+  both = HOST_COPIES.replace("tuple(%i, %k2)", "tuple(%i, %k2, %back)")
+  assert [(h.direction, h.prefetched) for h in host_transfers(both)] == [
+    ("from host", False),
+    ("to host", False),
+  ]
 
 
 def test_loop_free_copies_reads_copies_and_transposes_outside_loops():

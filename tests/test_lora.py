@@ -105,11 +105,11 @@ def _dot_shapes(jaxpr) -> set:
   return found
 
 
-@pytest.mark.parametrize("fsdp", [False, True])
-def test_only_the_adapters_get_gradients(fsdp):
+@pytest.mark.parametrize("fsdp,remat", [(False, "none"), (True, "none"), (True, "offload")])
+def test_only_the_adapters_get_gradients(fsdp, remat):
   """The adapter step's jaxpr makes no product of a base kernel's shape (its gradient is
   never computed); the full step's does (the check can fail). AdamW state is the
-  adapters' size."""
+  adapters' size. So with remat "offload", whose backward pass is written by hand."""
   mesh = make_mesh((2,), ("seq",))
   batch = (TOKENS, np.roll(TOKENS, -1, 1), np.ones(TOKENS.shape, np.float32))
 
@@ -121,9 +121,9 @@ def test_only_the_adapters_get_gradients(fsdp):
     )
     return _dot_shapes(jax.make_jaxpr(step)(trainer.params, trainer.opt_state).jaxpr), trainer
 
-  full, _ = shapes(models.build(CFG, mesh=mesh, fsdp=fsdp), nnx.Param)
+  full, _ = shapes(models.build(CFG, mesh=mesh, fsdp=fsdp, remat=remat), nnx.Param)
   assert full >= KERNELS
-  model = models.add_lora(models.build(CFG, mesh=mesh, fsdp=fsdp), rank=3, alpha=6)
+  model = models.add_lora(models.build(CFG, mesh=mesh, fsdp=fsdp, remat=remat), rank=3, alpha=6)
   adapted, trainer = shapes(model, nnx.LoRAParam)
   assert not KERNELS & adapted
   adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
@@ -326,3 +326,24 @@ def test_generation_with_adapters_in_place_equals_the_merged_model():
   np.testing.assert_array_equal(np.asarray(adapted), np.asarray(merged))
   base = models.generate(models.build(CFG, mesh=mesh, fsdp=True), TOKENS[:, :40], max_new_tokens=8).tokens
   assert not np.array_equal(np.asarray(adapted), np.asarray(base))  # the adapters changed the output
+
+
+def test_adapter_gradients_under_offload_equal_full():
+  """remat "offload" (its backward pass written by hand, the layer inputs fetched from
+  host memory one layer ahead) gives an adapter model the loss and adapter gradients of
+  "full", with FSDP over 4 devices."""
+  mesh = make_mesh((4,), ("seq",))
+  tokens, targets = jnp.asarray(TOKENS), jnp.asarray(np.roll(TOKENS, -1, 1))
+  weights = jnp.ones(TOKENS.shape, jnp.float32)
+  results = {}
+  for remat in ("full", "offload"):
+    model = _with_b(models.add_lora(models.build(CFG, mesh=mesh, fsdp=True, remat=remat), rank=3, alpha=6))
+    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+    loss = lambda a, g=graphdef, r=rest: train_step.loss(
+      nnx.merge(g, a, r), tokens, targets, weights, chunk=16
+    )
+    results[remat] = jax.jit(jax.value_and_grad(loss))(adapters)
+  (v0, g0), (v1, g1) = results["full"], results["offload"]
+  assert float(v0) == float(v1)
+  for (path, a), (_, b) in zip(nnx.to_flat_state(g0), nnx.to_flat_state(g1)):
+    assert rel_err(b[...], a[...]) < 1e-6, path
