@@ -410,6 +410,33 @@ print(json.dumps({"options": seen, "device": device}))
 """
 
 
+def test_moe_step_runs_its_expert_traffic_under_compute():
+  """Qwen3-30B-A3B's offloaded step (2 of 48 layers, 262,144 tokens, capacity 1.25,
+  experts gathered) on 8 x H100: in the layer loops each expert stack's all-gather
+  (3 x 384 MiB a layer, forward and backward: each gathered a layer ahead) and its
+  gradients' reduce-scatter (3 x 432 MiB) has compute under it, and each layer's input
+  comes back from host memory a layer ahead."""
+  report = aot(
+    "--target=h100x8",
+    "--model=qwen3-30b-a3b",
+    "--train",
+    "--layers=2",
+    "--seq-len=262144",
+    "--remat=offload",
+    "--capacity-factor=1.25",
+  )
+  experts = [
+    c
+    for c in report["collectives"]
+    if c["op"] in ("all-gather", "reduce-scatter") and c["where"] and c["bytes"] >= 256 * 2**20
+  ]
+  sizes = sorted((c["op"], c["bytes"] // 2**20) for c in experts)
+  assert sizes == [("all-gather", 384)] * 6 + [("reduce-scatter", 432)] * 3, sizes
+  assert not [c for c in experts if c["exposed"]], experts
+  back = [h for h in report["host_transfers"] if h["direction"] == "from host"]
+  assert back and all(h["prefetched"] and h["compute"] > 0 for h in back), back
+
+
 def test_attention_hidden_asks_every_attention_ring_transfer_and_no_other():
   """`aot.attention_hidden` (what `aot.py --max-length --hidden` bisects on): true when
   each attention ring loop is asynchronous with nothing exposed; the vocabulary's ring
@@ -439,13 +466,14 @@ def test_offloaded_step_raises_the_schedulers_memory_limit_by_the_host_bytes():
   """With remat "offload" the step compiles for a GPU with XLA's scheduler limit
   raised by the layer inputs kept in host memory (the scheduler counts them as device
   memory: at 4M tokens Llama-3.1-8B's backward ring steps ran synchronously without
-  it) to the device plus twice the host bytes. Without offload, XLA's
-  defaults. Qwen3-0.6B with one block at 16K tokens on 8 x H100: 2,048 tokens a
-  device x 1,024 x 2 bytes in host memory."""
+  it) to the device plus 8 x the host bytes, with 8 collectives in flight at once.
+  Without offload, XLA's defaults. Qwen3-0.6B with one block at 16K tokens on 8 x
+  H100: 2,048 tokens a device x 1,024 x 2 bytes in host memory."""
   found = json.loads(_run(["-c", _OFFLOAD_OPTIONS]).strip().splitlines()[-1])
   device, host = found["device"], 1 * 2048 * 1024 * 2
-  factor = math.ceil(100 * (device + 2 * host) / device)
-  assert found["options"] == [{"xla_gpu_memory_limit_slop_factor": factor}, None]
+  factor = math.ceil(100 * (device + 8 * host) / device)
+  limit = "xla_gpu_experimental_parallel_collective_overlap_limit"
+  assert found["options"] == [{"xla_gpu_memory_limit_slop_factor": factor, limit: 8}, None]
 
 
 def test_offloaded_layer_inputs_live_in_host_memory():

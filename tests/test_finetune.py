@@ -553,8 +553,9 @@ def test_feed_forward_in_chunks_equals_it_whole(monkeypatch):
 
 
 def test_offload_remat_equals_full_and_keeps_the_layer_inputs_in_host_memory():
-  """remat="offload": the same loss and gradients as "full" (FSDP over 4 devices), and
-  the backward pass's stack of layer inputs is a host-memory array in the program."""
+  """remat="offload": the same loss and gradients as "full" (FSDP over 4 devices; to
+  float32's rounding), and the backward pass's stack of layer inputs is a host-memory
+  array in the program."""
   mesh = make_mesh((4,), ("seq",))
   tokens, targets, weights = (jnp.asarray(a) for a in _batch())
   results = {}
@@ -569,8 +570,10 @@ def test_offload_remat_equals_full_and_keeps_the_layer_inputs_in_host_memory():
     assert bool(stacks) == (remat == "offload"), stacks
   (v0, g0), (v1, g1) = results["full"], results["offload"]
   assert float(v0) == float(v1)
+  # "offload" takes each layer's gradient against its gathered weights, then back through
+  # the gather (`decoder._prefetched_offload_scan`): the same sums in another order.
   for (path, a), (_, b) in zip(nnx.to_flat_state(g0), nnx.to_flat_state(g1)):
-    np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+    assert rel_err(b[...], a[...]) < 1e-5, path
 
 
 def test_offload_keeps_the_input_of_a_block_outside_the_scan_in_host_memory():
@@ -833,15 +836,18 @@ def test_trainer_keeps_the_scanned_blocks_stacked_and_steps_as_the_per_block_lay
 
 
 def test_offload_options_raise_the_gpu_schedulers_limit_by_the_host_bytes():
-  """The device plus twice the layer inputs in host memory, as a factor of the device;
-  nothing off GPUs or without host bytes. Llama-3.1-8B at 4M tokens on 8 x H100: 128
+  """The device plus 8 x the layer inputs in host memory, as a factor of the device,
+  and 8 collectives in flight at once; nothing off GPUs or without host bytes. Llama-3.1-8B at 4M tokens on 8 x H100: 128
   GiB of layer inputs a device (32 layers x 524,288 tokens x 4,096 x 2 bytes)."""
   config = models.config("llama-3.1-8b")
   host = train_step.offloaded_bytes(config, 4194304 // 8, "bfloat16")
   assert host == 128 * 2**30
   h100 = 84929347584
   options = train_step.offload_compiler_options("cuda", host_bytes=host, device_bytes=h100)
-  assert options == {"xla_gpu_memory_limit_slop_factor": 424}
+  assert options == {
+    "xla_gpu_memory_limit_slop_factor": 1395,
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
+  }
   assert train_step.offload_compiler_options("cpu", host_bytes=host, device_bytes=h100) == {}
   assert train_step.offload_compiler_options("gpu", host_bytes=0, device_bytes=h100) == {}
 

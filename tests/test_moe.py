@@ -726,3 +726,24 @@ def test_each_sparse_layer_weighs_its_balance_loss_by_the_mean_over_layers(arch,
   assert len(layers) == sparse
   coef = config["router_aux_loss_coef"]
   assert [layer.balance for layer in layers] == pytest.approx([coef / sparse] * sparse, rel=1e-12)
+
+
+def test_offload_equals_full_with_counts_and_the_experts_gathered_a_layer_ahead():
+  """remat "offload" on a mixture of experts whose blocks are all alike (one scan of its
+  own backward pass, each layer's input and gathered weights fetched a layer ahead:
+  `decoder._prefetched_offload_scan`): the loss, every gradient and the dropped pairs
+  of "full", with FSDP and a capacity over 4 devices."""
+  mesh = make_mesh((4,), ("seq",))
+  config = models.Qwen3MoeConfig(**SMALL_MOE | {"mlp_only_layers": ()})
+  tokens = jnp.asarray(_tokens(64, seed=5))
+  results = []
+  for remat in ("full", "offload"):
+    model = models.build(config, mesh=mesh, fsdp=True, remat=remat, rngs=nnx.Rngs(3))
+    assert model.scan_plan() == [[[0], [1], [2]]]
+    moe.set_capacity(model, 0.6)
+    value, grads = nnx.jit(nnx.value_and_grad(_loss))(model, tokens)
+    results.append((float(value), dict(nnx.to_flat_state(grads)), int(moe.dropped_tokens(model))))
+  (v0, g0, d0), (v1, g1, d1) = results
+  assert abs(v0 - v1) <= 1e-6 * abs(v0) and d0 == d1 > 0, (v0, v1, d0, d1)
+  for path, value in g0.items():
+    assert rel_err(g1[path][...], value[...]) < 1e-5, path

@@ -738,24 +738,26 @@ class CausalLM(nnx.Module):
         counts.append(c)
       return folded(x), counts
 
-    if self.remat == "offload" and len(runs) == 1 and groups > 1 and not counted:
-      # One run a period (Llama, Qwen, Mistral): the backward fetches each layer's input
-      # from host memory one layer ahead (`_prefetched_offload_scan`).
+    if self.remat == "offload" and period == 1:
+      # Every block alike (Llama, Qwen, Mistral, mixtures of experts): each layer's
+      # input comes back from host memory, and its weights are gathered, one layer
+      # ahead (`_prefetched_offload_scan`).
       graphdef = graphdefs[0]
+      keep = keeps[graphdef]
 
-      def layer(x, layers):
-        return run_of(graphdef, x.reshape(b, t, d), layers)[0].reshape(x.shape)
+      def gather(p):
+        return self._gathered(p, keep=keep) if self.fsdp else p
 
-      x = _prefetched_offload_scan(layer, folded(x), stacked[0])
-      x = x.reshape(b, t, d)
-      for block in self.blocks[groups * period :]:
-        x = self._run_block(block, x, attend, True, gather=True)
-      return x
+      def layer(x, p, r):
+        copy = nnx.merge(graphdef, p, r)
+        return folded(copy(x.reshape(b, t, d), attend)), (nnx.state(copy, Tally) if counted else None)
 
-    if policy is not None:
-      body = jax.checkpoint(body, policy=policy)
-
-    x, counts = jax.lax.scan(body, folded(x), stacked)
+      x, counts = _prefetched_offload_scan(layer, gather, folded(x), *stacked[0])
+      counts = [jax.tree.map(lambda a: a[:, None], counts)] if counted else None
+    else:
+      if policy is not None:
+        body = jax.checkpoint(body, policy=policy)
+      x, counts = jax.lax.scan(body, folded(x), stacked)
     x = x.reshape(b, t, d)
     if counted:  # each layer's counts [groups, run length, ...] back onto its block
       for run, c in zip(runs, counts):
@@ -923,64 +925,95 @@ def stacked_blocks(model, states):
     _STACKED.reset(token)
 
 
-def _prefetched_offload_scan(layer, x, stacked):
-  """lax.scan of `layer(x, layers) -> x` over `stacked` = (weights, the rest), each
-  [layers, ...], for remat "offload" with a backward pass of its own: the forward keeps
-  each layer's input in host memory, the backward recomputes each layer from its input
-  and, while it does, copies the next layer's input back (one layer ahead, so that the
-  copy runs under a layer's compute; where XLA placed the copies for the checkpoint
-  policy, each waited for its own layer: Llama-3.1-8B's 4 GiB a layer at 4M tokens on 8
-  x H100 with nothing under them). Cotangents come stacked for the weights being
-  differentiated (adapters: not the frozen base); the rest (counters) gets none."""
+def _prefetched_offload_scan(layer, gather, x, weights, rest):
+  """lax.scan of `layer(x, gathered weights, rest) -> (x, counts)` over the layers of
+  `weights` and `rest` (each [layers, 1, ...], a run of one block) for remat "offload",
+  with a backward pass of its own: (x, the layers' counts stacked).
+
+  The forward keeps each layer's input in host memory and gathers the next layer's
+  weights (`gather`, FSDP's all-gather) while the layer runs. The backward recomputes
+  each layer from its input and, while it does, copies the next layer's input back and
+  gathers its weights, one layer ahead, so that both run under a layer's compute; each
+  layer's weight gradients are reduce-scattered where the layer's backward ends. Where
+  XLA placed the copies for a checkpoint policy, each waited for its own layer
+  (Llama-3.1-8B's 4 GiB a layer at 4M tokens on 8 x H100 with nothing under them), and
+  each layer's gather came before its compute. Cotangents come for the weights being
+  differentiated alone (adapters: not the frozen base); the rest (counters) gets none."""
   host, device = jax.memory.Space.Host, jax.memory.Space.Device
   primal = jax.custom_derivatives.CustomVJPPrimal
   traced = {}  # which weights the caller differentiates, read where the forward is traced
+  n = jax.tree.leaves(weights)[0].shape[0]
+  at = lambda tree, i: jax.tree.map(lambda a: a[i, 0], tree)
 
   @jax.custom_vjp
   def run(x, weights, rest):
-    return jax.lax.scan(lambda x, layers: (layer(x, layers), None), x, (weights, rest))[0]
+    def step(x, i):
+      return layer(x, gather(at(weights, i)), at(rest, i))
+
+    return jax.lax.scan(step, x, jnp.arange(n))
 
   def forward(x, weights, rest):
     is_primal = lambda a: isinstance(a, primal)
     traced["wanted"] = [p.perturbed for p in jax.tree.leaves(weights, is_leaf=is_primal)]
     x, weights, rest = jax.tree.map(lambda p: p.value, (x, weights, rest), is_leaf=is_primal)
 
-    def step(x, layers):
-      return layer(x, layers), jax.device_put(x, host)
+    def step(carry, i):
+      x, here = carry
+      ahead = gather(at(weights, jnp.minimum(i + 1, n - 1)))  # the next layer's, under this one
+      y, counts = layer(x, here, at(rest, i))
+      return (y, ahead), (jax.device_put(x, host), counts)
 
-    y, inputs = jax.lax.scan(step, x, (weights, rest))
-    return y, (inputs, weights, rest)
+    (y, _), (inputs, counts) = jax.lax.scan(step, (x, gather(at(weights, 0))), jnp.arange(n))
+    return (y, counts), (inputs, weights, rest)
 
-  def backward(saved, dy):
+  def backward(saved, cotangents):
     inputs, weights, rest = saved
-    n = inputs.shape[0]
-    dy = jnp.zeros_like(inputs[0]) if isinstance(dy, jax.custom_derivatives.SymbolicZero) else dy
+    dy = cotangents[0]
+    if isinstance(dy, jax.custom_derivatives.SymbolicZero):
+      dy = jnp.zeros(inputs.shape[1:], inputs.dtype)
     leaves, tree = jax.tree.flatten(weights)
     wanted = traced["wanted"]
+    chosen = [k for k, w in enumerate(wanted) if w]
+    gathered = lambda own: jax.tree.leaves(gather(jax.tree.unflatten(tree, own)))
 
     def step(carry, i):
-      dy, x = carry
-      ahead = jax.device_put(inputs[jnp.maximum(i - 1, 0)], device)  # the next layer back's input
-      here = [a[i] for a in leaves]
-      others = jax.tree.map(lambda a: a[i], rest)
+      dy, x, here = carry  # here: layer i's weights, gathered
+      back = jnp.maximum(i - 1, 0)
+      x_ahead = jax.device_put(inputs[back], device)  # the next layer back's input and weights
+      ahead = gathered([a[back, 0] for a in leaves])
+      others = at(rest, i)
 
       def one(x, trained):
-        it = iter(trained)
-        full = [next(it) if w else a for a, w in zip(here, wanted)]
-        return layer(x, (jax.tree.unflatten(tree, full), others))
+        full = list(here)
+        for k, v in zip(chosen, trained):
+          full[k] = v
+        return layer(x, jax.tree.unflatten(tree, full), others)[0]
 
-      _, pull = jax.vjp(one, x, [a for a, w in zip(here, wanted) if w])
-      dx, dtrained = pull(dy)
-      return (dx, ahead), dtrained
+      _, pull = jax.vjp(one, x, [here[k] for k in chosen])
+      dx, dgathered = pull(dy)
+      own = [a[i, 0] for a in leaves]
 
-    last = jax.device_put(inputs[n - 1], device)
-    (dx, _), dtrained = jax.lax.scan(step, (dy, last), jnp.arange(n - 1, -1, -1))
-    it = iter(dtrained)
-    dleaves = [jnp.flip(next(it), 0) if w else jnp.zeros_like(a) for a, w in zip(leaves, wanted)]
+      def gather_chosen(trained):  # the gather's transpose: the gradients reduce-scattered
+        full = list(own)
+        for k, v in zip(chosen, trained):
+          full[k] = v
+        g = gathered(full)
+        return [g[k] for k in chosen]
+
+      _, pull_gather = jax.vjp(gather_chosen, [own[k] for k in chosen])
+      (dweights,) = pull_gather(dgathered)
+      return (dx, x_ahead, ahead), dweights
+
+    last = [a[n - 1, 0] for a in leaves]
+    start = (dy, jax.device_put(inputs[n - 1], device), gathered(last))
+    (dx, _, _), dchosen = jax.lax.scan(step, start, jnp.arange(n), reverse=True)
+    dleaves = [jnp.zeros_like(a) for a in leaves]
+    for k, d in zip(chosen, dchosen):
+      dleaves[k] = d.reshape(leaves[k].shape)
     return dx, jax.tree.unflatten(tree, dleaves), None
 
   run.defvjp(forward, backward, symbolic_zeros=True)
-  return run(x, *stacked)
+  return run(x, weights, rest)
 
 
 def stack_blocks(state, plan, stack):

@@ -410,6 +410,16 @@ def offloaded_bytes(config, tokens_per_device: int, dtype=None) -> int:
   return config.num_layers * tokens_per_device * config.dim * jnp.dtype(dt).itemsize
 
 
+# How many collectives XLA:GPU's scheduler may keep in flight at once in a step with
+# offloaded layer inputs (1 by default). With one, a layer's weight gathers waited for
+# the attention's ring transfers: Qwen3-30B-A3B's expert gathers (3 x 384 MiB a layer)
+# ran with no compute under them in the forward and backward passes, as did its
+# gradients' reduce-scatters (3 x 432 MiB); with 8 all of them run under compute
+# (`decoder._prefetched_offload_scan` gathers a layer's weights a layer ahead). 2 and 4
+# left some exposed (4 layers at 1M tokens, compiled for 8 x H100, 2026-11-28).
+OVERLAP_LIMIT = 8
+
+
 def offload_compiler_options(platform: str, *, host_bytes: int, device_bytes: int | None) -> dict:
   """XLA options for a step that keeps its layer inputs in host memory (remat
   "offload"). XLA:GPU's latency-hiding scheduler keeps a program under the device's
@@ -418,16 +428,22 @@ def offload_compiler_options(platform: str, *, host_bytes: int, device_bytes: in
   before it does (`scripts/aot.py` explains its warning). Past that limit it gives up
   overlap for memory: Llama-3.1-8B's step at 4M tokens on 8 x H100 (128 GiB of layer
   inputs in host memory a device, 58.8 GiB of device memory) ran its backward ring
-  steps synchronously. The factor here sets the limit to the device plus twice the host
+  steps synchronously. The factor here sets the limit to the device plus 8 x the host
   bytes. The scheduler's estimate runs past the device plus the stack, by how much is
   not reported: for Qwen3-30B-A3B's step at 1M (24 GiB of host stack) a factor of 138
   (the device plus 1.25 x the stack) left backward ring steps synchronous and 153 did
-  not; Llama-3.1-8B's at 4M was overlapped from 249 to 400 (compiled 2026-11-28).
-  `step_memory` still checks the compiled program against the device alone. Empty off
-  GPUs or with nothing in host memory."""
+  not; Llama-3.1-8B's at 4M was overlapped from 249 to 400. With the layers' weights
+  gathered a layer ahead, Qwen3-30B-A3B's expert gathers ran exposed in both passes at
+  the device plus twice the stack, in the backward at 4 x, and under compute at 8 x and
+  16 x, at a peak of 74.8 GiB (compiled 2026-11-28). `step_memory` still checks the
+  compiled program against the device alone. With it, `OVERLAP_LIMIT` collectives in
+  flight at once. Empty off GPUs or with nothing in host memory."""
   if platform not in ("gpu", "cuda") or host_bytes <= 0 or not device_bytes:
     return {}
-  return {"xla_gpu_memory_limit_slop_factor": math.ceil(100 * (device_bytes + 2 * host_bytes) / device_bytes)}
+  return {
+    "xla_gpu_memory_limit_slop_factor": math.ceil(100 * (device_bytes + 8 * host_bytes) / device_bytes),
+    "xla_gpu_experimental_parallel_collective_overlap_limit": OVERLAP_LIMIT,
+  }
 
 
 def _stack_placed(rows):
