@@ -837,8 +837,9 @@ def test_trainer_keeps_the_scanned_blocks_stacked_and_steps_as_the_per_block_lay
 
 def test_offload_options_raise_the_gpu_schedulers_limit_by_the_host_bytes():
   """The device plus 8 x the layer inputs in host memory, as a factor of the device,
-  and 8 collectives in flight at once; nothing off GPUs or without host bytes. Llama-3.1-8B at 4M tokens on 8 x H100: 128
-  GiB of layer inputs a device (32 layers x 524,288 tokens x 4,096 x 2 bytes)."""
+  and 8 collectives in flight at once; nothing off GPUs or without host bytes.
+  Llama-3.1-8B at 4M tokens on 8 x H100: 128 GiB of layer inputs a device (32 layers x
+  524,288 tokens x 4,096 x 2 bytes)."""
   config = models.config("llama-3.1-8b")
   host = train_step.offloaded_bytes(config, 4194304 // 8, "bfloat16")
   assert host == 128 * 2**30
