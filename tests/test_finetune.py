@@ -573,7 +573,7 @@ def test_offload_remat_equals_full_and_keeps_the_layer_inputs_in_host_memory():
   # "offload" takes each layer's gradient against its gathered weights, then back through
   # the gather (`decoder._prefetched_offload_scan`): the same sums in another order.
   for (path, a), (_, b) in zip(nnx.to_flat_state(g0), nnx.to_flat_state(g1)):
-    assert rel_err(b[...], a[...]) < 1e-5, path
+    assert rel_err(b[...], a[...]) < 2e-6, path
 
 
 def test_offload_keeps_the_input_of_a_block_outside_the_scan_in_host_memory():

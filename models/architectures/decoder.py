@@ -972,9 +972,14 @@ def _prefetched_offload_scan(layer, gather, x, weights, rest):
     if isinstance(dy, jax.custom_derivatives.SymbolicZero):
       dy = jnp.zeros(inputs.shape[1:], inputs.dtype)
     leaves, tree = jax.tree.flatten(weights)
-    wanted = traced["wanted"]
-    chosen = [k for k, w in enumerate(wanted) if w]
+    chosen = [k for k, w in enumerate(traced["wanted"]) if w]
     gathered = lambda own: jax.tree.leaves(gather(jax.tree.unflatten(tree, own)))
+
+    def with_chosen(all_leaves, trained):  # all_leaves with the differentiated ones replaced
+      full = list(all_leaves)
+      for k, v in zip(chosen, trained):
+        full[k] = v
+      return full
 
     def step(carry, i):
       dy, x, here = carry  # here: layer i's weights, gathered
@@ -984,20 +989,14 @@ def _prefetched_offload_scan(layer, gather, x, weights, rest):
       others = at(rest, i)
 
       def one(x, trained):
-        full = list(here)
-        for k, v in zip(chosen, trained):
-          full[k] = v
-        return layer(x, jax.tree.unflatten(tree, full), others)[0]
+        return layer(x, jax.tree.unflatten(tree, with_chosen(here, trained)), others)[0]
 
       _, pull = jax.vjp(one, x, [here[k] for k in chosen])
       dx, dgathered = pull(dy)
       own = [a[i, 0] for a in leaves]
 
       def gather_chosen(trained):  # the gather's transpose: the gradients reduce-scattered
-        full = list(own)
-        for k, v in zip(chosen, trained):
-          full[k] = v
-        g = gathered(full)
+        g = gathered(with_chosen(own, trained))
         return [g[k] for k in chosen]
 
       _, pull_gather = jax.vjp(gather_chosen, [own[k] for k in chosen])
