@@ -3,9 +3,10 @@
 `ring_overlap(compiled)` reads, for every loop body that sends with collective-permute
 (each ring step), how much of its compute runs while a transfer is in flight.
 
-`collective_bytes(compiled)` adds up the result bytes of every collective op per
-device, with each op inside a while loop counted once per iteration (`trip_count`: XLA
-records `known_trip_count` on CPU and GPU; on TPU it is read from the loop's condition).
+`collective_bytes(compiled)` adds up the bytes of every collective op per device (an
+all-gather's gathered results, a reduce-scatter's operands, any other's results), with
+each op inside a while loop counted once per iteration (`trip_count`: XLA records
+`known_trip_count` on CPU and GPU; on TPU it is read from the loop's condition).
 A conditional counts its most expensive branch. The result buffer of a
 collective-permute is what each device sends (and receives); an all-to-all's result is
 the device's whole rearranged array, of which (u - 1) / u came from the u - 1 other
@@ -231,7 +232,7 @@ def ring_overlap(compiled) -> list[LoopOverlap]:
   return found
 
 
-def _walk(comps, lines, kinds: str, rename=None) -> tuple[list[list], int, int]:
+def _walk(comps, lines, kinds: str, rename=None, shapes=None) -> tuple[list[list], int, int]:
   """(transfers, compute, hidden) of one scheduled computation: each collective whose
   op name matches `kinds` (a regex) as [op, bytes (`_result_bytes`), source, blocks,
   compute ops under it], in the order they end; `compute`, the heavy ops (`_heavy`);
@@ -240,7 +241,8 @@ def _walk(comps, lines, kinds: str, rename=None) -> tuple[list[list], int, int]:
   own) is not this computation's compute, but a transfer in flight across it runs
   under that loop's compute. A done whose start lies in an earlier iteration (XLA's
   pipeliner) counts the compute before it in this one; a start whose done lies in the
-  next, the compute after it. `rename(source)`: the source as reported."""
+  next, the compute after it. `rename(source)`: the source as reported; `shapes`:
+  `_shapes(comps)`, for a synchronous reduce-scatter's operands."""
   open_: dict[str, list] = {}
   transfers: list[list] = []
   compute = hidden = 0
@@ -255,11 +257,13 @@ def _walk(comps, lines, kinds: str, rename=None) -> tuple[list[list], int, int]:
       source = rename(source) if rename else source
       op, phase = base.groups()
       if phase == "-start":
-        open_[name] = [op, _result_bytes(line), source, _IS_SYNC in line, 0]
+        open_[name] = [op, _result_bytes(line, shapes), source, _IS_SYNC in line, 0]
       elif phase == "-done":
-        transfers.append(open_.pop(_operand(line), None) or [op, _result_bytes(line), source, False, compute])
+        transfers.append(
+          open_.pop(_operand(line), None) or [op, _result_bytes(line, shapes), source, False, compute]
+        )
       else:
-        transfers.append([op, _result_bytes(line), source, True, 0])
+        transfers.append([op, _result_bytes(line, shapes), source, True, 0])
     elif opcode == "while" and (m := _WHILE.search(line)) and _sends(comps, m.group(1)):
       for t in open_.values():
         t[4] += 1
@@ -289,7 +293,8 @@ class Collective(NamedTuple):
   """One collective instruction of a compiled program, from `collectives`."""
 
   op: str  # "all-gather", "all-reduce", "collective-permute", ...
-  bytes: int  # its result's bytes per device, each time it runs (a permute: what it sends)
+  # per device, each time it runs: an all-gather's results, a reduce-scatter's operands, else its results
+  bytes: int
   where: str  # the loop it runs in (`loop_name`, else the body's name), or "" outside loops
   source: str  # the op_name of the JAX operation it comes from
   exposed: bool  # synchronous, or an async pair with no compute between start and done
@@ -303,13 +308,14 @@ def collectives(compiled) -> list[Collective]:
   callers = _while_callers(comps)
   found = []
   kinds = "|".join(COLLECTIVES)
+  shapes = _shapes(comps)
   for name, lines in comps.items():
     where = (loop_name(lines, callers[name]) or name) if name in callers else ""
     # A body XLA shares between layers names the first layer in its ops' metadata; the
     # while that runs it names the layer it runs for.
     layer = re.search(r"layer_\d+", callers.get(name, ""))
     rename = (lambda s, layer=layer: re.sub(r"layer_\d+", layer.group(0), s)) if layer else None
-    transfers, _, _ = _walk(comps, lines, kinds, rename)
+    transfers, _, _ = _walk(comps, lines, kinds, rename, shapes)
     found += [Collective(op, n, where, src, sync or under == 0) for op, n, src, sync, under in transfers]
   return found
 
@@ -329,22 +335,58 @@ def _tuple_elements(shapes: str) -> list[str]:
   return parts
 
 
-# Async starts whose result tuple is (operands, results, ...): the results are its second element.
-_START_WITH_OPERANDS = ("all-gather-start", "collective-permute-start")
+# Async starts whose result tuple is ((operands), (results), ...) or (operand, result, ...).
+_START_WITH_OPERANDS = (
+  "all-gather-start",
+  "collective-permute-start",
+  "all-to-all-start",
+  "reduce-scatter-start",
+)
+_ARGS = re.compile(r"%([\w.\-]+)")
 
 
-def _result_bytes(line: str) -> int:
-  """Bytes of a collective instruction's results per device, all of them where one op
-  gathers or reduces several arrays; of an all-gather or collective-permute start,
-  whose result is ((operands), (results)) or (operand, result, contexts...), the
-  results (a permute's equal what it sends)."""
+def _operand_names(line: str, opcode: str) -> list[str]:
+  """The operand names of one instruction line."""
+  args = line.split(f" {opcode}(", 1)[1]
+  depth = 1
+  for end, ch in enumerate(args):
+    depth += ch == "("
+    depth -= ch == ")"
+    if depth == 0:
+      return _ARGS.findall(args[:end])
+  return _ARGS.findall(args)
+
+
+def _shapes(comps) -> dict[str, str]:
+  """instruction name -> its shape text, over every computation (names are unique in
+  a module)."""
+  found = {}
+  for lines in comps.values():
+    for line in lines:
+      if ins := _instruction(line):
+        found[ins[0]] = line.split("= ", 1)[1].split(f" {ins[1]}(", 1)[0]
+  return found
+
+
+def _result_bytes(line: str, shapes: dict[str, str] | None = None) -> int:
+  """Bytes per device of the arrays a collective instruction moves, all of them where
+  one op gathers or reduces several: an all-gather's results (gathered), a
+  reduce-scatter's operands (what every device reduces: its results are 1 / n of
+  them), any other's results (an all-to-all's and a permute's equal what they send).
+  An async start's result is ((operands), (results)) or (operand, result,
+  contexts...); a synchronous reduce-scatter's operands are read from `shapes`
+  (`_shapes`), its results where they are not given."""
   ins = _instruction(line)
   if ins is None:
     return 0
-  shapes = line.split("= ", 1)[1].split(f" {ins[1]}(", 1)[0]
-  if ins[1] in _START_WITH_OPERANDS and shapes.startswith("("):
-    shapes = _tuple_elements(shapes)[1]
-  return shape_bytes(shapes)
+  text = line.split("= ", 1)[1].split(f" {ins[1]}(", 1)[0]
+  if ins[1] in _START_WITH_OPERANDS and text.startswith("("):
+    text = _tuple_elements(text)[0 if ins[1] == "reduce-scatter-start" else 1]
+  elif ins[1] == "reduce-scatter" and shapes is not None:
+    operands = [shapes.get(name) for name in _operand_names(line, ins[1])]
+    if operands and None not in operands:
+      text = " ".join(operands)
+  return shape_bytes(text)
 
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -391,13 +433,15 @@ def _operand(line: str) -> str:
 
 
 def collective_bytes(compiled) -> dict[str, int]:
-  """op name ("all-to-all", "collective-permute", ...) -> bytes of its results per
-  device over one run of the program; ops that do not occur are absent.
+  """op name ("all-to-all", "collective-permute", ...) -> its bytes per device
+  (`_result_bytes`: a reduce-scatter's operands, else its results) over one run of
+  the program; ops that do not occur are absent.
 
   `compiled`: a `jax.stages.Compiled` or its `as_text()`. Raises ValueError for a
   loop with collectives whose trip count XLA did not record."""
   hlo = compiled if isinstance(compiled, str) else compiled.as_text()
   comps, entry = _computations(hlo)
+  shapes = _shapes(comps)
 
   @functools.cache
   def cost(name: str) -> tuple[tuple[str, int], ...]:
@@ -409,7 +453,7 @@ def collective_bytes(compiled) -> dict[str, int]:
 
     for line in comps.get(name, ()):
       if m := _OP.search(line):
-        found[m.group(2)] = found.get(m.group(2), 0) + _result_bytes(line)
+        found[m.group(2)] = found.get(m.group(2), 0) + _result_bytes(line, shapes)
       elif m := _WHILE.search(line):
         body = cost(m.group(1))
         trips = trip_count(line, comps) if body else 0
@@ -429,20 +473,21 @@ def collective_bytes(compiled) -> dict[str, int]:
 
 
 def loop_free_collectives(compiled) -> list[tuple[str, int]]:
-  """(op name, result bytes per device) of every collective outside all while loops,
-  in program order: what a program moves besides its loops (the ring steps). A model
+  """(op name, bytes per device as `collective_bytes` counts them) of every collective
+  outside all while loops, in program order: what a program moves besides its loops (the ring steps). A model
   that relays its tokens for every layer's attention shows two collective-permutes per
   array and layer here; one that keeps the ring's order shows none.
 
   `compiled`: a `jax.stages.Compiled` or its `as_text()`."""
   hlo = compiled if isinstance(compiled, str) else compiled.as_text()
   comps, entry = _computations(hlo)
+  shapes = _shapes(comps)
   found: list[tuple[str, int]] = []
 
   def visit(name: str) -> None:
     for line in comps.get(name, ()):
       if m := _OP.search(line):
-        found.append((m.group(2), _result_bytes(line)))
+        found.append((m.group(2), _result_bytes(line, shapes)))
       elif _WHILE.search(line):
         continue
       elif m := _BRANCHES.search(line):

@@ -704,6 +704,28 @@ def test_collectives_lists_each_with_its_loop_source_and_exposure():
   assert [c.bytes for c in collectives(two) if c.op == "all-gather"] == [64]
   counted = two.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"3"}}')
   assert collective_bytes(counted) == {"all-gather": 64, "all-reduce": 16, "collective-permute": 3 * 32}
+  # An async all-to-all's start is ((operands), (results)) too: what it sends, once.
+  a2a = text.replace(
+    "%ags = (f32[2]{0}, f32[8]{0}) all-gather-start(%a)",
+    "%ags = ((f32[8]{0}), f32[8]{0}) all-to-all-start(%a)",
+  ).replace("all-gather-done(%ags)", "all-to-all-done(%ags)")
+  assert [c.bytes for c in collectives(a2a) if c.op == "all-to-all"] == [32]
+  # A reduce-scatter counts what every device reduces, its operands (not the 1 / n it
+  # keeps), async or synchronous (the operand's shape read from its definition).
+  scatter = text.replace(
+    "%ags = (f32[2]{0}, f32[8]{0}) all-gather-start(%a)",
+    "%ags = ((f32[8]{0}, f32[16]{0}), (f32[2]{0}, f32[4]{0})) reduce-scatter-start(%a, %a)",
+  ).replace(
+    "%agd = f32[8]{0} all-gather-done(%ags)", "%agd = (f32[2]{0}, f32[4]{0}) reduce-scatter-done(%ags)"
+  )
+  assert [c.bytes for c in collectives(scatter) if c.op == "reduce-scatter"] == [96]
+  sync = text.replace(
+    "  %ags = (f32[2]{0}, f32[8]{0}) all-gather-start(%a)",
+    "  %big = f32[16]{0} broadcast(%a)\n  %ags = f32[4]{0} reduce-scatter(%big), dimensions={0}",
+  ).replace("  %agd = f32[8]{0} all-gather-done(%ags)\n", "")
+  assert [c.bytes for c in collectives(sync) if c.op == "reduce-scatter"] == [64]
+  sync = sync.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"3"}}')
+  assert collective_bytes(sync)["reduce-scatter"] == 64
 
 
 def test_ring_loops_are_named_by_what_they_are():
