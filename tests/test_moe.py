@@ -16,7 +16,7 @@ from numpy_models import llama_logits, moe_choices
 from safetensors.numpy import load_file, save_file
 
 from jax_ring import models
-from jax_ring.models.architectures import moe
+from jax_ring.models.architectures import decoder, moe
 
 F64_TOL, RING_TOL = 1e-6, 1e-5
 EXPERTS, TOP_K = 8, 2
@@ -221,6 +221,78 @@ def test_capacity_keeps_each_experts_first_tokens():
   )
 
 
+def test_slot_pieces_cover_the_slots_in_order():
+  """`moe.slot_pieces`: contiguous ranges from 0 to the capacity, sizes within one of
+  each other, no more pieces than slots."""
+  for capacity in (1, 2, 5, 8, 320):
+    for pieces in (1, 2, 3, 4, 9):
+      ranges = moe.slot_pieces(capacity, pieces)
+      assert len(ranges) == min(pieces, capacity), (capacity, pieces, ranges)
+      assert ranges[0][0] == 0 and ranges[-1][1] == capacity
+      assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges
+      sizes = [hi - lo for lo, hi in ranges]
+      assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1, ranges
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_expert_parallel_pieces_equal_each_group_computed_alone(devices):
+  """Expert parallelism in pieces of the slots (`run_experts_with_capacity(...,
+  axis=, pieces=)`): each device's group against its tokens computed one by one in
+  float64 with all experts and its experts' first C pairs, for 1, 2, 3 pieces and more
+  pieces than slots; two all-to-alls a piece; the gradients of every piece count
+  equal one piece's."""
+  rng = np.random.default_rng(11)
+  n, d, f, most = 12, 8, 6, 3  # tokens a device
+  x = rng.standard_normal((devices * n, d))
+  gate, up, down = (rng.standard_normal(s) for s in ((EXPERTS, d, f), (EXPERTS, d, f), (EXPERTS, f, d)))
+  experts = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(devices * n)])
+  experts[:n:2] = [1, 6]  # device 0 overflows experts 1 and 6
+  weights = rng.random((devices * n, TOP_K))
+  silu = lambda z: z / (1 + np.exp(-z))
+  want, dropped = np.zeros_like(x), 0
+  for g in range(devices):  # each device's group keeps its experts' first C pairs
+    taken = np.zeros(EXPERTS, int)
+    for t in range(g * n, (g + 1) * n):
+      for e, wt in zip(experts[t], weights[t]):
+        taken[e] += 1
+        if taken[e] > most:
+          dropped += 1
+          continue
+        want[t] += wt * ((silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
+  mesh = make_mesh((devices,), ("seq",))
+  mesh = mesh.update(axis_types=(jax.sharding.AxisType.Auto,))
+  split, rows = jax.sharding.PartitionSpec("seq"), jax.sharding.PartitionSpec("seq")
+  with jax.enable_x64():
+    args = [jnp.asarray(a) for a in (x, weights, experts, gate, up, down)]
+
+    def run(pieces):
+      def local(x, w, e, gate, up, down):
+        y, count = moe.run_experts_with_capacity(x, w, e, gate, up, down, most, axis="seq", pieces=pieces)
+        return y, jax.lax.psum(count, "seq")
+
+      return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, split, split, split),
+        out_specs=(rows, jax.sharding.PartitionSpec()),
+      )
+
+    grads = []
+    for pieces in (1, 2, 3, most + 5):
+      y, count = jax.jit(run(pieces))(*args)
+      np.testing.assert_allclose(np.asarray(y), want, rtol=1e-12, atol=1e-12)
+      assert int(count) == dropped > 0
+      program = str(jax.make_jaxpr(run(pieces))(*args))
+      assert program.count("all_to_all") == 2 * min(pieces, most), pieces
+      loss = lambda x, gate, down, p=pieces: jnp.sum(
+        jnp.sin(run(p)(x, args[1], args[2], gate, args[4], down)[0])
+      )
+      grads.append(jax.jit(jax.grad(loss, (0, 1, 2)))(args[0], args[3], args[5]))
+    for other in grads[1:]:
+      for g, h in zip(other, grads[0]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("devices", [2, 4, 8])
 def test_each_device_is_a_group_and_drops_count_over_all(devices):
   """An MoE layer with a capacity over a mesh: each device's tokens are a group of
@@ -348,8 +420,11 @@ def test_expert_parallelism_is_chosen_by_bytes_and_needs_experts_that_divide():
   model = models.build(models.Qwen3MoeConfig(**SMALL_MOE), mesh=mesh, fsdp=True, rngs=nnx.Rngs(0))
   moe.set_capacity(model, 0.6)
   layer = model.blocks[0].mlp
-  # F = 32, float32 throughout: 12 C x 4 < (6 x 4 + 3 x 4) F while C = ceil(0.15 N) < 24.
-  assert layer.expert_parallel(32) and layer.expert_parallel(153) and not layer.expert_parallel(154)
+  # F = 32, float32 throughout: 6 g C x 4 < (6 x 4 + 3 x 4) F while g C < 48, with
+  # C = ceil(0.15 N) for g groups of N tokens.
+  assert layer.expert_parallel(32) and layer.expert_parallel(313) and not layer.expert_parallel(314)
+  assert layer.expert_parallel(153, 2) and not layer.expert_parallel(154, 2)
+  assert layer.expert_parallel(40, 7) and not layer.expert_parallel(40, 8)
   odd = models.build(
     models.Qwen3MoeConfig(**SMALL_MOE | {"num_experts": 6}), mesh=mesh, fsdp=True, rngs=nnx.Rngs(0)
   )
@@ -359,6 +434,28 @@ def test_expert_parallelism_is_chosen_by_bytes_and_needs_experts_that_divide():
   without_fsdp = models.build(models.Qwen3MoeConfig(**SMALL_MOE), mesh=mesh, rngs=nnx.Rngs(0))
   moe.set_capacity(without_fsdp, 0.6)
   assert not without_fsdp.blocks[0].mlp.expert_parallel(32)  # no experts' transfers to save
+
+
+def test_a_chunked_call_counts_every_chunks_transfers(monkeypatch):
+  """A long call's feed-forward chunks each send their rows under expert parallelism,
+  while gathered experts are gathered once: the layer splits its experts only where
+  all the chunks together move less (`decoder.feed_forward_groups`), and the call
+  decides as `split_weights` did. 320 tokens a device (4 x 80) in 8 chunks of 40:
+  8 x C(40) = 48, not below 48, so the experts are gathered (one chunk alone would
+  split them); 160 tokens a device in 4 such chunks: 24, split."""
+  mesh = make_mesh((4,), ("seq",))
+  model = models.build(
+    models.Qwen3MoeConfig(**SMALL_MOE), mesh=mesh, fsdp=True, remat="full", rngs=nnx.Rngs(0)
+  )
+  moe.set_capacity(model, 0.6)
+  layer = model.blocks[0].mlp
+  monkeypatch.setattr(decoder, "FF_TOKENS", 10)  # read when traced
+  graphdef, state = nnx.split(model)
+  for length, split in ((320, False), (160, True)):
+    tokens = jnp.asarray(_tokens(length, batch=4))
+    assert layer.expert_parallel(40) and bool(layer.split_weights((4, length, 64))) is split
+    program = str(jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
+    assert ("all_to_all" in program) is split, length
 
 
 def test_bad_capacity_factors_are_refused(checkpoint):

@@ -272,6 +272,16 @@ def chunk_tokens(per: int, most: int | None = None) -> int:
   return per // next(k for k in range(2, per + 1) if per % k == 0 and per // k <= most)
 
 
+_GROUPS = contextvars.ContextVar("jax_ring_feed_forward_groups", default=1)
+
+
+def feed_forward_groups() -> int:
+  """How many chunks the `feed_forward` call being traced runs each device's tokens
+  in (1 outside one, or where it runs them at once): an MoE layer's rule for expert
+  parallelism counts its transfers over all of them (`moe.MoE.expert_parallel`)."""
+  return _GROUPS.get()
+
+
 def feed_forward(fn, modules, x, placement, most: int | None = None):
   """fn(modules, x) for a feed-forward sub-layer `fn` that treats every token alone
   (norms, the MLP), over x [B, T, D] split along T over the mesh's `seq` devices
@@ -308,7 +318,11 @@ def feed_forward(fn, modules, x, placement, most: int | None = None):
 
   run = jax.checkpoint(call)
   chunk = lambda i: jax.lax.dynamic_index_in_dim(xs, i, axis=2, keepdims=False)
-  out = jax.eval_shape(run, state, chunk(0))[0]
+  groups = _GROUPS.set(k)
+  try:
+    out = jax.eval_shape(run, state, chunk(0))[0]
+  finally:
+    _GROUPS.reset(groups)
 
   # Each chunk's result written in place into one [B, shards, k, T / (shards k), D]
   # array: no stacked copy of the chunks to transpose back; the chunks' counts summed.
@@ -322,7 +336,11 @@ def feed_forward(fn, modules, x, placement, most: int | None = None):
   # program's start, every layer's alive at once); every slot is written over.
   ys = jnp.zeros((b, shards, k, *out.shape[2:]), out.dtype) + (xs[..., :1] * 0).astype(out.dtype)
   zero = None if tallies is None else jax.tree.map(jnp.zeros_like, tallies)
-  ys, total = jax.lax.fori_loop(0, k, one, (place(ys), zero))
+  groups = _GROUPS.set(k)
+  try:
+    ys, total = jax.lax.fori_loop(0, k, one, (place(ys), zero))
+  finally:
+    _GROUPS.reset(groups)
   if total is not None:
     set_tallies(modules, total)
   return ys.reshape(b, t, -1)

@@ -48,6 +48,7 @@ __all__ = [
   "run_experts",
   "run_experts_with_capacity",
   "set_capacity",
+  "slot_pieces",
 ]
 
 
@@ -90,8 +91,24 @@ def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
   return max(1, min(tokens, math.ceil(factor * tokens * top_k / num_experts)))
 
 
+def slot_pieces(capacity: int, pieces: int) -> list[tuple[int, int]]:
+  """The [lo, hi) ranges of an expert's `capacity` slots in `pieces` pieces (fewer
+  when there are fewer slots), as even as they divide: the earlier ones one larger."""
+  pieces = max(1, min(pieces, capacity))
+  size, extra = divmod(capacity, pieces)
+  bounds = np.cumsum([0] + [size + (i < extra) for i in range(pieces)])
+  return [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+# Expert parallelism's buffers travel in this many pieces of each expert's slots, so
+# that the all-to-alls of one piece run while the experts compute on another
+# (Tutel's pipelining of the capacity dimension: Hwang et al., MLSys 2023, "Tutel: Adaptive
+# Mixture-of-Experts at Scale").
+EP_PIECES = 8
+
+
 def run_experts_with_capacity(
-  x, weights, experts, gate, up, down, capacity: int, activation=jax.nn.silu, *, axis=None
+  x, weights, experts, gate, up, down, capacity: int, activation=jax.nn.silu, *, axis=None, pieces=None
 ):
   """(`run_experts`'s output with each expert taking at most `capacity` pairs, the
   number of pairs dropped: int32). The pairs sorted by expert (by token within one),
@@ -102,7 +119,10 @@ def run_experts_with_capacity(
   `axis` (inside `shard_map`; expert parallelism): gate, up and down are this
   device's E / n experts of the n devices of `axis`, the i-th slice of the experts;
   the buffer's rows for each device's experts go to it and their outputs come back
-  (`jax.lax.all_to_all`, there and back)."""
+  (`jax.lax.all_to_all`, there and back), in `pieces` pieces of the slots (default
+  `EP_PIECES`; `slot_pieces`) so that XLA can send one while the experts run on
+  another. Every row is computed alone, so the pieces change no value."""
+  pieces = EP_PIECES if pieces is None else pieces
   n, k = experts.shape
   devices = 1 if axis is None else jax.lax.axis_size(axis)
   e = gate.shape[0] * devices
@@ -118,12 +138,21 @@ def run_experts_with_capacity(
   dest = jnp.where(keep, chosen * capacity + slot, e * capacity)  # past the buffer: dropped
   buf = jnp.zeros((e * capacity, x.shape[-1]), x.dtype).at[dest].set(jnp.take(x, rows, axis=0), mode="drop")
   buf = buf.reshape(e, capacity, -1)
-  if axis is not None:  # [sources, E / n, C, D]: every device's rows for this one's experts
-    buf = jax.lax.all_to_all(buf, axis, 0, 0, tiled=True).reshape(devices, e // devices, capacity, -1)
-  h = activation(jnp.einsum("...ecd,edf->...ecf", buf, gate)) * jnp.einsum("...ecd,edf->...ecf", buf, up)
-  out = jnp.einsum("...ecf,efd->...ecd", h.astype(down.dtype), down).reshape(e, capacity, -1)
-  if axis is not None:  # each source's rows back to it, in the experts' order
-    out = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
+
+  def mlp(rows):  # [..., E', C', D] under the E' experts of gate, up, down
+    h = activation(jnp.einsum("...ecd,edf->...ecf", rows, gate)) * jnp.einsum("...ecd,edf->...ecf", rows, up)
+    return jnp.einsum("...ecf,efd->...ecd", h.astype(down.dtype), down)
+
+  if axis is None:
+    out = mlp(buf)
+  else:  # pieces of the slots: one's rows travel while another's run
+    outs = []
+    for lo, hi in slot_pieces(capacity, pieces):
+      # [sources, E / n, C', D]: every device's rows for this one's experts
+      part = jax.lax.all_to_all(buf[:, lo:hi], axis, 0, 0, tiled=True)
+      part = mlp(part.reshape(devices, e // devices, hi - lo, -1)).reshape(e, hi - lo, -1)
+      outs.append(jax.lax.all_to_all(part, axis, 0, 0, tiled=True))  # back to its source
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
   out = out.reshape(e * capacity, -1)
   y = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
   y = y * jnp.take(weights.reshape(-1), order)[:, None].astype(y.dtype)
@@ -245,18 +274,19 @@ class MoE(nnx.Module):
     self.dtype = dtype
     self.placement = nnx.static(tuple(placement))
 
-  def expert_parallel(self, tokens: int) -> bool:
-    """Whether a call whose groups hold `tokens` tokens a device splits the experts
-    over the devices of the sequence axis (expert parallelism: each device runs E / n
-    experts, and the tokens' rows go to them and back) rather than gathering them
-    (FSDP). Only with a capacity, FSDP-split weights (split along the experts,
+  def expert_parallel(self, tokens: int, groups: int = 1) -> bool:
+    """Whether a call that runs `groups` groups of `tokens` tokens a device (a long
+    call's feed-forward chunks, `decoder.feed_forward`) splits the experts over the
+    devices of the sequence axis (expert parallelism: each device runs E / n experts,
+    and the tokens' rows go to them and back) rather than gathering them (FSDP). Only
+    with a capacity, FSDP-split weights (split along the experts,
     `decoder.fsdp_spec`, so that they run where they lie) and a mesh whose other axes
     are 1; then by the bytes each moves per layer, a forward with its recomputation
-    and backward: expert parallelism 12 E C D in the compute dtype (the compiled
-    step's all-to-alls of the [E, C, D] buffers; 6 would be each there and back three
-    times); FSDP two gathers of the three stacks in the compute dtype, 6 E D F, and
-    the reduction of their gradients in the weights' dtype, 3 E D F. Experts that do
-    not divide over the devices stay with FSDP, with a warning saying so."""
+    and backward: expert parallelism 6 E C D a group in the compute dtype (each [E, C,
+    D] buffer there and back, three times: the compiled step's all-to-alls), FSDP two
+    gathers of the three stacks in the compute dtype, 6 E D F, and the reduction of
+    their gradients in the weights' dtype, 3 E D F, once for all the groups. Experts
+    that do not divide over the devices stay with FSDP, with a warning saying so."""
     mesh, seq_axis, _ = self.placement
     if self.capacity_factor is None or not self.weights_split or mesh is None:
       return False
@@ -273,7 +303,7 @@ class MoE(nnx.Module):
     c = capacity(tokens, self.top_k, self.num_experts, self.capacity_factor)
     compute = jnp.dtype(self.dtype or self.gate.dtype).itemsize
     weights = jnp.dtype(self.gate.dtype).itemsize
-    return 12 * c * compute < (6 * compute + 3 * weights) * self.hidden
+    return 6 * groups * c * compute < (6 * compute + 3 * weights) * self.hidden
 
   def split_weights(self, shape) -> tuple[str, ...]:
     """The weights a call on a block's input of `shape` [B, T, D] uses where they lie
@@ -282,8 +312,9 @@ class MoE(nnx.Module):
     mesh, seq_axis, _ = self.placement
     if mesh is None or len(shape) != 3 or shape[1] % mesh.shape[seq_axis]:
       return ()
-    tokens = shape[0] * decoder.chunk_tokens(shape[1] // mesh.shape[seq_axis])
-    return ("gate", "up", "down") if self.expert_parallel(tokens) else ()
+    per = shape[1] // mesh.shape[seq_axis]
+    chunk = decoder.chunk_tokens(per)
+    return ("gate", "up", "down") if self.expert_parallel(shape[0] * chunk, per // chunk) else ()
 
   def _local(self, x, router, gate, up, down, axes=None, experts_axis=None):
     """(output, pairs dropped over every device of `axes`); `experts_axis`: the
@@ -318,9 +349,10 @@ class MoE(nnx.Module):
       rows = P(batch_axis, seq_axis, *([None] * (x.ndim - 2)))
       axes = (seq_axis,) if batch_axis is None else (batch_axis, seq_axis)
       auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-      # A group: this device's tokens of the call (x [B, T, ...] split along T).
+      # A group: this device's tokens of the call (x [B, T, ...] split along T), one
+      # of `feed_forward`'s chunks in a long call.
       tokens = x.shape[0] * math.prod(x.shape[1:-1]) // mesh.shape[seq_axis]
-      split = self.expert_parallel(tokens)
+      split = self.expert_parallel(tokens, decoder.feed_forward_groups())
       experts = P(seq_axis) if split else P()
       local = lambda x, *params: self._local(x, *params, axes=axes, experts_axis=seq_axis if split else None)
       y, dropped = jax.shard_map(
