@@ -420,11 +420,15 @@ def test_expert_parallelism_is_chosen_by_bytes_and_needs_experts_that_divide():
   model = models.build(models.Qwen3MoeConfig(**SMALL_MOE), mesh=mesh, fsdp=True, rngs=nnx.Rngs(0))
   moe.set_capacity(model, 0.6)
   layer = model.blocks[0].mlp
-  # F = 32, float32 throughout: 6 g C x 4 < (6 x 4 + 3 x 4) F while g C < 48, with
-  # C = ceil(0.15 N) for g groups of N tokens.
+  # F = 32: 6 g C < 9 F while g C < 48, with C = ceil(0.15 N) for g groups of N tokens.
   assert layer.expert_parallel(32) and layer.expert_parallel(313) and not layer.expert_parallel(314)
   assert layer.expert_parallel(153, 2) and not layer.expert_parallel(154, 2)
   assert layer.expert_parallel(40, 7) and not layer.expert_parallel(40, 8)
+  # The gradients go back in the compute dtype too (the transpose of the gathered
+  # copies'), so the float32 weights change nothing under bfloat16 compute.
+  before, layer.dtype = layer.dtype, jnp.bfloat16
+  assert layer.expert_parallel(313) and not layer.expert_parallel(314)
+  layer.dtype = before
   odd = models.build(
     models.Qwen3MoeConfig(**SMALL_MOE | {"num_experts": 6}), mesh=mesh, fsdp=True, rngs=nnx.Rngs(0)
   )

@@ -281,12 +281,13 @@ class MoE(nnx.Module):
     and the tokens' rows go to them and back) rather than gathering them (FSDP). Only
     with a capacity, FSDP-split weights (split along the experts,
     `decoder.fsdp_spec`, so that they run where they lie) and a mesh whose other axes
-    are 1; then by the bytes each moves per layer, a forward with its recomputation
-    and backward: expert parallelism 6 E C D a group in the compute dtype (each [E, C,
-    D] buffer there and back, three times: the compiled step's all-to-alls), FSDP two
-    gathers of the three stacks in the compute dtype, 6 E D F, and the reduction of
-    their gradients in the weights' dtype, 3 E D F, once for all the groups. Experts
-    that do not divide over the devices stay with FSDP, with a warning saying so."""
+    are 1; then by the elements each moves per layer, a forward with its
+    recomputation and backward, all in the compute dtype: expert parallelism 6 E C D
+    a group (each [E, C, D] buffer there and back, three times: the compiled step's
+    all-to-alls), FSDP 9 E D F once for all the groups (two gathers of the three
+    stacks and the reduce-scatter of their gradients, the transpose of the gather of
+    their compute-dtype copies: the compiled step's). Experts that do not divide over
+    the devices stay with FSDP, with a warning saying so."""
     mesh, seq_axis, _ = self.placement
     if self.capacity_factor is None or not self.weights_split or mesh is None:
       return False
@@ -301,9 +302,7 @@ class MoE(nnx.Module):
       )
       return False
     c = capacity(tokens, self.top_k, self.num_experts, self.capacity_factor)
-    compute = jnp.dtype(self.dtype or self.gate.dtype).itemsize
-    weights = jnp.dtype(self.gate.dtype).itemsize
-    return 6 * groups * c * compute < (6 * compute + 3 * weights) * self.hidden
+    return 6 * groups * c < 9 * self.hidden
 
   def split_weights(self, shape) -> tuple[str, ...]:
     """The weights a call on a block's input of `shape` [B, T, D] uses where they lie
