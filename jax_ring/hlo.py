@@ -232,6 +232,34 @@ def ring_overlap(compiled) -> list[LoopOverlap]:
   return found
 
 
+# XLA:TPU's async collective fusions: a collective run in steps, each fused with
+# compute, from a fusion named async-collective-start[.N] to async-collective-done[.N];
+# every one of them calls a computation holding the collective.
+_TPU_ASYNC = re.compile(r"async-collective-(start|done)(\.\d+)?")
+
+
+def _fused_collective(comps, line: str, shapes=None) -> tuple[str, int, str] | None:
+  """(op, bytes, source) of the collective in the computation a fusion calls, or None."""
+  for called in _CALLS.findall(line):
+    for inner in comps.get(called, ()):
+      if m := _OP.search(inner):
+        source = n.group(1) if (n := _OP_NAME.search(inner)) else ""
+        return m.group(2), _result_bytes(inner, shapes), source
+  return None
+
+
+def _fusion_bodies(comps) -> set[str]:
+  """The computations fusions call: their instructions run inside the fusion (a TPU
+  async collective's steps, `_TPU_ASYNC`), not as ops of their own."""
+  return {
+    called
+    for lines in comps.values()
+    for line in lines
+    if (ins := _instruction(line)) and ins[1] == "fusion"
+    for called in _CALLS.findall(line)
+  }
+
+
 def _walk(comps, lines, kinds: str, rename=None, shapes=None) -> tuple[list[list], int, int]:
   """(transfers, compute, hidden) of one scheduled computation: each collective whose
   op name matches `kinds` (a regex) as [op, bytes (`_result_bytes`), source, blocks,
@@ -252,7 +280,17 @@ def _walk(comps, lines, kinds: str, rename=None, shapes=None) -> tuple[list[list
       continue
     name, opcode = ins
     base = re.fullmatch(rf"({kinds})(-start|-done)?", opcode)
-    if base:
+    tpu = _TPU_ASYNC.fullmatch(name) if opcode == "fusion" else None
+    found = _fused_collective(comps, line, shapes) if tpu else None
+    if found and re.fullmatch(kinds, found[0]):
+      op, size, source = found
+      source = rename(source) if rename else source
+      key = "async-collective" + (tpu.group(2) or "")
+      if tpu.group(1) == "start":
+        open_[key] = [op, size, source, False, 0]
+      else:
+        transfers.append(open_.pop(key, None) or [op, size, source, False, compute])
+    elif base:
       source = m.group(1) if (m := _OP_NAME.search(line)) else ""
       source = rename(source) if rename else source
       op, phase = base.groups()
@@ -309,7 +347,10 @@ def collectives(compiled) -> list[Collective]:
   found = []
   kinds = "|".join(COLLECTIVES)
   shapes = _shapes(comps)
+  fused = _fusion_bodies(comps)
   for name, lines in comps.items():
+    if name in fused:
+      continue
     where = (loop_name(lines, callers[name]) or name) if name in callers else ""
     # A body XLA shares between layers names the first layer in its ops' metadata; the
     # while that runs it names the layer it runs for.
@@ -464,6 +505,12 @@ def collective_bytes(compiled) -> dict[str, int]:
         names = m.group(1).split(",") if m.group(1) else [m.group(2), m.group(3)]
         branches = [dict(cost(n.strip().lstrip("%"))) for n in names]
         add(max((tuple(b.items()) for b in branches), key=lambda b: sum(n for _, n in b)))
+      elif (ins := _instruction(line)) and ins[1] == "fusion":
+        # A TPU async collective counts once, at its start (its steps and its done
+        # hold the same collective).
+        tpu = _TPU_ASYNC.fullmatch(ins[0])
+        if tpu and tpu.group(1) == "start" and (one := _fused_collective(comps, line, shapes)):
+          add([one[:2]])
       else:
         for called in _CALLS.findall(line):
           add(cost(called))
@@ -474,9 +521,10 @@ def collective_bytes(compiled) -> dict[str, int]:
 
 def loop_free_collectives(compiled) -> list[tuple[str, int]]:
   """(op name, bytes per device as `collective_bytes` counts them) of every collective
-  outside all while loops, in program order: what a program moves besides its loops (the ring steps). A model
-  that relays its tokens for every layer's attention shows two collective-permutes per
-  array and layer here; one that keeps the ring's order shows none.
+  outside all while loops, in program order: what a program moves besides its loops
+  (the ring steps). A model that relays its tokens for every layer's attention shows
+  two collective-permutes per array and layer here; one that keeps the ring's order
+  shows none.
 
   `compiled`: a `jax.stages.Compiled` or its `as_text()`."""
   hlo = compiled if isinstance(compiled, str) else compiled.as_text()
@@ -493,6 +541,10 @@ def loop_free_collectives(compiled) -> list[tuple[str, int]]:
       elif m := _BRANCHES.search(line):
         for n in m.group(1).split(",") if m.group(1) else [m.group(2), m.group(3)]:
           visit(n.strip().lstrip("%"))
+      elif (ins := _instruction(line)) and ins[1] == "fusion":
+        tpu = _TPU_ASYNC.fullmatch(ins[0])
+        if tpu and tpu.group(1) == "start" and (one := _fused_collective(comps, line, shapes)):
+          found.append(one[:2])
       else:
         for called in _CALLS.findall(line):
           visit(called)

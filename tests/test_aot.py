@@ -753,6 +753,62 @@ def test_collectives_lists_each_with_its_loop_source_and_exposure():
   assert collective_bytes(sync)["reduce-scatter"] == 64
 
 
+TPU_ASYNC = """
+%start_body (a: bf16[2,8]) -> bf16[16,8] {
+  %a = bf16[2,8]{1,0} parameter(0)
+  ROOT %ag = bf16[16,8]{1,0} all-gather(%a), channel_id=7, dimensions={0}, \
+metadata={op_name="jit(step)/gather_w"}
+}
+
+%step_body (a: bf16[2,8], w: bf16[8,8]) -> (bf16[8,8], bf16[16,8]) {
+  %a = bf16[2,8]{1,0} parameter(0)
+  %w = bf16[8,8]{1,0} parameter(1)
+  %d = bf16[8,8]{1,0} dot(%w, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ag = bf16[16,8]{1,0} all-gather(%a), channel_id=7, dimensions={0}
+  ROOT %t = (bf16[8,8]{1,0}, bf16[16,8]{1,0}) tuple(%d, %ag)
+}
+
+%done_body (a: bf16[2,8]) -> bf16[16,8] {
+  %a = bf16[2,8]{1,0} parameter(0)
+  ROOT %ag = bf16[16,8]{1,0} all-gather(%a), channel_id=7, dimensions={0}
+}
+
+%body (p: (s32[], bf16[2,8], bf16[8,8])) -> (s32[], bf16[2,8], bf16[8,8]) {
+  %p = (s32[], bf16[2,8]{1,0}, bf16[8,8]{1,0}) parameter(0)
+  %x = bf16[2,8]{1,0} get-tuple-element(%p), index=1
+  %w = bf16[8,8]{1,0} get-tuple-element(%p), index=2
+  %async-collective-start.3 = bf16[16,8]{1,0} fusion(%x), kind=kCustom, calls=%start_body
+  %fusion.9 = (bf16[8,8]{1,0}, bf16[16,8]{1,0}) fusion(%x, %w), kind=kCustom, calls=%step_body
+  %async-collective-done.3 = bf16[16,8]{1,0} fusion(%x), kind=kCustom, calls=%done_body
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %r = (s32[], bf16[2,8]{1,0}, bf16[8,8]{1,0}) tuple(%i, %x, %w)
+}
+
+ENTRY %main (a: (s32[], bf16[2,8], bf16[8,8])) -> (s32[], bf16[2,8], bf16[8,8]) {
+  %a = (s32[], bf16[2,8]{1,0}, bf16[8,8]{1,0}) parameter(0)
+  ROOT %w = (s32[], bf16[2,8]{1,0}, bf16[8,8]{1,0}) while(%a), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_a_tpu_async_collective_fusion_is_one_collective_with_its_steps_under_it():
+  """XLA:TPU's async collective fusions (`xla_tpu_enable_async_collective_fusion`):
+  a collective run from a fusion named async-collective-start to one named
+  async-collective-done, its steps fused with compute in between, each fusion calling
+  a computation that holds the collective. `collectives` lists it once, with the
+  step's GEMM under it; the totals count it once per iteration; with no compute in
+  its step, it is exposed."""
+  from jax_ring.hlo import collective_bytes, collectives, loop_free_collectives
+
+  found = [(c.op, c.bytes, c.source, c.exposed) for c in collectives(TPU_ASYNC)]
+  assert found == [("all-gather", 256, "jit(step)/gather_w", False)], found
+  assert collective_bytes(TPU_ASYNC) == {"all-gather": 4 * 256}
+  assert loop_free_collectives(TPU_ASYNC) == []
+  bare = TPU_ASYNC.replace("%d = bf16[8,8]{1,0} dot(%w, %w)", "%d = bf16[8,8]{1,0} add(%w, %w)")
+  assert [c.exposed for c in collectives(bare)] == [True]
+
+
 def test_ring_loops_are_named_by_what_they_are():
   """A loop is named from its permutes' source names (forward or backward step) and its
   while's call site (the layer): XLA shares one body between layers, whose metadata then
