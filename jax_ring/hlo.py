@@ -351,7 +351,9 @@ def collectives(compiled) -> list[Collective]:
   for name, lines in comps.items():
     if name in fused:
       continue
-    where = (loop_name(lines, callers[name]) or name) if name in callers else ""
+    where = (
+      (_layers_loop(callers[name]) or loop_name(lines, callers[name]) or name) if name in callers else ""
+    )
     # A body XLA shares between layers names the first layer in its ops' metadata; the
     # while that runs it names the layer it runs for.
     layer = re.search(r"layer_\d+", callers.get(name, ""))
@@ -461,6 +463,17 @@ def loop_name(lines, caller: str = "") -> str:
   if pattern := re.search(r"pattern_w(\d+)_r(\d+)", where):
     parts.append(f"pattern w={pattern.group(1)} r={pattern.group(2)}")
   return ", ".join(parts)
+
+
+def _layers_loop(caller: str) -> str:
+  """ "forward layers loop" or "backward layers loop" for the while of a model's scan
+  over its blocks (its op_name a `while` outside the attention and every `shard_map`;
+  the attention's ring loops run inside it, and XLA may hoist a ring pass's first and
+  last transfers into its body), else ""."""
+  parts = caller.split("/")
+  if parts[-1] != "while" or parts.count("while") > 1 or "ring_attention" in caller or "shard_map" in caller:
+    return ""
+  return ("backward" if "transpose(" in caller else "forward") + " layers loop"
 
 
 def _sends(comps, body: str) -> bool:

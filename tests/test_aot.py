@@ -462,6 +462,27 @@ def test_moe_step_runs_its_expert_traffic_under_compute():
   assert back and all(h["prefetched"] and h["compute"] > 0 for h in back), back
 
 
+def test_tpu_step_runs_its_all_to_alls_asynchronously_under_the_experts():
+  """Qwen3-30B-A3B's step with expert parallelism (2 layers, 16,384 tokens on the 64
+  chips of a v5p:4x4x4, 256 a chip, 20 slots an expert) compiles with
+  `train.step.TPU_COMPILER_OPTIONS`: XLA:TPU then runs the all-to-alls of the 8
+  pieces asynchronously with the experts' compute under them (at most an eighth of
+  their bytes exposed), where by default it ran every one synchronously."""
+  report = aot(
+    "--target=v5p:4x4x4",
+    "--model=qwen3-30b-a3b",
+    "--train",
+    "--layers=2",
+    "--seq-len=16384",
+    "--capacity-factor=1.25",
+  )
+  assert report["capacity"]["per_expert"] == 20
+  moved = [c for c in report["collectives"] if c["op"] == "all-to-all"]
+  assert len(moved) == 48, moved
+  exposed = sum(c["bytes"] for c in moved if c["exposed"])
+  assert exposed <= sum(c["bytes"] for c in moved) / 8, [c["exposed"] for c in moved]
+
+
 def test_attention_hidden_asks_every_attention_ring_transfer_and_no_other():
   """`aot.attention_hidden` (what `aot.py --max-length --hidden` bisects on): true when
   each attention ring loop is asynchronous with nothing exposed; the vocabulary's ring
@@ -831,6 +852,19 @@ def test_ring_loops_are_named_by_what_they_are():
   edges = text.replace("x/backward_ring_step/ppermute", "backward_ring_pass/ppermute")
   assert [s.name for s in ring_overlap(edges)] == ["backward ring pass edges, layer 7"]
   assert [s.name for s in ring_overlap(SCHEDULED)] == [""]  # no source names: nothing invented
+  # The blocks' scan (a while outside the attention, every shard_map and other loops)
+  # holding a ring pass's hoisted edges: its collectives run in the layers loop, while
+  # its permutes are still the attention's pass edges.
+  scan = edges.replace("jit(loss)/transpose(jvp(layer_7))/x/while", "jit(step)/transpose(jvp())/while")
+  assert [c.where for c in collectives(scan)] == ["backward layers loop"]
+  assert [s.name for s in ring_overlap(scan)] == ["backward ring pass edges"]
+  assert [c.where for c in collectives(scan.replace("transpose(jvp())/while", "jvp()/while"))] == [
+    "forward layers loop"
+  ]
+  for inner in ("jit(step)/jvp()/while/body/closed_call/while", "jit(step)/jvp()/shard_map/while"):
+    assert [c.where for c in collectives(scan.replace("jit(step)/transpose(jvp())/while", inner))] == [
+      "backward ring pass edges"
+    ], inner
 
 
 def test_text_report_names_loops_and_kernel_and_says_each_line_once():

@@ -301,11 +301,13 @@ class Trainer:
 
   def _compiler_options(self, tokens) -> dict:
     """The step's XLA options on this machine's devices: `CPU_COMPILER_OPTIONS` on CPUs,
-    `offload_compiler_options` on GPUs."""
+    `TPU_COMPILER_OPTIONS` on TPUs, `offload_compiler_options` on GPUs."""
     leaves = [x for x in jax.tree.leaves(self.params) if isinstance(x, jax.Array)]
     device = next(iter(leaves[0].devices())) if leaves else jax.devices()[0]
     if device.platform == "cpu":
       return dict(CPU_COMPILER_OPTIONS)
+    if device.platform == "tpu":
+      return dict(TPU_COMPILER_OPTIONS)
     if self._offload is None or device.platform not in ("gpu", "cuda"):
       return {}
     config = self._offload
@@ -401,6 +403,25 @@ def _rows(segment_ids, positions) -> dict:
 # gave 237.8, a peak of 5.36 GiB resident where the default gave 5.79, in the same step
 # time (24.1 and 22.9 s; 24.1 and 22.6 s by default: docs/training.md).
 CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+# XLA:TPU runs the FSDP gathers (which it compiles as all-reduces) and the gradients'
+# all-reduces synchronously by default, and expert parallelism's all-to-alls too. These
+# make them asynchronous and let the compiler fuse their steps with compute ("async
+# collective fusion"; the all-gather and all-reduce sets are MaxText's
+# `benchmarks/xla_flags_library.py` CF_FOR_ALL_GATHER and CF_FOR_ALL_REDUCE). Compiled
+# for v5p:4x4x4, Qwen3-30B-A3B's offloaded step at 1M tokens exposed 36 of its 1,188
+# MiB of gathers a layer in the forward, where it exposed all of them, and 1,225 of
+# 2,377 MiB in the backward, where it exposed all (docs/training.md).
+TPU_COMPILER_OPTIONS = {
+  "xla_tpu_enable_async_collective_fusion": True,
+  "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+  "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
+  "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+  "xla_tpu_overlap_compute_collective_tc": True,
+  "xla_enable_async_all_gather": True,
+  "xla_enable_async_all_reduce": True,
+  "xla_tpu_enable_async_all_to_all": True,
+}
 
 
 def offloaded_bytes(config, tokens_per_device: int, dtype=None) -> int:
@@ -604,10 +625,10 @@ def compile_train_step(
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)
     weights = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=rows)
     step = jax.jit(functools.partial(_step, graphdef, tx, cross_entropy, chunk, plan), donate_argnums=(0, 2))
-    options = {}
+    options = dict(TPU_COMPILER_OPTIONS) if auto.devices.flat[0].platform == "tpu" else {}
     if remat == "offload":
       host = offloaded_bytes(cfg, batch * seq_len // auto.shape["seq"], dtype)
-      options = offload_compiler_options(
+      options |= offload_compiler_options(
         auto.devices.flat[0].platform, host_bytes=host, device_bytes=device_bytes
       )
     return step.lower(params, rest, opt_state, tokens, tokens, weights).compile(
