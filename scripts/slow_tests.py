@@ -18,7 +18,7 @@ from jax_ring.models import cli
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "slow.txt"
 
-LINE = re.compile(r"\s*([\d.]+)s\s+(setup|call|teardown)\s+(\S+)")
+LINE = re.compile(r"\s*([\d.]+)s\s+(setup|call|teardown)\s+(.+?)\s*$")  # an id may hold spaces
 HEADER = """\
 # Tests marked slow by tests/conftest.py: each took {seconds} s or more (set-up and call)
 # in a run of the whole suite on 2 cores. Made by scripts/slow_tests.py from that run's

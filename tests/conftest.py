@@ -162,16 +162,22 @@ def _slow_tests() -> frozenset:
     return frozenset()
   with open(SLOW) as f:
     lines = f.read().splitlines()
-  return frozenset(line.split()[0] for line in lines if line.strip() and not line.startswith("#"))
+  # "node id  seconds": an id may hold spaces (a parameter's), the seconds none.
+  return frozenset(line.rsplit(None, 1)[0] for line in lines if line.strip() and not line.startswith("#"))
+
+
+COLLECTED = set()  # the node ids this session collected (tests/test_suite.py checks slow.txt against them)
 
 
 def pytest_collection_modifyitems(config, items):
   """Marks `slow` the tests tests/slow.txt lists (each took 1.5 s or more on 2 cores;
   scripts/slow_tests.py writes the list from a timed run): `-m "not slow"` runs the
-  rest in under 5 minutes. What the slow ones buy: docs/development.md, "Tests"."""
+  rest in under 5 minutes. An id without parameters marks every parametrization of
+  its test. What the slow ones buy: docs/development.md, "Tests"."""
   slow = _slow_tests()
   for item in items:
-    if item.nodeid in slow:
+    COLLECTED.add(item.nodeid)
+    if item.nodeid in slow or item.nodeid.split("[")[0] in slow:
       item.add_marker(pytest.mark.slow)
 
 
