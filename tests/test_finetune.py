@@ -928,3 +928,17 @@ def test_base_record_without_a_path_fingerprints_the_weights_not_only_their_shap
   assert record(a)["config"] == record(b)["config"]
   assert record(a)["weights"] != record(b)["weights"]
   assert record(a) == record(again)
+
+
+def test_an_option_this_xla_lacks_is_left_out_with_a_warning():
+  """`train.step.compile_with`: an XLA option this jaxlib or libtpu does not have
+  (option names move between versions) is left out with a warning naming it, and the
+  rest still apply; any other compile error is raised."""
+  lowered = jax.jit(lambda x: x * 2.0 + 1.0).lower(jnp.ones(4))
+  options = dict(train_step.CPU_COMPILER_OPTIONS, xla_no_such_option_here=True)
+  with pytest.warns(UserWarning, match="no compile option 'xla_no_such_option_here'"):
+    compiled = train_step.compile_with(lowered, options)
+  np.testing.assert_array_equal(np.asarray(compiled(jnp.ones(4))), np.full(4, 3.0))
+  assert "xla_no_such_option_here" in options  # the caller's dict is left as it was
+  with pytest.raises(jax.errors.JaxRuntimeError):
+    train_step.compile_with(lowered, {"xla_cpu_scheduler_type": "NO_SUCH_SCHEDULER"})

@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import functools
 import math
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -295,7 +297,7 @@ class Trainer:
     if key not in self._programs:
       extra = (rows,) if rows else ()  # without rows, the program takes the six arguments it always took
       lowered = self._step.lower(self.params, self.rest, self.opt_state, tokens, targets, weights, *extra)
-      self._programs[key] = lowered.compile(compiler_options=self._compiler_options(tokens) or None)
+      self._programs[key] = compile_with(lowered, self._compiler_options(tokens))
       runtime.release_free_memory()
     return self._programs[key]
 
@@ -409,9 +411,10 @@ CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPT
 # make them asynchronous and let the compiler fuse their steps with compute ("async
 # collective fusion"; the all-gather and all-reduce sets are MaxText's
 # `benchmarks/xla_flags_library.py` CF_FOR_ALL_GATHER and CF_FOR_ALL_REDUCE). Compiled
-# for v5p:4x4x4, Qwen3-30B-A3B's offloaded step at 1M tokens exposed 36 of its 1,188
+# for v5p:4x4x4, Qwen3-30B-A3B's offloaded step at 1M tokens exposed 37 of its 1,189
 # MiB of gathers a layer in the forward, where it exposed all of them, and 1,225 of
-# 2,377 MiB in the backward, where it exposed all (docs/training.md).
+# 2,377 MiB in the backward, where it exposed all (docs/training.md). An option this
+# libtpu lacks is left out with a warning (`compile_with`).
 TPU_COMPILER_OPTIONS = {
   "xla_tpu_enable_async_collective_fusion": True,
   "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
@@ -422,6 +425,24 @@ TPU_COMPILER_OPTIONS = {
   "xla_enable_async_all_reduce": True,
   "xla_tpu_enable_async_all_to_all": True,
 }
+
+
+def compile_with(lowered, options: dict):
+  """`lowered.compile` with the XLA options `options`, leaving out, with a warning, each
+  that this XLA does not have (an option's name can change between libtpu or jaxlib
+  versions; XLA refuses a program with an unknown one)."""
+  options = dict(options)
+  while True:
+    try:
+      return lowered.compile(compiler_options=options or None)
+    except jax.errors.JaxRuntimeError as e:
+      unknown = re.search(r"No such compile option: '([^']+)'", str(e))
+      if not unknown or unknown.group(1) not in options:
+        raise
+      warnings.warn(
+        f"XLA here has no compile option {unknown.group(1)!r}: the step compiles without it", stacklevel=2
+      )
+      del options[unknown.group(1)]
 
 
 def offloaded_bytes(config, tokens_per_device: int, dtype=None) -> int:
@@ -631,9 +652,7 @@ def compile_train_step(
       options |= offload_compiler_options(
         auto.devices.flat[0].platform, host_bytes=host, device_bytes=device_bytes
       )
-    return step.lower(params, rest, opt_state, tokens, tokens, weights).compile(
-      compiler_options=options or None
-    )
+    return compile_with(step.lower(params, rest, opt_state, tokens, tokens, weights), options)
 
 
 def _placed_as(state, params, mesh):
