@@ -741,34 +741,31 @@ def test_collectives_lists_each_with_its_loop_source_and_exposure():
     ("collective-permute", "body", 32, False),  # the kernel runs under it
   }, found
   assert any(c.source.endswith("layer_0))/reshape") for c in collectives(text))
+
+  def swap(start, done):  # the entry's all-gather pair, as another start and done
+    pair = ("%ags = (f32[2]{0}, f32[8]{0}) all-gather-start(%a)", "%agd = f32[8]{0} all-gather-done(%ags)")
+    return text.replace(pair[0], start).replace(pair[1], done)
+
   # One all-gather of two arrays, as XLA combines them: ((operands), (results)). Its
   # bytes are both results (2 x 8 x 4), in the list and in the totals alike.
-  two = text.replace(
-    "%ags = (f32[2]{0}, f32[8]{0}) all-gather-start(%a)",
+  two = swap(
     "%ags = ((f32[2]{0}, s32[2]{0}), (f32[8]{0}, s32[8]{0})) all-gather-start(%a, %a)",
-  ).replace("%agd = f32[8]{0} all-gather-done", "%agd = (f32[8]{0}, s32[8]{0}) all-gather-done")
+    "%agd = (f32[8]{0}, s32[8]{0}) all-gather-done(%ags)",
+  )
   assert [c.bytes for c in collectives(two) if c.op == "all-gather"] == [64]
   counted = two.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"3"}}')
   assert collective_bytes(counted) == {"all-gather": 64, "all-reduce": 16, "collective-permute": 3 * 32}
   # An async all-to-all's start is ((operands), (results)) too: what it sends, once.
-  a2a = text.replace(
-    "%ags = (f32[2]{0}, f32[8]{0}) all-gather-start(%a)",
-    "%ags = ((f32[8]{0}), f32[8]{0}) all-to-all-start(%a)",
-  ).replace("all-gather-done(%ags)", "all-to-all-done(%ags)")
+  a2a = swap("%ags = ((f32[8]{0}), f32[8]{0}) all-to-all-start(%a)", "%agd = f32[8]{0} all-to-all-done(%ags)")
   assert [c.bytes for c in collectives(a2a) if c.op == "all-to-all"] == [32]
   # A reduce-scatter counts what every device reduces, its operands (not the 1 / n it
   # keeps), async or synchronous (the operand's shape read from its definition).
-  scatter = text.replace(
-    "%ags = (f32[2]{0}, f32[8]{0}) all-gather-start(%a)",
+  scatter = swap(
     "%ags = ((f32[8]{0}, f32[16]{0}), (f32[2]{0}, f32[4]{0})) reduce-scatter-start(%a, %a)",
-  ).replace(
-    "%agd = f32[8]{0} all-gather-done(%ags)", "%agd = (f32[2]{0}, f32[4]{0}) reduce-scatter-done(%ags)"
+    "%agd = (f32[2]{0}, f32[4]{0}) reduce-scatter-done(%ags)",
   )
   assert [c.bytes for c in collectives(scatter) if c.op == "reduce-scatter"] == [96]
-  sync = text.replace(
-    "  %ags = (f32[2]{0}, f32[8]{0}) all-gather-start(%a)",
-    "  %big = f32[16]{0} broadcast(%a)\n  %ags = f32[4]{0} reduce-scatter(%big), dimensions={0}",
-  ).replace("  %agd = f32[8]{0} all-gather-done(%ags)\n", "")
+  sync = swap("%big = f32[16]{0} broadcast(%a)\n  %ags = f32[4]{0} reduce-scatter(%big), dimensions={0}", "")
   assert [c.bytes for c in collectives(sync) if c.op == "reduce-scatter"] == [64]
   sync = sync.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"3"}}')
   assert collective_bytes(sync)["reduce-scatter"] == 64

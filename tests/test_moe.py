@@ -178,6 +178,23 @@ def test_experts_as_grouped_products_equal_every_expert_dense():
   np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
+def _first_pairs_reference(x, weights, experts, gate, up, down, most, groups):
+  """(outputs, dropped pairs) in float64, token by token: x's tokens in `groups` equal
+  groups in order, each expert of a group taking its first `most` pairs."""
+  silu = lambda z: z / (1 + np.exp(-z))
+  want, dropped, n = np.zeros_like(x), 0, len(x) // groups
+  for g in range(groups):
+    taken = np.zeros(EXPERTS, int)
+    for t in range(g * n, (g + 1) * n):
+      for e, wt in zip(experts[t], weights[t]):
+        taken[e] += 1
+        if taken[e] > most:
+          dropped += 1
+          continue
+        want[t] += wt * ((silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
+  return want, dropped
+
+
 def test_capacity_keeps_each_experts_first_tokens():
   """`run_experts_with_capacity` against each expert taking the first C tokens that
   chose it, in token order, computed one by one in float64; the dropped pairs
@@ -189,15 +206,7 @@ def test_capacity_keeps_each_experts_first_tokens():
   experts = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(n)])
   experts[:10] = [3, 4]  # experts 3 and 4 overflow
   weights = rng.random((n, TOP_K))
-  silu = lambda z: z / (1 + np.exp(-z))
-  want, taken, dropped = np.zeros_like(x), np.zeros(EXPERTS, int), 0
-  for t in range(n):
-    for e, wt in zip(experts[t], weights[t]):
-      taken[e] += 1
-      if taken[e] > most:
-        dropped += 1
-        continue
-      want[t] += wt * ((silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
+  want, dropped = _first_pairs_reference(x, weights, experts, gate, up, down, most, groups=1)
   args = lambda: [jnp.asarray(a) for a in (x, weights, experts, gate, up, down)]
   with jax.enable_x64():
     got, count = moe.run_experts_with_capacity(*args(), most)
@@ -248,17 +257,7 @@ def test_expert_parallel_pieces_equal_each_group_computed_alone(devices):
   experts = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(devices * n)])
   experts[:n:2] = [1, 6]  # device 0 overflows experts 1 and 6
   weights = rng.random((devices * n, TOP_K))
-  silu = lambda z: z / (1 + np.exp(-z))
-  want, dropped = np.zeros_like(x), 0
-  for g in range(devices):  # each device's group keeps its experts' first C pairs
-    taken = np.zeros(EXPERTS, int)
-    for t in range(g * n, (g + 1) * n):
-      for e, wt in zip(experts[t], weights[t]):
-        taken[e] += 1
-        if taken[e] > most:
-          dropped += 1
-          continue
-        want[t] += wt * ((silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
+  want, dropped = _first_pairs_reference(x, weights, experts, gate, up, down, most, groups=devices)
   mesh = make_mesh((devices,), ("seq",))
   mesh = mesh.update(axis_types=(jax.sharding.AxisType.Auto,))
   split, rows = jax.sharding.PartitionSpec("seq"), jax.sharding.PartitionSpec("seq")
