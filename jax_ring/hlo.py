@@ -389,15 +389,8 @@ _ARGS = re.compile(r"%([\w.\-]+)")
 
 
 def _operand_names(line: str, opcode: str) -> list[str]:
-  """The operand names of one instruction line."""
-  args = line.split(f" {opcode}(", 1)[1]
-  depth = 1
-  for end, ch in enumerate(args):
-    depth += ch == "("
-    depth -= ch == ")"
-    if depth == 0:
-      return _ARGS.findall(args[:end])
-  return _ARGS.findall(args)
+  """The operand names of one instruction line (names and comments hold no parenthesis)."""
+  return _ARGS.findall(line.split(f" {opcode}(", 1)[1].split(")", 1)[0])
 
 
 def _shapes(comps) -> dict[str, str]:
