@@ -77,7 +77,38 @@ def parse_args(argv=None):
   p.add_argument("--text", default=None, help="train on windows of this text file instead of the documents")
   p.add_argument("--data", default=None, help="your data: a .jsonl/.json/.parquet/.txt file or a folder")
   p.add_argument(
-    "--format", default=None, choices=("text", "completion", "chat"), help="default: from the columns"
+    "--format",
+    default=None,
+    choices=("text", "completion", "chat", "preference", "implicit_preference"),
+    help="default: from the columns",
+  )
+  p.add_argument(
+    "--objective",
+    default="sft",
+    choices=("sft", "dpo"),
+    help="sft: the next token on the weighted tokens; dpo: preference pairs (TRL's DPO)",
+  )
+  p.add_argument(
+    "--loss-type", default="sigmoid", choices=("sigmoid", "ipo", "hinge"), help="dpo: TRL's loss type"
+  )
+  p.add_argument("--beta", type=float, default=0.1, help="dpo: the deviation from the reference's weight")
+  p.add_argument(
+    "--label-smoothing", type=float, default=0.0, help="dpo sigmoid: the chance a preference is flipped"
+  )
+  p.add_argument("--reference", default=None, help="dpo: the reference model (default: the initial weights)")
+  p.add_argument(
+    "--reference-dtype", default=None, help="dpo without adapters: the frozen copy's dtype (bfloat16)"
+  )
+  p.add_argument(
+    "--precompute-reference",
+    action="store_true",
+    help="dpo: the reference's log-probabilities computed once before training (cached)",
+  )
+  p.add_argument(
+    "--truncation-mode",
+    default="keep_end",
+    choices=("keep_end", "keep_start"),
+    help="dpo: a pair longer than --length keeps each sequence's end or start",
   )
   p.add_argument(
     "--columns",
@@ -86,7 +117,10 @@ def parse_args(argv=None):
   )
   p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
   p.add_argument(
-    "--long", default="split", choices=("split", "truncate", "drop"), help="examples longer than --length"
+    "--long",
+    default=None,
+    choices=("split", "truncate", "drop"),
+    help="examples longer than --length (default: split; dpo's pairs: truncate)",
   )
   p.add_argument(
     "--skip-bad", action="store_true", help="leave bad records out (counted) instead of stopping"
@@ -164,11 +198,22 @@ def load_data(args, tokenizer):
     held = read(args.eval_data) if args.eval_data else None
     if args.eval_fraction:
       examples, held = pipeline.split_off(examples, args.eval_fraction, seed=args.seed)
+    pairs = examples.format in sources.PREFERENCE
+    if pairs != (args.objective == "dpo"):
+      raise ValueError(
+        f"{args.data}: {examples.format} records"
+        + (
+          " need --objective dpo"
+          if pairs
+          else f" are not preference pairs, which --objective {args.objective} needs"
+        )
+      )
     pad = tokenizer.pad_id or 0
-    loader = pipeline.Loader(examples, args.length, args.batch, long=args.long, seed=args.seed, pad_id=pad)
+    settings = dict(long=args.long, pad_id=pad, truncation=args.truncation_mode)
+    loader = pipeline.Loader(examples, args.length, args.batch, seed=args.seed, **settings)
     evaluator = None
     if held is not None:
-      evaluator = pipeline.Loader(held, args.length, args.batch, long=args.long, pad_id=pad, shuffle=False)
+      evaluator = pipeline.Loader(held, args.length, args.batch, shuffle=False, **settings)
   except (ValueError, sources.BadRecord) as e:
     raise SystemExit(f"finetune.py: {e}") from None
   print(
@@ -192,6 +237,30 @@ def load_data(args, tokenizer):
   return loader, evaluator
 
 
+def make_objective(args, mesh, models):
+  """The run's objective (`models.train.objective.make`) from the flags."""
+  from jax_ring.models.train import dpo, objective
+
+  if args.objective == "sft":
+    return objective.make("sft")
+  try:
+    config = dpo.DPOConfig(args.loss_type, args.beta, args.label_smoothing)
+  except ValueError as e:
+    raise SystemExit(f"finetune.py: --loss-type/--beta/--label-smoothing: {e}") from None
+  reference = "initial"
+  if args.reference is not None:
+    reference, _ = models.load(args.reference, mesh=mesh, fsdp=args.fsdp, dtype=args.reference_dtype)
+  elif args.reference_dtype is not None and args.lora_rank is not None:
+    raise SystemExit("finetune.py: --reference-dtype: with adapters the reference is the base itself")
+  return objective.make(
+    "dpo",
+    config=config,
+    reference=reference,
+    reference_dtype=args.reference_dtype,
+    precompute=args.precompute_reference,
+  )
+
+
 def check_paths(args) -> None:
   """Every path argument, before anything is loaded: each refusal one line."""
   if not os.path.exists(args.path):
@@ -202,6 +271,7 @@ def check_paths(args) -> None:
     ("--text", args.text, "file"),
     ("--chat-template", args.chat_template, "file"),
     ("--data", args.data, "file or folder"),
+    ("--reference", args.reference, "file or folder"),
     ("--eval-data", args.eval_data, "file or folder"),
   ):
     if path is not None and not os.path.exists(path):
@@ -212,6 +282,10 @@ def check_paths(args) -> None:
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.long is None:
+    args.long = "truncate" if args.objective == "dpo" else "split"
+  if args.objective == "dpo" and args.data is None:
+    raise SystemExit("finetune.py: --objective dpo needs --data: preference pairs")
   for name in ("steps", "devices", "length", "batch"):
     if getattr(args, name) < 1:
       raise SystemExit(f"finetune.py: --{name} {getattr(args, name)}: must be at least 1")
@@ -298,6 +372,20 @@ def main(argv=None):
         "step's temporaries grow too, as the weights gather whole on each device; a device count that "
         "divides the model's widths (2, 4, 8) splits them all"
       )
+  objective = make_objective(args, mesh, models)
+  run["objective"] = args.objective
+  if args.objective == "dpo":
+    run.update(
+      loss_type=args.loss_type,
+      beta=args.beta,
+      label_smoothing=args.label_smoothing,
+      reference=args.reference,
+      reference_dtype=args.reference_dtype,
+      precompute_reference=args.precompute_reference,
+      truncation_mode=args.truncation_mode,
+    )
+  from jax_ring.models.formats.gguf import cache_root
+
   try:
     report = finetune.finetune(
       model,
@@ -311,6 +399,8 @@ def main(argv=None):
       run=run,
       merge=args.merge,
       progress=not args.no_progress,
+      objective=objective,
+      cache_dir=args.cache_dir or cache_root() / "data",
     )
   except (ValueError, FloatingPointError) as e:
     raise SystemExit(f"finetune.py: {e}") from None

@@ -146,14 +146,17 @@ def special_tokens(tokenizer) -> dict:
   return out
 
 
-def tokenize_chat(tokenizer, messages, *, add_generation_prompt=False, chat_template=None, tools=None):
+def tokenize_chat(
+  tokenizer, messages, *, add_generation_prompt=False, chat_template=None, tools=None, assistant_mask=True
+):
   """(ids, assistant_mask): `messages` rendered with the tokenizer's chat template (or
   `chat_template`, its text) and tokenized as transformers' `apply_chat_template(...,
   tokenize=True)` does (the rendered text with no special tokens added: the template
   writes them); the mask (int [len(ids)]) is 1 on every token that overlaps an
   assistant turn (the generation blocks where the template has them, else each
   assistant turn's own rendering: see the module's docstring). ValueError where there
-  is no template or an assistant turn cannot be found."""
+  is no template or an assistant turn cannot be found. `assistant_mask=False`: the ids alone (no
+  assistant turn is looked for)."""
   import numpy as np
 
   template = chat_template if chat_template is not None else _template_of(tokenizer)
@@ -168,6 +171,8 @@ def tokenize_chat(tokenizer, messages, *, add_generation_prompt=False, chat_temp
   )
   encode = lambda t: tokenizer.to_tokenizers().encode(t, add_special_tokens=False)
   encoding = encode(text)
+  if not assistant_mask:
+    return np.asarray(encoding.ids, np.int32)
   if not spans and not _GENERATION.search(template):
     spans = _turn_spans(template, messages, text, encoding, encode, tools, special)
   ids = np.asarray(encoding.ids, np.int32)

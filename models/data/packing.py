@@ -66,24 +66,31 @@ def plan(lengths, length: int, *, long: str = "split") -> tuple[list[list[Piece]
   return rows, dropped
 
 
-def fill(pieces, examples, length: int, *, pad_id: int = 0) -> dict:
+def fill(pieces, examples, length: int, *, pad_id: int = 0, docs=None) -> dict:
   """One row from its pieces: "tokens" and "segment_ids" (1, 2, ... a piece; 0 on
   padding) and "positions" int32 [length], "loss_mask" float32 [length] (the piece's
-  weights, 0 on its first token, which nothing before it in the row predicts)."""
+  weights, 0 on its first token, which nothing before it in the row predicts). `docs`:
+  each example's documents' lengths (None: one document an example): a whole example
+  of several (a preference pair) gives each its own segment, positions from 0."""
   tokens = np.full(length, pad_id, np.int32)
   segments = np.zeros(length, np.int32)
   positions = np.zeros(length, np.int32)
   weights = np.zeros(length, np.float32)
-  at = 0
-  for k, p in enumerate(pieces, start=1):
+  at, k = 0, 0
+  for p in pieces:
     ids, mask = examples[p.example]
-    n = p.stop - p.start
-    tokens[at : at + n] = ids[p.start : p.stop]
-    segments[at : at + n] = k
-    positions[at : at + n] = np.arange(p.start, p.stop)
-    weights[at : at + n] = mask[p.start : p.stop]
-    weights[at] = 0.0
-    at += n
+    parts = docs[p.example] if docs is not None and docs[p.example] is not None else [p.stop - p.start]
+    if len(parts) > 1 and (p.start, p.stop) != (0, len(ids)):
+      raise ValueError(f"example {p.example} of {len(parts)} documents is cut into pieces: pack it whole")
+    start = p.start
+    for n in parts:
+      k += 1
+      tokens[at : at + n] = ids[start : start + n]
+      segments[at : at + n] = k
+      positions[at : at + n] = np.arange(start, start + n) - (0 if len(parts) == 1 else start)
+      weights[at : at + n] = mask[start : start + n]
+      weights[at] = 0.0
+      at, start = at + n, start + n
   return dict(tokens=tokens, segment_ids=segments, positions=positions, loss_mask=weights)
 
 

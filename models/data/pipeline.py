@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import chat, packing, sources
+from . import chat, packing, preference, sources
 
 CACHE_VERSION = 1  # part of the cache key: a change to how records become tokens bumps it
 
@@ -34,6 +34,7 @@ class Examples:
   skipped: list
   cached: bool = False
   tokenized: int = 0  # the records this process tokenized (its share; 0 from the cache)
+  docs: list | None = None  # each example's documents' lengths (a preference pair's two); None: one each
 
   def __len__(self):
     return len(self.ids)
@@ -43,10 +44,13 @@ class Examples:
 
 
 def tokenize_record(tokenizer, record: dict, format: str, template: str | None):
-  """(ids int32, mask float32) of one record: a document (the tokenizer's prefix, the
-  text, EOS; every token learned), a completion (prefix and prompt, then the
-  completion and EOS, which alone are learned) or a chat (`chat.tokenize_chat`: the
-  assistant's tokens learned)."""
+  """(ids int32, mask float32, docs) of one record: a document (the tokenizer's prefix,
+  the text, EOS; every token learned), a completion (prefix and prompt, then the
+  completion and EOS, which alone are learned), a chat (`chat.tokenize_chat`: the
+  assistant's tokens learned) or a preference pair (`preference.tokenize_pair`: two
+  documents, the completions learned). `docs`: the documents' lengths (None: one)."""
+  if format in sources.PREFERENCE:
+    return preference.tokenize_pair(tokenizer, record, template)
   eos = [] if tokenizer.eos_id is None else [int(tokenizer.eos_id)]
   match format:
     case "text":
@@ -60,7 +64,7 @@ def tokenize_record(tokenizer, record: dict, format: str, template: str | None):
       ids, mask = chat.tokenize_chat(tokenizer, record["messages"], chat_template=template)
     case _:
       raise ValueError(f"format={format!r}: expected one of {tuple(sources.FORMATS)}")
-  return np.asarray(ids, np.int32), np.asarray(mask, np.float32)
+  return np.asarray(ids, np.int32), np.asarray(mask, np.float32), None
 
 
 def _tokenizer_key(tokenizer) -> str:
@@ -110,20 +114,32 @@ def load_examples(
     if file.is_file():
       return _read_cache(file)
   records = sources.read(path, format=format, columns=columns, skip_bad=skip_bad, share=(index, count))
-  if records.format == "chat" and template is None:
+  conversational = records.format in sources.PREFERENCE and any(
+    not isinstance(r["chosen"], str) for r in records.items
+  )
+  if (records.format == "chat" or conversational) and template is None:
     raise ValueError(
       f"{str(path)!r} holds conversations ('messages') and the model's tokenizer has no chat template: "
       "pass one (--chat-template FILE)"
     )
-  ids, masks = [], []
+  ids, masks, docs = [], [], []
   for where, record in zip(records.where, records.items):
     try:
-      i, m = tokenize_record(tokenizer, record, records.format, template)
+      i, m, d = tokenize_record(tokenizer, record, records.format, template)
     except Exception as e:  # noqa: BLE001 - a template that raises names the record
       raise sources.BadRecord(where, f"{type(e).__name__}: {e}") from e
     ids.append(i)
     masks.append(m)
-  out = Examples(ids, masks, list(records.where), records.format, list(records.skipped), tokenized=len(ids))
+    docs.append(d)
+  out = Examples(
+    ids,
+    masks,
+    list(records.where),
+    records.format,
+    list(records.skipped),
+    tokenized=len(ids),
+    docs=docs if records.format in sources.PREFERENCE else None,
+  )
   if count > 1:
     return _gather_shares(file, out, records.ordinals, index, count, barrier)
   if file is not None:
@@ -147,6 +163,7 @@ def _gather_shares(file: Path, mine: Examples, ordinals, index: int, count: int,
     mine.format,
     [m for share, _ in shares for m in share.skipped],
     tokenized=mine.tokenized,
+    docs=pick("docs") if mine.docs is not None else None,
   )
   if not out.ids:
     raise ValueError(f"no usable records ({len(out.skipped)} bad ones skipped)")
@@ -161,7 +178,9 @@ def _gather_shares(file: Path, mine: Examples, ordinals, index: int, count: int,
 def _write_cache(file: Path, ex: Examples, ordinals=None) -> None:
   file.parent.mkdir(parents=True, exist_ok=True)
   lengths = np.asarray([len(i) for i in ex.ids], np.int64)
-  meta = json.dumps(dict(where=ex.where, format=ex.format, skipped=ex.skipped, ordinals=ordinals))
+  meta = json.dumps(
+    dict(where=ex.where, format=ex.format, skipped=ex.skipped, ordinals=ordinals, docs=ex.docs)
+  )
   part = file.with_suffix(".part.npz")
   np.savez(
     part,
@@ -180,7 +199,9 @@ def _read_cache(file: Path, with_ordinals: bool = False):
     meta = json.loads(bytes(z["meta"]).decode())
     if not len(z["lengths"]):
       ids, masks = [], []
-  out = Examples(list(ids), list(masks), meta["where"], meta["format"], meta["skipped"], cached=True)
+  out = Examples(
+    list(ids), list(masks), meta["where"], meta["format"], meta["skipped"], cached=True, docs=meta.get("docs")
+  )
   return (out, meta["ordinals"]) if with_ordinals else out
 
 
@@ -197,6 +218,7 @@ def split_off(examples: Examples, fraction: float, *, seed: int = 0) -> tuple[Ex
     ids=[examples.ids[i] for i in idx],
     masks=[examples.masks[i] for i in idx],
     where=[examples.where[i] for i in idx],
+    docs=None if examples.docs is None else [examples.docs[i] for i in idx],
   )
   return pick(sorted(order[held:])), pick(sorted(order[:held]))
 
@@ -211,13 +233,16 @@ def batch_arrays(rows) -> dict:
   targets = np.concatenate([tokens[:, 1:], np.zeros((b, 1), np.int32)], axis=1)
   weights = np.concatenate([rows["loss_mask"][:, 1:], np.zeros((b, 1), np.float32)], axis=1)
   segments = np.where(rows["segment_ids"] == 0, -1, rows["segment_ids"]).astype(np.int32)
-  return dict(
+  out = dict(
     tokens=tokens,
     targets=targets,
     weights=weights.astype(np.float32),
     segment_ids=segments,
     positions=np.asarray(rows["positions"], np.int32),
   )
+  if "reference" in rows:
+    out["reference"] = np.asarray(rows["reference"], np.float32)
+  return out
 
 
 class Loader:
@@ -230,19 +255,51 @@ class Loader:
   (all their loss weights 0) are left out (`idle_rows` counts them)."""
 
   def __init__(
-    self, examples: Examples, length: int, batch: int, *, long="split", seed=0, pad_id=0, shuffle=True
+    self,
+    examples: Examples,
+    length: int,
+    batch: int,
+    *,
+    long="split",
+    seed=0,
+    pad_id=0,
+    shuffle=True,
+    truncation="keep_end",
   ):
     import grain
 
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
       raise ValueError(f"batch={batch!r} must be a positive int (rows a step)")
-    self.examples, self.length, self.pad_id = examples, length, int(pad_id or 0)
+    self.examples, self.length, self.pad_id, self.batch = examples, length, int(pad_id or 0), batch
     self._pairs = examples.pairs()
-    rows, self.dropped = packing.plan([len(i) for i in examples.ids], length, long=long)
+    self.docs = examples.docs
+    self.reference = None  # per example, its documents' reference log-probabilities (`set_reference`)
+    lengths = [len(i) for i in examples.ids]
+    unlearned = []
+    if self.docs is not None:  # examples of several documents (pairs): whole in a row, or cut to fit
+      if long == "split":
+        raise ValueError(
+          "long='split': a preference pair is never split over rows; 'truncate' it (its sequences cut "
+          "as TRL's truncation_mode cuts them) or 'drop' it"
+        )
+      if long == "truncate":
+        self._pairs, self.docs = list(self._pairs), list(self.docs)
+        for i, (n, d) in enumerate(zip(lengths, self.docs)):
+          if n > length:
+            ids, mask, d = preference.truncate_pair(*self._pairs[i], d, length, truncation)
+            self._pairs[i], self.docs[i], lengths[i] = (ids, mask), d, len(ids)
+            if not preference.learns(mask, d):  # keep_start cut a completion whole
+              unlearned.append(i)
+              lengths[i] = 0
+    rows, self.dropped = packing.plan(lengths, length, long=long)
+    self.dropped = sorted(set(self.dropped) | set(unlearned))
     # A row with nothing to learn (a piece of a long prompt, say) would cost a step for
     # no gradient: left out, and counted.
-    learns = lambda row: any(examples.masks[p.example][p.start + 1 : p.stop].any() for p in row)
+    learns = lambda row: any(self._pairs[p.example][1][p.start + 1 : p.stop].any() for p in row)
     self.rows = [row for row in rows if learns(row)]
+    # The most documents a row holds (a batch's reference log-probabilities: one a document).
+    count = lambda p: 1 if self.docs is None else len(self.docs[p.example])
+    self.slots = max((sum(count(p) for p in row) for row in self.rows), default=1)
     self.idle_rows = len(rows) - len(self.rows)
     if not self.rows:
       raise ValueError(f"no rows: all {len(examples)} examples were dropped (long={long!r}, length={length})")
@@ -254,8 +311,18 @@ class Loader:
     self._iter = iter(self.dataset)
 
   def _row(self, i):
-    row = packing.fill(self.rows[i], self._pairs, self.length, pad_id=self.pad_id)
-    return dict(row, row=np.int64(i))
+    row = packing.fill(self.rows[i], self._pairs, self.length, pad_id=self.pad_id, docs=self.docs)
+    row = dict(row, row=np.int64(i))
+    if self.reference is not None:  # each document's reference log-probability, in its segment's slot
+      values = [v for p in self.rows[i] for v in self.reference[p.example]]
+      row["reference"] = np.asarray(values + [0.0] * (self.slots - len(values)), np.float32)
+    return row
+
+  def set_reference(self, values) -> None:
+    """Each example's documents' reference log-probabilities (a list an example, as
+    `docs`), given to each batch as "reference" [B, slots] (slot k: segment k + 1)."""
+    self.reference = [list(map(float, v)) for v in values]
+    self.rewind()
 
   @property
   def padding(self) -> float:
@@ -274,6 +341,15 @@ class Loader:
   def rewind(self) -> None:
     """Back to the first batch (an evaluation loader, read whole each time)."""
     self._iter = iter(self.dataset)
+
+  def in_order(self):
+    """Every row once, in order, `batch` at a time (the same batches whatever the seed):
+    (arrays, the rows' indices) each."""
+    rows = [self._row(i) for i in range(len(self.rows))]
+    for at in range(0, len(rows), self.batch):
+      part = rows[at : at + self.batch]
+      stacked = {k: np.stack([r[k] for r in part]) for k in part[0]}
+      yield batch_arrays(stacked), [int(i) for i in stacked["row"]]
 
   def state(self) -> dict:
     return self._iter.get_state()

@@ -8,6 +8,10 @@ The format comes from the columns, as TRL names its dataset formats:
     text        {"text": str}: language modelling, the loss on every token
     completion  {"prompt": str, "completion": str}: the loss on the completion
     chat        {"messages": [{"role", "content"}, ...]}: the loss on the assistant's turns
+    preference  {"prompt", "chosen", "rejected"}: strings, or a prompt's messages and
+                the chosen and rejected assistant messages (preference tuning)
+    implicit_preference  {"chosen", "rejected"}: whole texts or conversations, the
+                prompt their common start (TRL's `extract_prompt`)
 
 `columns` renames a file's columns to these (`{"prompt": "question"}`). A bad record is
 a `BadRecord` naming the file, its line (row or item) and what is wrong; with
@@ -21,7 +25,14 @@ import json
 import os
 from pathlib import Path
 
-FORMATS = {"text": ("text",), "completion": ("prompt", "completion"), "chat": ("messages",)}
+FORMATS = {
+  "text": ("text",),
+  "completion": ("prompt", "completion"),
+  "chat": ("messages",),
+  "preference": ("prompt", "chosen", "rejected"),
+  "implicit_preference": ("chosen", "rejected"),
+}
+PREFERENCE = ("preference", "implicit_preference")
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -189,7 +200,7 @@ def _renamed(at, record, columns):
 
 
 def _detect(at, record) -> str:
-  for name in ("chat", "completion", "text"):
+  for name in ("preference", "implicit_preference", "chat", "completion", "text"):
     if all(c in record for c in FORMATS[name]):
       return name
   raise BadRecord(
@@ -206,19 +217,15 @@ def check(at, record, format) -> dict:
     raise BadRecord(
       at, f"no {', '.join(map(repr, missing))} column for the {format} format (it has {sorted(record)})"
     )
+  if format in PREFERENCE:
+    return _check_pair(at, record, format)
   if format == "chat":
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
       raise BadRecord(
         at, f"'messages' must be a non-empty list of {{'role', 'content'}} objects, not {messages!r:.60}"
       )
-    for i, m in enumerate(messages):
-      if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-        raise BadRecord(at, f"messages[{i}] must be an object with a 'role' string and a 'content'")
-      if m["role"] not in ROLES:
-        raise BadRecord(at, f"messages[{i}] has role {m['role']!r}; expected one of {ROLES}")
-      if not isinstance(m["content"], str) and m["content"] is not None:
-        raise BadRecord(at, f"messages[{i}]'s content must be a string, not {type(m['content']).__name__}")
+    _check_messages(at, "messages", messages)
     if not any(m["role"] == "assistant" for m in messages):
       raise BadRecord(at, "no assistant message: nothing to learn")
     return {"messages": messages}
@@ -230,6 +237,66 @@ def check(at, record, format) -> dict:
   if not out[FORMATS[format][-1]].strip():
     raise BadRecord(at, f"{FORMATS[format][-1]!r} is empty: nothing to learn")
   return out
+
+
+def _check_messages(at, column, messages) -> None:
+  for i, m in enumerate(messages):
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+      raise BadRecord(at, f"{column}[{i}] must be an object with a 'role' string and a 'content'")
+    if m["role"] not in ROLES:
+      raise BadRecord(at, f"{column}[{i}] has role {m['role']!r}; expected one of {ROLES}")
+    if not isinstance(m["content"], str) and m["content"] is not None:
+      raise BadRecord(at, f"{column}[{i}]'s content must be a string, not {type(m['content']).__name__}")
+
+
+def _check_pair(at, record, format) -> dict:
+  """A preference record's columns: all strings (standard) or all lists of messages
+  (conversational). With an explicit prompt, the chosen and rejected messages are the
+  assistant's alone; with an implicit one (`extract_prompt`), the completions after
+  the common start are. Each completion must hold something to learn."""
+  columns = FORMATS[format]
+  kinds = {c: isinstance(record[c], str) for c in columns}
+  for c in columns:
+    if not isinstance(record[c], (str, list)):
+      raise BadRecord(at, f"{c!r} must be a string or a list of messages, not {type(record[c]).__name__}")
+    if isinstance(record[c], list):
+      _check_messages(at, c, record[c])
+  if len(set(kinds.values())) > 1:
+    raise BadRecord(
+      at, f"{', '.join(map(repr, columns))} must be all strings or all lists of messages, not a mix"
+    )
+  out = {c: record[c] for c in columns}
+  if format == "implicit_preference":
+    out = extract_prompt(at, out)
+  conversational = not kinds["chosen"]
+  for c in ("chosen", "rejected"):
+    value = out[c]
+    if conversational:
+      roles = [m["role"] for m in value]
+      if not value or any(r != "assistant" for r in roles):
+        raise BadRecord(at, f"{c!r} must be the assistant's messages only (roles {roles})")
+      if not any(isinstance(m["content"], str) and m["content"].strip() for m in value):
+        raise BadRecord(at, f"{c!r} is empty: nothing to learn")
+    elif not value.strip():
+      raise BadRecord(at, f"{c!r} is empty: nothing to learn")
+  return out
+
+
+def extract_prompt(at, record) -> dict:
+  """{"prompt", "chosen", "rejected"} from an implicit-prompt record, as TRL's
+  `data_utils.extract_prompt` takes it: the prompt is the common start of "chosen" and
+  "rejected" (characters of two texts, messages of two conversations), less a space it
+  ends in (which goes to the completions)."""
+  chosen, rejected = record["chosen"], record["rejected"]
+  n = min(len(chosen), len(rejected))
+  if n == 0:
+    raise BadRecord(at, "'chosen' or 'rejected' is empty: nothing to learn")
+  for idx in range(n):  # TRL's loop: with no difference, idx stays at the last index
+    if chosen[idx] != rejected[idx]:
+      if chosen[idx - 1] == " ":
+        idx -= 1
+      break
+  return {"prompt": chosen[:idx], "chosen": chosen[idx:], "rejected": rejected[idx:]}
 
 
 def fingerprint(files) -> str:

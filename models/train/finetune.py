@@ -248,6 +248,8 @@ def finetune(
   base: str | None = None,
   run: dict | None = None,
   merge: bool = False,
+  objective=None,
+  cache_dir=None,
 ) -> dict:
   """Fine-tunes `model` on the main job's documents, on windows of `text`, or on `data`
   (a `data.pipeline.Loader` of packed rows; `eval_data` another, in order, for the
@@ -276,11 +278,19 @@ def finetune(
   is running once it ends and returns (report["interrupted"] names the signal). A loss
   or gradient norm that is not finite raises FloatingPointError naming the step and the
   batch's examples, and saves nothing: the last good state stays. Bad settings are
-  ValueErrors before anything is written (`check_run`). Returns the report."""
+  ValueErrors before anything is written (`check_run`). Returns the report.
+
+  `objective` (`objective.Supervised` by default; `dpo.Preference`): how a batch is
+  completed before the step, the loss, and the records of steps and evaluations; the
+  run around it is the same for every objective. `cache_dir`: where an objective keeps
+  what it computes once for the data (DPO's precomputed reference; default `out`)."""
   import signal
 
   from . import metrics as metrics_io
+  from . import objective as objectives
   from .step import make_schedule
+
+  objective = objective or objectives.Supervised()
 
   ids = None if text is None or data is not None else np.asarray(tokenizer.encode(text), np.int32)
   check_run(model, tokenizer, config, ids, data=data)
@@ -305,7 +315,13 @@ def finetune(
   tx = make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
   schedule = make_schedule(config.lr, config.warmup, config.steps)
   adapters = lora.lora_settings(model) is not None
-  trainer = Trainer(model, tx, chunk=config.chunk, trainable=nnx.LoRAParam if adapters else nnx.Param)
+  trainer = Trainer(
+    model,
+    tx,
+    chunk=config.chunk,
+    objective=objective.loss,
+    trainable=nnx.LoRAParam if adapters else nnx.Param,
+  )
   if data is None:
 
     def make(step):
@@ -316,14 +332,17 @@ def finetune(
     data = StepBatches(make)
 
   def place(arrays):
-    names = ("tokens", "targets", "weights", "segment_ids", "positions")
-    placed = place_batch(model, *(arrays[n] for n in names if n in arrays))
-    placed = dict(zip([n for n in names if n in arrays], placed))
-    rows = {k: placed[k] for k in ("segment_ids", "positions") if k in placed}
+    names = ("tokens", "targets", "weights") + tuple(sorted(set(arrays) - {"tokens", "targets", "weights"}))
+    placed = dict(zip(names, place_batch(model, *(arrays[n] for n in names))))
+    rows = {k: placed[k] for k in names[3:]}
     return (placed["tokens"], placed["targets"], placed["weights"]), rows
 
   if state is None:
     state = Checkpoints(state_dir, every=config.save_every or config.steps, keep=1)
+  # Before a resumed state replaces the weights: an objective's reference is the initial ones.
+  objective.setup(
+    trainer, data, eval_data, place=place, cache=_cache_path(cache_dir or out, record, config, objective)
+  )
   first = state.latest() or 0
   if first:
     state.restore(first, trainer)
@@ -344,7 +363,7 @@ def finetune(
   here = data.state()
   arrays, _ = next(data)  # the first batch, for the compiled step's memory; then back
   data.restore(here)
-  args, rows = place(arrays)
+  args, rows = place(objective.prepare(arrays))
   report["memory"] = trainer.memory(*args, **rows)
   history = [r for r in metrics_io.read(out) if "loss" in r and r["step"] < first]
   log = metrics_io.Metrics(out, first) if main else metrics_io.Quiet()
@@ -366,13 +385,13 @@ def finetune(
   def evaluate(step):
     if eval_data is None:
       return
-    total = count = 0.0
+    results = []
     for arrays, _ in _once(eval_data):
+      arrays = objective.prepare(arrays)
       args, rows = place(arrays)
-      value, _ = trainer.evaluate(*args, **rows)
-      n = float(np.sum(arrays["weights"]))
-      total, count = total + float(value) * n, count + n
-    log.log(dict(step=step, eval_loss=total / max(count, 1.0)))
+      value, stats = trainer.evaluate(*args, **rows)
+      results.append((arrays, value, jax.device_get(stats)))
+    log.log(dict(step=step, **objective.evaluate(results)))
 
   steps = range(first, config.steps)
   progress = progress and main
@@ -384,6 +403,7 @@ def finetune(
     for step in steps:
       arrays, where = next(data)
       start = time.perf_counter()
+      arrays = objective.prepare(arrays)
       args, rows = place(arrays)
       value, out_stats = trainer.step(*args, **rows)
       value, norm = float(value), float(out_stats["grad_norm"])
@@ -396,19 +416,15 @@ def finetune(
         )
       seg = arrays.get("segment_ids")
       real = int(np.sum(seg >= 0)) if seg is not None else int(arrays["tokens"].size)
-      entry = dict(
-        step=step,
-        loss=value,
+      entry = dict(step=step, **objective.record(arrays, value, jax.device_get(out_stats)))
+      entry.update(
         grad_norm=norm,
         lr=float(schedule(step)),
         tokens=real,
-        loss_tokens=int(np.sum(arrays["weights"] > 0)),
         padding=round(1.0 - real / arrays["tokens"].size, 6),
         tokens_per_s=round(arrays["tokens"].size / seconds, 1),
         seconds=round(seconds, 3),
       )
-      if "dropped_tokens" in out_stats:  # an MoE with a capacity (`moe.set_capacity`)
-        entry["dropped_tokens"] = int(out_stats["dropped_tokens"])
       log.log(entry)
       history.append(entry)
       if progress:
@@ -448,6 +464,24 @@ def finetune(
     with open(report_path, "w") as f:
       json.dump(report, f, indent=1)
   return report
+
+
+def _cache_path(folder, record, config, objective):
+  """Where an objective keeps what it computes once for a loader's rows (`dpo`'s
+  reference log-probabilities): a file named by the rows' tokens and documents, the
+  row length, the model's record (`base_record`) and the objective's reference."""
+
+  def path(loader):
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for ids, _ in loader._pairs:
+      h.update(np.asarray(ids, np.int32).tobytes())
+    key = [loader.docs, loader.length, loader.batch, config.chunk, record, str(objective.reference)]
+    h.update(json.dumps(key, default=str).encode())
+    return Path(folder) / f"{objective.name}-{h.hexdigest()[:24]}.npz"
+
+  return path
 
 
 def _once(loader):

@@ -43,6 +43,8 @@ def chunked_cross_entropy(
   table_axes=None,
   transposed: bool = False,
   predictions: bool = False,
+  groups: int | None = None,
+  group_ids=None,
 ):
   """sum(weights * cross-entropy(h @ table.T, targets)) / max(sum(weights), 1), with the
   logits made `chunk` tokens at a time and recomputed in the backward pass: at most
@@ -56,7 +58,11 @@ def chunked_cross_entropy(
   V), the table is never gathered: its shards pass each device in a ring
   (`vocabulary.cross_entropy`). `transposed`: `table` is given as [D, V] (an untied head's
   kernel). `predictions`: also the argmax token of every position, int [B, T], from
-  the same chunks of logits (returns (loss, predictions); not with `table_axes`)."""
+  the same chunks of logits (returns (loss, predictions); not with `table_axes`).
+
+  `groups` n with `group_ids` int [B, T] (values in [0, n); any other id counts in no
+  group): instead of the mean, the sums per row and group, (sum(weights * cross-entropy)
+  [B, n], sum(weights) [B, n]): each packed document's negative log-likelihood, say."""
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"chunk={chunk!r} must be a positive int")
   if targets.shape != h.shape[:2] or weights.shape != h.shape[:2]:
@@ -66,57 +72,73 @@ def chunked_cross_entropy(
     )
   if predictions and table_axes:
     raise ValueError(f"predictions=True needs the table whole (table_axes={table_axes!r})")
+  if (groups is None) != (group_ids is None) or (groups is not None and predictions):
+    raise ValueError(f"groups={groups!r} and group_ids go together, and not with predictions")
+  if groups is not None and group_ids.shape != h.shape[:2]:
+    raise ValueError(f"group_ids.shape={tuple(group_ids.shape)} must be h's [B, T] {tuple(h.shape[:2])}")
+  grouped = groups is not None
+  by_group = lambda values, ids: jnp.einsum("bt,btn->bn", values, jax.nn.one_hot(ids, groups or 1))
   weights = weights.astype(jnp.float32)
   length = h.shape[1]
   if transposed and not table_axes:
     table, transposed = table.T, False
 
-  def local(h, targets, weights, table):
+  def local(h, targets, weights, ids, table):
     b, t, d = h.shape
     chunk_here = min(chunk, t)
     n = -(-t // chunk_here)
     pad = n * chunk_here - t
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
     targets, weights = (jnp.pad(a, ((0, 0), (0, pad))) for a in (targets, weights))
-    split = lambda a: jnp.moveaxis(a.reshape(b, n, chunk_here, *a.shape[2:]), 1, 0)
+    ids = None if ids is None else jnp.pad(ids, ((0, 0), (0, pad)))
+    split = lambda a: None if a is None else jnp.moveaxis(a.reshape(b, n, chunk_here, *a.shape[2:]), 1, 0)
 
     @jax.checkpoint
     def body(_, xs):
-      hc, tc, wc = xs
+      hc, tc, wc, ic = xs
       logits = jnp.einsum("bcd,vd->bcv", hc, table.astype(hc.dtype), preferred_element_type=jnp.float32)
       lse = jax.nn.logsumexp(logits, axis=-1)
       picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
       best = jnp.argmax(logits, axis=-1).astype(jnp.int32) if predictions else None
-      return None, (jnp.sum((lse - picked) * wc), best)
+      summed = by_group((lse - picked) * wc, ic) if grouped else jnp.sum((lse - picked) * wc)
+      return None, (summed, best)
 
-    _, (sums, best) = jax.lax.scan(body, None, (split(h), split(targets), split(weights)))
+    _, (sums, best) = jax.lax.scan(body, None, (split(h), split(targets), split(weights), split(ids)))
     if predictions:
       best = jnp.moveaxis(best, 0, 1).reshape(b, n * chunk_here)[:, :t]
+    if grouped:
+      return jnp.sum(sums, axis=0), by_group(weights, ids), best
     return jnp.sum(sums), jnp.sum(weights), best
 
   if mesh is None:
-    total, count, best = local(h, targets, weights, table)
+    total, count, best = local(h, targets, weights, group_ids, table)
   else:
     seq_axes = tuple(seq_axis) if isinstance(seq_axis, (tuple, list)) else (seq_axis,)
     pad = -length % math.prod(mesh.shape[a] for a in seq_axes)
     if pad:  # a length the devices do not divide: padded tokens of weight 0
       h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
       targets, weights = (jnp.pad(a, ((0, 0), (0, pad))) for a in (targets, weights))
+      group_ids = None if group_ids is None else jnp.pad(group_ids, ((0, 0), (0, pad)))
     if batch_axis is not None and h.shape[0] % mesh.shape[batch_axis]:
       batch_axis = None
     axes = seq_axes if batch_axis is None else (batch_axis, *seq_axes)
+    # Sums per row and group are added over the sequence's devices alone (rows stay where they are).
+    summed_over = seq_axes if grouped else axes
 
-    def ring(h, targets, weights, table):
+    def ring(h, targets, weights, ids, table):
       chunk_here = min(chunk, h.shape[1])  # a device's tokens, not padded up to a longer chunk
       pad = -h.shape[1] % chunk_here
       h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
       targets, weights = (jnp.pad(a, ((0, 0), (0, pad))) for a in (targets, weights))
+      ids = None if ids is None else jnp.pad(ids, ((0, 0), (0, pad)))
       ce = vocabulary.cross_entropy(h, table, targets, table_axes, chunk_here, axes, transposed)
+      if grouped:
+        return by_group(ce * weights, ids), by_group(weights, ids), None
       return jnp.sum(ce * weights), jnp.sum(weights), None
 
-    def summed(h, targets, weights, table):
-      total, count, best = (ring if table_axes else local)(h, targets, weights, table)
-      total, count = jax.lax.psum(total, axes), jax.lax.psum(count, axes)
+    def summed(h, targets, weights, table, ids=None):
+      total, count, best = (ring if table_axes else local)(h, targets, weights, ids, table)
+      total, count = jax.lax.psum(total, summed_over), jax.lax.psum(count, summed_over)
       # The same sums on every device of the other axes (the ring's table may vary over
       # FSDP's data axis, which the tokens are not split over): their mean, typed alike.
       others = tuple(a for a in mesh.axis_names if a not in axes)
@@ -126,13 +148,17 @@ def chunked_cross_entropy(
       return total, count, best
 
     rows = P(batch_axis, seq_axes)
+    sums = P(batch_axis) if grouped else P()
     total, count, best = jax.shard_map(
       summed,
       mesh=mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)),
-      in_specs=(P(batch_axis, seq_axes, None), rows, rows, _table_spec(table_axes, transposed)),
-      out_specs=(P(), P(), rows if predictions else None),
-    )(h, targets, weights, table)
+      in_specs=(P(batch_axis, seq_axes, None), rows, rows, _table_spec(table_axes, transposed))
+      + ((rows,) if grouped else ()),
+      out_specs=(sums, sums, rows if predictions else None),
+    )(h, targets, weights, table, *((group_ids,) if grouped else ()))
     best = best[:, :length] if predictions else None
+  if grouped:
+    return total, count
   value = total / jnp.maximum(count, 1.0)
   return (value, best) if predictions else value
 
@@ -152,11 +178,23 @@ def _table_spec(axes, transposed):
   return P(None, axes) if transposed else P(axes, None)
 
 
-def loss(model, tokens, targets, weights, *, chunk: int = 512, segment_ids=None, positions=None):
+def loss(
+  model,
+  tokens,
+  targets,
+  weights,
+  *,
+  chunk: int = 512,
+  segment_ids=None,
+  positions=None,
+  groups: int | None = None,
+  group_ids=None,
+):
   """The model's chunked cross-entropy of `targets` after `tokens` (`chunked_cross_entropy`).
   Packed rows: `segment_ids` and `positions` [B, T] as the model takes them (each
   example attends only within itself, with its own rotary positions); `weights` must
-  then be 0 where a target is another example's token."""
+  then be 0 where a target is another example's token. `groups` and `group_ids` [B, T]:
+  the sums per row and group instead of the mean (`chunked_cross_entropy`)."""
   rows = dict(segment_ids=segment_ids, positions=positions)
   rows = {k: v for k, v in rows.items() if v is not None}
   perm = model.ring_permutation(tokens.shape[1])
@@ -165,6 +203,7 @@ def loss(model, tokens, targets, weights, *, chunk: int = 512, segment_ids=None,
   else:  # every layer in the ring's order: the loss sums over tokens in any order
     laid = lambda a: _like_hidden(model, jnp.take(jnp.asarray(a), perm, axis=1))
     tokens, targets, weights = (laid(a) for a in (tokens, targets, weights))
+    group_ids = None if group_ids is None else laid(group_ids)
     rows = {k: laid(v) for k, v in rows.items()}
     h = model.hidden(tokens, token_order="layout", **rows)
   table, axes = model.head_table()
@@ -172,7 +211,16 @@ def loss(model, tokens, targets, weights, *, chunk: int = 512, segment_ids=None,
     table = model.head_weights()
   transposed = axes is not None and model.head is not None
   return chunked_cross_entropy(
-    h, table, targets, weights, chunk=chunk, **placement(model), table_axes=axes, transposed=transposed
+    h,
+    table,
+    targets,
+    weights,
+    chunk=chunk,
+    **placement(model),
+    table_axes=axes,
+    transposed=transposed,
+    groups=groups,
+    group_ids=group_ids,
   )
 
 
@@ -331,10 +379,10 @@ class Trainer:
     _delete(self._stacked_from)
     self._stacked_from = []
 
-  def step(self, tokens, targets, weights, *, segment_ids=None, positions=None):
+  def step(self, tokens, targets, weights, **rows):
     """One AdamW step on a batch: (loss, stats). Packed rows take `segment_ids` and
-    `positions` [B, T] (`loss`)."""
-    rows = _rows(segment_ids, positions)
+    `positions` [B, T] (`loss`); an objective may take more arrays (`dpo`'s reference)."""
+    rows = _rows(**rows)
     extra = (rows,) if rows else ()
     program = self._program(tokens, targets, weights, rows)
     self._drop_copied()
@@ -343,12 +391,12 @@ class Trainer:
     )
     return value, stats
 
-  def evaluate(self, tokens, targets, weights, *, segment_ids=None, positions=None):
-    return self._evaluate(self.params, self.rest, tokens, targets, weights, _rows(segment_ids, positions))
+  def evaluate(self, tokens, targets, weights, **rows):
+    return self._evaluate(self.params, self.rest, tokens, targets, weights, _rows(**rows))
 
-  def compiled(self, tokens, targets, weights, *, segment_ids=None, positions=None):
+  def compiled(self, tokens, targets, weights, **rows):
     """The step compiled for these shapes (`memory_analysis()`, `as_text()`)."""
-    return self._program(tokens, targets, weights, _rows(segment_ids, positions))
+    return self._program(tokens, targets, weights, _rows(**rows))
 
   def weights(self):
     """The trained weights as the model lays them out (each block's its own arrays:
@@ -394,9 +442,9 @@ def _on_mesh(model):
   return place
 
 
-def _rows(segment_ids, positions) -> dict:
-  """A packed batch's segment_ids and positions, those given, for the objective."""
-  return {k: v for k, v in dict(segment_ids=segment_ids, positions=positions).items() if v is not None}
+def _rows(**rows) -> dict:
+  """A packed batch's other arrays (segment_ids, positions, ...), those given, for the objective."""
+  return {k: v for k, v in sorted(rows.items()) if v is not None}
 
 
 # XLA:CPU orders a program for concurrency by default, which keeps more of its buffers
@@ -556,7 +604,7 @@ def _evaluate(graphdef, objective, chunk, plan, params, rest, tokens, targets, w
 
 def place_batch(model, *arrays):
   """Arrays [B, T] split as the model's hidden states are (T over the seq axis, B over
-  the batch axis), when the shapes divide."""
+  the batch axis), when the shapes divide; arrays of other shapes replicated."""
   mesh, seq_axis, batch_axis = model.placement
   if mesh is None:
     return tuple(jnp.asarray(a) for a in arrays)
@@ -564,7 +612,9 @@ def place_batch(model, *arrays):
   batch_axis = batch_axis if batch_axis is not None and b % mesh.shape[batch_axis] == 0 else None
   spec = P(batch_axis, seq_axis if t % mesh.shape[seq_axis] == 0 else None)
   auto = mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-  return tuple(jax.device_put(np.asarray(a), NamedSharding(auto, spec)) for a in arrays)
+  # Arrays of another shape than the first's ([B, slots] per document, say) are whole on every device.
+  where = lambda a: NamedSharding(auto, spec if np.shape(a) == (b, t) else P())
+  return tuple(jax.device_put(np.asarray(a), where(a)) for a in arrays)
 
 
 # --- Compiling a training step for hardware that is not here. ---

@@ -1,0 +1,68 @@
+"""What an objective is to the training loop (`finetune.finetune`, written once): how a
+batch of rows is completed on the host before the step (`prepare`), the loss the step
+differentiates (`loss`, `step.Trainer`'s objective), and the records it writes for a
+training step (`record`) and an evaluation (`evaluate`). Supervised fine-tuning
+(`Supervised`, here) and preference tuning (`dpo.Preference`) are two such parts;
+`OBJECTIVES` names them for `scripts/finetune.py --objective`.
+
+Legend: B batch, T sequence length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import step
+
+
+class Supervised:
+  """The next token's cross-entropy on the weighted tokens (`step.cross_entropy`)."""
+
+  name = "sft"
+
+  reference = None  # what an objective compares with (`dpo`), part of its cached files' names
+
+  def setup(self, trainer, data, eval_data, *, place=None, cache=None) -> None:
+    """Called once the step's weights exist, before a resumed state replaces them:
+    `place(arrays)` puts a batch on the devices, `cache(loader)` names a file for what
+    the objective computes once for a loader's rows."""
+
+  def prepare(self, arrays: dict) -> dict:
+    """A batch's arrays as the step takes them (`tokens`, `targets`, `weights` and the
+    rows' other arrays)."""
+    return arrays
+
+  def loss(self, model, tokens, targets, weights, *, chunk: int = 512, **rows):
+    return step.cross_entropy(model, tokens, targets, weights, chunk=chunk, **rows)
+
+  def record(self, arrays: dict, value: float, stats: dict) -> dict:
+    """The step's own entries of its metrics.jsonl record."""
+    out = dict(loss=value, loss_tokens=int(np.sum(arrays["weights"] > 0)))
+    if "dropped_tokens" in stats:  # an MoE with a capacity (`moe.set_capacity`)
+      out["dropped_tokens"] = int(stats["dropped_tokens"])
+    return out
+
+  def evaluate(self, results) -> dict:
+    """An evaluation's record from its batches' (arrays, loss, stats): the loss over
+    every weighted token."""
+    total = count = 0.0
+    for arrays, value, _ in results:
+      n = float(np.sum(arrays["weights"]))
+      total, count = total + float(value) * n, count + n
+    return dict(eval_loss=total / max(count, 1.0))
+
+
+def make(name: str, **settings):
+  """The objective `name` ("sft", "dpo") with its settings."""
+  match name:
+    case "sft":
+      return Supervised(**settings)
+    case "dpo":
+      from . import dpo
+
+      return dpo.Preference(**settings)
+    case _:
+      raise ValueError(f"objective={name!r}: expected one of {OBJECTIVES}")
+
+
+OBJECTIVES = ("sft", "dpo")
