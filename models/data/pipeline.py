@@ -44,13 +44,11 @@ class Examples:
 
 
 def tokenize_record(tokenizer, record: dict, format: str, template: str | None):
-  """(ids int32, mask float32, docs) of one record: a document (the tokenizer's prefix,
-  the text, EOS; every token learned), a completion (prefix and prompt, then the
-  completion and EOS, which alone are learned), a chat (`chat.tokenize_chat`: the
-  assistant's tokens learned) or a preference pair (`preference.tokenize_pair`: two
-  documents, the completions learned). `docs`: the documents' lengths (None: one)."""
-  if format in sources.PREFERENCE:
-    return preference.tokenize_pair(tokenizer, record, template)
+  """(ids int32, mask float32) of one record: a document (the tokenizer's prefix, the
+  text, EOS; every token learned), a completion (prefix and prompt, then the
+  completion and EOS, which alone are learned) or a chat (`chat.tokenize_chat`: the
+  assistant's tokens learned). A preference pair is two documents:
+  `preference.tokenize_pair`."""
   eos = [] if tokenizer.eos_id is None else [int(tokenizer.eos_id)]
   match format:
     case "text":
@@ -64,7 +62,7 @@ def tokenize_record(tokenizer, record: dict, format: str, template: str | None):
       ids, mask = chat.tokenize_chat(tokenizer, record["messages"], chat_template=template)
     case _:
       raise ValueError(f"format={format!r}: expected one of {tuple(sources.FORMATS)}")
-  return np.asarray(ids, np.int32), np.asarray(mask, np.float32), None
+  return np.asarray(ids, np.int32), np.asarray(mask, np.float32)
 
 
 def _tokenizer_key(tokenizer) -> str:
@@ -125,7 +123,10 @@ def load_examples(
   ids, masks, docs = [], [], []
   for where, record in zip(records.where, records.items):
     try:
-      i, m, d = tokenize_record(tokenizer, record, records.format, template)
+      if records.format in sources.PREFERENCE:
+        i, m, d = preference.tokenize_pair(tokenizer, record, template)
+      else:
+        (i, m), d = tokenize_record(tokenizer, record, records.format, template), None
     except Exception as e:  # noqa: BLE001 - a template that raises names the record
       raise sources.BadRecord(where, f"{type(e).__name__}: {e}") from e
     ids.append(i)
