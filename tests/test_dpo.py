@@ -356,3 +356,99 @@ def test_the_reference_with_adapters_off_is_the_base_exactly():
   copy = dpo.Reference.initial(_trainer(base))
   before = copy(arrays, 6, place)
   np.testing.assert_array_equal(before, plain)
+
+
+# --- The run. ---
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+  """A tiny Llama folder whose tokenizer carries Llama 3.2's chat template."""
+  path = tmp_path_factory.mktemp("tiny") / "model"
+  models.save(models.build(TINY, attention="dense"), path, tokenizer=_tokenizer())
+  return path
+
+
+def prefs(n, seed=0):
+  """Pairs in both shapes: standard strings and conversations."""
+  rng = np.random.default_rng(seed)
+  words = ["ring", "shard", "token", "layer", "mesh", "sum", "key", "value"]
+  say = lambda k: " ".join(rng.choice(words, k))
+  out = []
+  for i in range(n):
+    if i % 2:
+      c, r = (int(k) for k in rng.integers(2, 9, 2))
+      out.append({"prompt": say(5), "chosen": " " + say(c), "rejected": " " + say(r)})
+    else:
+      said = lambda text: [{"role": "assistant", "content": text}]
+      out.append(
+        {"prompt": [{"role": "user", "content": say(4)}], "chosen": said(say(3)), "rejected": said(say(7))}
+      )
+  return out
+
+
+def _dpo_args(folder, data, out, *more):
+  return [str(folder), "--data", str(data), "--objective", "dpo", "--length", "128", "--devices", "2",
+          "--lr", "1e-3", "--batch", "2", "--no-progress", "--out", str(out), *more]  # fmt: skip
+
+
+def test_dpo_run_writes_trls_metrics_and_the_precomputed_reference_gives_the_same_losses(folder, tmp_path):
+  import finetune as script  # scripts/finetune.py
+
+  data = write_jsonl(tmp_path / "p.jsonl", prefs(24))
+  common = ["--steps", "3", "--warmup", "0", "--cache-dir", str(tmp_path / "cache"), "--eval-fraction", "0.2"]
+  script.main(_dpo_args(folder, data, tmp_path / "step", *common))
+  rows = [json.loads(x) for x in (tmp_path / "step" / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in rows if "loss" in r]
+  names = {"pairs", "loss", *dpo.METRICS, "tokens", "padding", "seconds", "lr", "grad_norm"}
+  assert [r["step"] for r in steps] == [0, 1, 2] and all(names <= set(r) for r in steps)
+  assert all(r["pairs"] >= 1 for r in steps)
+  assert steps[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)  # the policy is the reference at first
+  # The reference's program (no gradient) rounds apart from the step's by float32's last bits.
+  assert abs(steps[0]["rewards/margins"]) < 1e-5 and abs(steps[-1]["rewards/margins"]) > 1e-3
+  (evaluation,) = [r for r in rows if "eval_loss" in r]
+  assert evaluation["eval_pairs"] == 5 and {f"eval_{k}" for k in dpo.METRICS} <= set(evaluation)
+  script.main(_dpo_args(folder, data, tmp_path / "pre", *common, "--precompute-reference"))
+  pre = [json.loads(x) for x in (tmp_path / "pre" / "metrics.jsonl").read_text().splitlines()]
+  cached = list((tmp_path / "cache").glob("dpo-*.npz"))
+  assert len(cached) == 2  # the training rows' and the evaluation rows'
+  for a, b in zip(rows, pre):
+    for k in ("loss", "eval_loss", *dpo.METRICS):
+      if k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-7), (a["step"], k)
+
+
+def test_dpo_with_adapters_and_sigterm_resumes_with_the_uninterrupted_losses(folder, tmp_path):
+  data = write_jsonl(tmp_path / "p.jsonl", prefs(40, seed=1))
+  steps = ["--steps", "5", "--lora-rank", "4", "--loss-type", "ipo", "--cache-dir", str(tmp_path / "cache")]
+  whole, out = tmp_path / "whole", tmp_path / "stopped"
+  _finish(_child(_dpo_args(folder, data, whole, *steps), 300), 300)
+  expected = [r["loss"] for r in json.loads((whole / "report.json").read_text())["steps"]]
+  assert (whole / "adapter" / "adapter_config.json").is_file()
+  child = _child(_dpo_args(folder, data, out, *steps), 300)
+  try:
+    metrics = out / "metrics.jsonl"
+    _wait_for(
+      lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "second step", child
+    )
+    child.send_signal(signal.SIGTERM)
+  finally:
+    output = _finish(child, 120)
+  assert b"SIGTERM: saved the state at step" in output
+  _finish(_child(_dpo_args(folder, data, out, *steps), 300), 300)
+  got = [r["loss"] for r in json.loads((out / "report.json").read_text())["steps"]]
+  assert got == expected and len(got) == 5
+
+
+def test_dpo_refuses_data_that_is_not_pairs_and_pairs_without_dpo(folder, tmp_path):
+  import finetune as script
+
+  pairs = write_jsonl(tmp_path / "p.jsonl", prefs(4))
+  with pytest.raises(SystemExit, match="preference records need --objective dpo"):
+    script.main([str(folder), "--data", str(pairs), "--out", str(tmp_path / "a"), "--length", "128"])
+  texts = write_jsonl(tmp_path / "t.jsonl", [{"text": "a b c"}] * 3)
+  with pytest.raises(SystemExit, match="text records are not preference pairs"):
+    script.main(_dpo_args(folder, texts, tmp_path / "b"))
+  with pytest.raises(SystemExit, match="never split"):
+    script.main(_dpo_args(folder, pairs, tmp_path / "c", "--long", "split"))
+  assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
