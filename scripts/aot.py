@@ -136,6 +136,12 @@ def parse_args(argv=None):
     "--lora-alpha", type=float, default=None, help="--train: the adapters' alpha (default: 2 x rank)"
   )
   p.add_argument(
+    "--objective",
+    default="sft",
+    choices=("sft", "dpo"),
+    help="--train: the step's objective (dpo: a row is one pair of two --seq-len / 2 token sequences)",
+  )
+  p.add_argument(
     "--layers",
     type=int,
     default=None,
@@ -229,6 +235,7 @@ def compile_for(mesh, args, seq_len: int):
       lora_rank=args.lora_rank,
       lora_alpha=args.lora_alpha,
       device_bytes=aot.target(args.target).memory_bytes,
+      objective=args.objective,
     )
   if args.model:
     return compile_model(mesh, args, seq_len)

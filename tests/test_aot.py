@@ -356,6 +356,18 @@ def test_llama_8b_adapter_step_on_one_h100_holds_the_bf16_base_and_no_base_optim
   assert report["fits"] is True
 
 
+def test_llama_8b_dpo_adapter_step_takes_a_pair_and_its_reference():
+  """--objective dpo: the adapter step of one block at 8K tokens (a pair of two 4K
+  sequences) takes, beside the adapter step's arguments, the pair's segment ids and
+  positions and the two reference log-probabilities; its loss is the pair's."""
+  common = ["--target=h100x1", "--model=llama-3.1-8b", "--train", "--layers=1", "--seq-len=8192"]
+  common += ["--lora-rank=16", "--param-dtype=bfloat16"]
+  sft, dpo = aot(*common), aot(*common, "--objective=dpo")
+  extra = 8192 * (4 + 4) + 2 * 4
+  assert dpo["memory"]["argument_bytes"] - sft["memory"]["argument_bytes"] == extra
+  assert dpo["memory"]["fits"] is True
+
+
 def test_moe_step_splits_its_experts_8_ways_and_drops_no_token():
   """--model qwen3-30b-a3b --train with one block at 8K tokens on 8 x H100: the
   arguments are the float32 weights (the 128 experts' stacks and the router included)
