@@ -17,8 +17,16 @@ template; the loss on the assistant's turns).
         [--skip-bad] [--eval-data E | --eval-fraction F] [--eval-every K]]
         [--length T] [--steps N] [--devices D] [--fsdp | --no-fsdp] [--lr LR] [--out DIR]
         [--remat full|attention|offload|none] [--dtype float32|bfloat16] [--capacity-factor C]
-        [--no-progress]
+        [--no-progress] [--objective sft|dpo [--loss-type T --beta B --reference REF ...]]
         [--lora-rank R [--lora-alpha A] [--lora-targets q,k,v,o,gate,up,down] [--merge]]
+
+Preference tuning (--objective dpo): pairs with "prompt", "chosen" and "rejected"
+columns (strings or messages; "chosen" and "rejected" alone: the prompt is their common
+start), tokenized as TRL's DPOTrainer does, each pair's two sequences whole in one row;
+TRL's DPO loss (--loss-type, --beta, --label-smoothing) against the reference: the
+initial weights (with --lora-rank the base, adapters off), or --reference PATH, its
+log-probabilities computed at each step or once before training
+(--precompute-reference); metrics.jsonl then holds TRL's "rewards/..." and "logps/...".
 
 Writes DIR/metrics.jsonl and TensorBoard event files in DIR/tb/ as each step ends
 (loss, gradient norm, learning rate, tokens, padding, tokens/s; the evaluation loss),

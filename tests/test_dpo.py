@@ -29,7 +29,7 @@ from test_finetune_data import (
 from test_packing import _flat, _tiny
 
 from jax_ring import models
-from jax_ring.models.data import packing, pipeline, preference, sources
+from jax_ring.models.data import pipeline, preference, sources
 from jax_ring.models.formats.tokenizer_json import HFTokenizer
 from jax_ring.models.train import dpo
 from jax_ring.models.train import step as train_step
