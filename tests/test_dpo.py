@@ -454,3 +454,39 @@ def test_dpo_refuses_data_that_is_not_pairs_and_pairs_without_dpo(folder, tmp_pa
   with pytest.raises(SystemExit, match="never split"):
     script.main(_dpo_args(folder, pairs, tmp_path / "c", "--long", "split"))
   assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_frozen_copy_outlives_the_steps_and_another_model_serves_as_reference(folder, tmp_path):
+  """Without adapters the reference is a copy of the initial weights, which the steps
+  (donating the weights they update) leave as they were; --reference PATH (here the
+  same weights from their folder) gives the default's losses; a bfloat16 copy moves
+  the first step's loss off log 2 by its rounding alone."""
+  import finetune as script
+
+  ex, loader, arrays = _pairs(seed=4)
+  mesh = make_mesh((2,), ("seq",))
+  trainer = _trainer(models.build(_tiny("llama"), mesh=mesh, fsdp=True, rngs=nnx.Rngs(0)))
+  place = _placer(trainer.model())
+  copy = dpo.Reference.initial(trainer)
+  before = copy(arrays, 6, place)
+  args, rows = place(
+    {k: v for k, v in arrays.items() if k in ("tokens", "targets", "weights", "segment_ids", "positions")}
+  )
+  for _ in range(2):
+    trainer.step(*args, **rows)
+  np.testing.assert_array_equal(copy(arrays, 6, place), before)
+  moved = dpo.Reference(trainer.graphdef, trainer.params, trainer.rest, trainer.plan, 16)(arrays, 6, place)
+  assert np.abs(moved - before).max() > 1e-3
+
+  data = write_jsonl(tmp_path / "p.jsonl", prefs(12, seed=3))
+  common = ["--steps", "2", "--warmup", "0", "--cache-dir", str(tmp_path / "cache")]
+  losses = {}
+  for name, more in (
+    ("initial", []),
+    ("path", ["--reference", str(folder)]),
+    ("bf16", ["--reference-dtype", "bfloat16"]),
+  ):
+    script.main(_dpo_args(folder, data, tmp_path / name, *common, *more))
+    losses[name] = [r["loss"] for r in json.loads((tmp_path / name / "report.json").read_text())["steps"]]
+  assert losses["path"] == pytest.approx(losses["initial"], rel=1e-6)
+  assert losses["bf16"][0] != pytest.approx(np.log(2), abs=1e-6) and abs(losses["bf16"][0] - np.log(2)) < 0.05
