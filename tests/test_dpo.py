@@ -16,34 +16,15 @@ import numpy as np
 import pytest
 from conftest import make_mesh, rel_err
 from flax import nnx
-from test_finetune_data import (
-  SPECIALS,
-  TEMPLATES,
-  TINY,
-  _child,
-  _finish,
-  _wait_for,
-  byte_tokenizer,
-  write_jsonl,
-)
+from test_finetune_data import _child, _finish, _wait_for, tiny_folder, tiny_tokenizer, write_jsonl
 from test_packing import _flat, _tiny
 
 from jax_ring import models
 from jax_ring.models.data import pipeline, preference, sources
-from jax_ring.models.formats.tokenizer_json import HFTokenizer
 from jax_ring.models.train import dpo
 from jax_ring.models.train import step as train_step
 
 # --- Records and their tokens. ---
-
-
-def _tokenizer():
-  tok = byte_tokenizer()
-  out = HFTokenizer(
-    tok, bos_id=tok.token_to_id(SPECIALS[0]), eos_id=tok.token_to_id(SPECIALS[1]), add_bos=True
-  )
-  out.chat_template = (TEMPLATES / "llama3_2.jinja").read_text()
-  return out
 
 
 def _text(tok, ids):
@@ -51,11 +32,11 @@ def _text(tok, ids):
 
 
 def _load(tmp_path, records, **kw):
-  return pipeline.load_examples(write_jsonl(tmp_path / "p.jsonl", records), _tokenizer(), **kw)
+  return pipeline.load_examples(write_jsonl(tmp_path / "p.jsonl", records), tiny_tokenizer(), **kw)
 
 
 def test_standard_pairs_tokenize_prompt_and_completion_whole_with_eos(tmp_path):
-  tok = _tokenizer()
+  tok = tiny_tokenizer()
   ex = _load(tmp_path, [{"prompt": "Sky?", "chosen": " Blue.", "rejected": " Green<|end_of_text|>"}])
   assert ex.format == "preference" and len(ex) == 1
   ids, mask = ex.ids[0], ex.masks[0]
@@ -69,7 +50,7 @@ def test_standard_pairs_tokenize_prompt_and_completion_whole_with_eos(tmp_path):
 
 
 def test_conversational_and_implicit_prompts(tmp_path):
-  tok = _tokenizer()
+  tok = tiny_tokenizer()
   user = [{"role": "user", "content": "Sky?"}]
   said = lambda text: [{"role": "assistant", "content": text}]
   ex = _load(tmp_path, [{"prompt": user, "chosen": said("Blue."), "rejected": said("Red.")}])
@@ -115,8 +96,8 @@ def test_bad_pairs_are_named_by_file_and_line_or_skipped(tmp_path, record, says)
   good = {"prompt": "a", "chosen": " b", "rejected": " c"}
   path = write_jsonl(tmp_path / "p.jsonl", [good, record])
   with pytest.raises(sources.BadRecord, match=f"{path}:2: .*{says}"):
-    pipeline.load_examples(path, _tokenizer(), format="preference")
-  ex = pipeline.load_examples(path, _tokenizer(), format="preference", skip_bad=True)
+    pipeline.load_examples(path, tiny_tokenizer(), format="preference")
+  ex = pipeline.load_examples(path, tiny_tokenizer(), format="preference", skip_bad=True)
   assert len(ex) == 1 and len(ex.skipped) == 1
 
 
@@ -365,10 +346,7 @@ def test_the_reference_with_adapters_off_is_the_base_exactly():
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-  """A tiny Llama folder whose tokenizer carries Llama 3.2's chat template."""
-  path = tmp_path_factory.mktemp("tiny") / "model"
-  models.save(models.build(TINY, attention="dense"), path, tokenizer=_tokenizer())
-  return path
+  return tiny_folder(tmp_path_factory)
 
 
 def prefs(n, seed=0):

@@ -50,17 +50,26 @@ def byte_tokenizer(specials=SPECIALS):
   return tok
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-  """A tiny Llama folder whose tokenizer carries Llama 3.2's chat template."""
-  path = tmp_path_factory.mktemp("tiny") / "model"
+def tiny_tokenizer():
+  """`byte_tokenizer` as the models' tokenizer (BOS first), with Llama 3.2's chat template."""
   tok = byte_tokenizer()
   wrapped = HFTokenizer(
     tok, bos_id=tok.token_to_id(SPECIALS[0]), eos_id=tok.token_to_id(SPECIALS[1]), add_bos=True
   )
   wrapped.chat_template = (TEMPLATES / "llama3_2.jinja").read_text()
-  models.save(models.build(TINY, attention="dense"), path, tokenizer=wrapped)
+  return wrapped
+
+
+def tiny_folder(tmp_path_factory):
+  """A tiny Llama folder whose tokenizer carries Llama 3.2's chat template."""
+  path = tmp_path_factory.mktemp("tiny") / "model"
+  models.save(models.build(TINY, attention="dense"), path, tokenizer=tiny_tokenizer())
   return path
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+  return tiny_folder(tmp_path_factory)
 
 
 def chats(n, seed=0):
