@@ -224,8 +224,12 @@ def load_data(args, tokenizer):
       evaluator = pipeline.Loader(held, args.length, args.batch, shuffle=False, **settings)
   except (ValueError, sources.BadRecord) as e:
     raise SystemExit(f"finetune.py: {e}") from None
+  why = f"--long {args.long}"
+  if pairs and args.long == "truncate":
+    why = f"--truncation-mode {args.truncation_mode} left a completion nothing to learn"
   print(
-    f"finetune.py: {len(examples)} {examples.format} examples"
+    f"finetune.py: {len(examples)} {examples.format} "
+    + ("pairs" if pairs else "examples")
     + (" (tokenized earlier: cached)" if examples.cached else "")
     + (
       f" (this process tokenized {examples.tokenized}, its share)"
@@ -234,7 +238,9 @@ def load_data(args, tokenizer):
     )
     + f" in {len(loader.rows)} rows of {args.length} tokens, {100 * loader.padding:.1f}% padding"
     + (f"; {len(examples.skipped)} bad records skipped" if examples.skipped else "")
-    + (f"; {len(loader.dropped)} examples dropped (--long {args.long})" if loader.dropped else "")
+    + (
+      f"; {len(loader.dropped)} {'pairs' if pairs else 'examples'} dropped ({why})" if loader.dropped else ""
+    )
     + (f"; {loader.idle_rows} rows with nothing to learn left out" if loader.idle_rows else "")
     + (
       ""
