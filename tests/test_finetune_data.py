@@ -107,7 +107,7 @@ def test_formats_come_from_the_columns_and_every_file_kind_reads(tmp_path):
   pq.write_table(pa.Table.from_pylist([{"text": "a document"}]), tmp_path / "c.parquet")
   got = sources.read(tmp_path / "d", columns={"prompt": "question", "completion": "answer"})
   assert got.format == "completion" and [r["prompt"] for r in got.items] == ["q0", "q1", "q2"]
-  assert got.where == [f"{tmp_path}/d/a.jsonl:1", f"{tmp_path}/d/a.jsonl:2", f"{tmp_path}/d/b.json:item 0"]
+  assert got.where == [f"{tmp_path}/d/a.jsonl:1", f"{tmp_path}/d/a.jsonl:2", f"{tmp_path}/d/b.json:item 1"]
   assert sources.read(tmp_path / "c.parquet").items == [{"text": "a document"}]
   (tmp_path / "e.txt").write_text("one whole document\n")
   assert sources.read(tmp_path / "e.txt").format == "text"
@@ -122,7 +122,7 @@ def test_a_saved_dataset_folder_reads_with_the_datasets_extra(tmp_path):
   datasets = pytest.importorskip("datasets")  # the [datasets] extra, in the test command's [dev]
   datasets.Dataset.from_list([{"prompt": "p", "completion": "c"}] * 2).save_to_disk(str(tmp_path / "saved"))
   got = sources.read(tmp_path / "saved")
-  assert got.format == "completion" and len(got.items) == 2 and got.where[1].endswith("saved:row 1")
+  assert got.format == "completion" and len(got.items) == 2 and got.where[1].endswith("saved:row 2")
 
 
 @pytest.mark.parametrize(
@@ -144,6 +144,40 @@ def test_a_bad_record_is_named_by_file_and_line(tmp_path, line, says):
     sources.read(path)
   skipped = sources.read(path, skip_bad=True)
   assert len(skipped.items) == 3 and len(skipped.skipped) == 1 and skipped.skipped[0].startswith(f"{path}:4:")
+
+
+def test_bytes_that_are_not_utf8_are_named_by_file_and_line_and_records_count_from_1(tmp_path):
+  """A JSON Lines line, a .json file or a .txt document with a byte that is not UTF-8
+  is a bad record naming its file and line (JSONL's other lines still read); JSON
+  Lines' lines, a .json file's items and Parquet's rows all count from 1; a malformed
+  line's message says what JSON's parser says once."""
+  good = json.dumps({"text": "fine"}).encode()
+  (tmp_path / "a.jsonl").write_bytes(good + b"\n" + b'{"text": "caf\xff"}\n' + good + b"\n")
+  with pytest.raises(sources.BadRecord, match=rf"^{tmp_path}/a.jsonl:2: not UTF-8: byte 0xff at column 14"):
+    sources.read(tmp_path / "a.jsonl")
+  kept = sources.read(tmp_path / "a.jsonl", skip_bad=True)
+  assert kept.where == [f"{tmp_path}/a.jsonl:1", f"{tmp_path}/a.jsonl:3"] and len(kept.skipped) == 1
+  folder = tmp_path / "docs"
+  folder.mkdir()
+  (folder / "good.txt").write_text("one document\n")
+  (folder / "bad.txt").write_bytes(b"first line\nsecond \xfe line\n")
+  with pytest.raises(sources.BadRecord, match=rf"^{folder}/bad.txt:2: not UTF-8: byte 0xfe at column 8"):
+    sources.read(folder)
+  (tmp_path / "b.json").write_bytes(b'[{"text": "x"},\n {"text": "\x80"}]')
+  with pytest.raises(sources.BadRecord, match=rf"^{tmp_path}/b.json:2: not UTF-8"):
+    sources.read(tmp_path / "b.json")
+  (tmp_path / "c.json").write_text(json.dumps([{"text": "x"}, {"text": 5}]))
+  with pytest.raises(sources.BadRecord, match=rf"^{tmp_path}/c.json:item 2: 'text' must be a string"):
+    sources.read(tmp_path / "c.json")
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  pq.write_table(pa.table({"text": ["x", ""]}), tmp_path / "d.parquet")
+  with pytest.raises(sources.BadRecord, match=rf"^{tmp_path}/d.parquet:row 2: 'text' is empty"):
+    sources.read(tmp_path / "d.parquet")
+  (tmp_path / "e.jsonl").write_text('{"text": "unterminated}')
+  with pytest.raises(sources.BadRecord, match="not JSON: Unterminated string starting at \\(column 10\\)$"):
+    sources.read(tmp_path / "e.jsonl")
 
 
 def test_completions_and_chats_learn_only_the_answers(folder, tmp_path):

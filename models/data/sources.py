@@ -49,7 +49,8 @@ class BadRecord(ValueError):
 class Records:
   """Checked records in one format: `items` (dicts with the format's columns), `where`
   (each one's "file:line", "file:row N", "file:item N" or "file"), the files read,
-  the bad records skipped (their messages) and each item's place among all records."""
+  the bad records skipped (their messages) and each item's place among all records.
+  Lines, items and rows count from 1, as an editor numbers a file's lines."""
 
   format: str
   items: list
@@ -108,41 +109,65 @@ def lazy_records(path):
     if isinstance(table, datasets.DatasetDict):
       raise ValueError(f"{str(path)!r} holds splits {sorted(table)}: pass one split's folder")
     for i in range(len(table)):
-      yield f"{path}:row {i}", lambda i=i: table[i]
+      yield f"{path}:row {i + 1}", lambda i=i: table[i]
     return
   for file in data_files(path):
     match file.suffix:
       case ".jsonl":
-        with open(file, encoding="utf-8") as f:
-          for n, line in enumerate(f, start=1):
-            if not line.strip():
+        with open(file, "rb") as f:
+          for n, raw in enumerate(f, start=1):
+            line = _decoded(f"{file}:{n}", raw)
+            if isinstance(line, str) and not line.strip():
               continue
             yield f"{file}:{n}", lambda line=line, at=f"{file}:{n}": _json_line(at, line)
       case ".json":
         try:
-          items = json.loads(file.read_text(encoding="utf-8"))
+          items = json.loads(_text_of(file))
         except json.JSONDecodeError as e:
-          raise BadRecord(f"{file}:{e.lineno}", f"not JSON ({e.msg} at column {e.colno})") from None
+          raise BadRecord(f"{file}:{e.lineno}", f"not JSON: {e.msg} (column {e.colno})") from None
         if not isinstance(items, list):
           raise BadRecord(
             str(file), f"a .json data file holds a list of records, not a {type(items).__name__}"
           )
         for i, item in enumerate(items):
-          yield f"{file}:item {i}", lambda item=item: item
+          yield f"{file}:item {i + 1}", lambda item=item: item
       case ".parquet":
         import pyarrow.parquet as pq
 
         for i, item in enumerate(pq.read_table(file).to_pylist()):
-          yield f"{file}:row {i}", lambda item=item: item
+          yield f"{file}:row {i + 1}", lambda item=item: item
       case ".txt":
-        yield str(file), lambda file=file: {"text": file.read_text(encoding="utf-8")}
+        yield str(file), lambda file=file: {"text": _text_of(file)}
 
 
 def _json_line(at, line):
+  if isinstance(line, BadRecord):
+    return line
   try:
     return json.loads(line)
   except json.JSONDecodeError as e:
-    return BadRecord(at, f"not JSON ({e.msg} at column {e.colno})")
+    return BadRecord(at, f"not JSON: {e.msg} (column {e.colno})")
+
+
+def _decoded(at, raw: bytes):
+  """A line's text, or a BadRecord naming the first byte that is not UTF-8 (the
+  record's own: the others are still read)."""
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    return BadRecord(at, f"not UTF-8: byte 0x{raw[e.start]:02x} at column {e.start + 1}")
+
+
+def _text_of(file: Path) -> str:
+  """A whole file's text; a BadRecord naming the line and column of its first byte
+  that is not UTF-8."""
+  raw = file.read_bytes()
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = raw.count(b"\n", 0, e.start) + 1
+    column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+    raise BadRecord(f"{file}:{line}", f"not UTF-8: byte 0x{raw[e.start]:02x} at column {column}") from None
 
 
 def read(
