@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import jax
@@ -212,7 +213,12 @@ def save_lora(model, folder) -> Path:
     name = PREFIX + _hf_module(arch, t, i)
     tensors[f"{name}.lora_A.weight"] = host(module.lora_a)
     tensors[f"{name}.lora_B.weight"] = host(module.lora_b)
-  save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+  weights = folder / "adapter_model.safetensors"
+  save_file(tensors, str(weights), metadata={"format": "pt"})
+  # safetensors writes through a private temporary file (mode 0600): as every other file here.
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(weights, 0o666 & ~umask)
   hf_names = {v: k for k, v in HF_TARGETS.items()}
   config = {
     "peft_type": "LORA",

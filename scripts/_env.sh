@@ -1,6 +1,6 @@
 # Sourced by the run_*.sh scripts: creates .venv if missing and installs the package
 # (with the [dev] extra when JAX_RING_DEV=1, or the extra named by JAX_RING_EXTRA).
-# Needs only python3.11+ and pip.
+# Needs only Python 3.10+ and pip (as README.md says; CI runs 3.11).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

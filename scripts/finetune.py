@@ -326,7 +326,8 @@ def main(argv=None):
     try:
       models.add_lora(model, rank=args.lora_rank, alpha=alpha, targets=tuple(args.lora_targets.split(",")))
     except ValueError as e:
-      raise SystemExit(f"finetune.py: --lora-rank: {e}") from None
+      flag = next((f"--lora-{k}" for k in ("targets", "alpha") if str(e).startswith(k)), "--lora-rank")
+      raise SystemExit(f"finetune.py: {flag}: {e}") from None
   elif args.merge:
     raise SystemExit("finetune.py: --merge merges adapters: it needs --lora-rank")
   if args.capacity_factor is not None:

@@ -684,6 +684,9 @@ def test_finetune_script_reports_checkpoints_and_resumes(tmp_path):
     (["--length", "300", "--text", None], "the text has 200 tokens; length=300"),
     (["--text", "missing.txt"], "--text missing.txt: no such file"),
     (["--data", "missing.jsonl"], "--data missing.jsonl: no such file or folder"),
+    (["--lora-rank", "4", "--lora-targets", "q,qkv"], "--lora-targets: targets=('q', 'qkv')"),
+    (["--lora-rank", "0"], "--lora-rank: rank=0 must be a positive int"),
+    (["--lora-rank", "4", "--lora-alpha", "-1"], "--lora-alpha: alpha=-1.0 must be a positive number"),
   ],
 )
 def test_finetune_script_refuses_bad_settings_before_writing(tmp_path, options, says):

@@ -164,6 +164,9 @@ def test_peft_layout_out_and_back_in(tmp_path):
   )
   tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
   assert len(tensors) == 2 * 3 * CFG.num_layers
+  # Both files with the modes every other output has (the umask's), not safetensors' private 0600.
+  modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "adapter").iterdir()}
+  assert modes["adapter_model.safetensors"] == modes["adapter_config.json"] != 0o600
   name = "base_model.model.model.layers.1.self_attn.q_proj"
   assert tensors[f"{name}.lora_A.weight"].shape == (4, 48) and tensors[f"{name}.lora_B.weight"].shape == (
     32,

@@ -259,7 +259,8 @@ def finetune(
     ends ("step", "loss", "grad_norm", "lr", "tokens" (those not padding), "loss_tokens"
     (the targets with a loss weight), "padding",
     "tokens_per_s", "seconds", and "dropped_tokens" for an MoE with a capacity) and as
-    each evaluation ends ("step", "eval_loss");
+    each evaluation ends ("step": the training step it follows, 0-based as the steps'
+    own records; "eval_loss");
   - `out/report.json` ("config": `config` and `run`, what the run used; "steps": each
     step's record, the whole history across resumes; "memory": per device param_bytes,
     optimizer_bytes and the step's temp_bytes; "data": the rows' statistics), rewritten
@@ -431,14 +432,14 @@ def finetune(
         steps.set_postfix(loss=f"{value:.4f}", s=f"{seconds:.1f}")
       done = step + 1
       if config.eval_every and done % config.eval_every == 0 and done < config.steps:
-        evaluate(done)
+        evaluate(step)
       if "signal" in stop:
         save(done)
         report["interrupted"] = signal.Signals(stop["signal"]).name
         return report
       if config.save_every and done % config.save_every == 0 and done < config.steps:
         save(done)
-    evaluate(config.steps)
+    evaluate(config.steps - 1)
     save(config.steps)
     report.pop("interrupted", None)
   finally:
