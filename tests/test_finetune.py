@@ -147,6 +147,25 @@ def test_fsdp_bytes_per_device_are_the_total_over_devices():
   assert arguments == memory["param_bytes"] + memory["optimizer_bytes"] + batch_bytes
 
 
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_every_step_changes_the_weights_the_first_included(warmup):
+  """The schedule's first rate is not 0 (optax's warmup from 0 gave the first update a
+  rate of 0, and a one-step run saved its base unchanged): each of 4 steps moves every
+  weight, the last at a tenth of the peak."""
+  model = _model(QWEN, None, False)
+  trainer = train_step.Trainer(model, train_step.make_tx(1e-2, warmup, 4, 0.0, 1e9), chunk=16)
+  batch = train_step.place_batch(model, *_batch())
+  schedule = train_step.make_schedule(1e-2, warmup, 4)
+  rates = [float(schedule(k)) for k in range(4)]
+  assert rates[0] > 0 and rates[-1] == pytest.approx(1e-3) and max(rates) == pytest.approx(1e-2)
+  before = [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
+  for _ in range(4):
+    trainer.step(*batch)
+    after = [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
+    assert all(np.any(a != b) for a, b in zip(after, before))
+    before = after
+
+
 def test_fsdp_step_gathers_weights_and_reduces_gradients():
   """The compiled FSDP step all-gathers the blocks' weights and reduces their gradients
   (on CPU XLA lowers that reduction as an all-reduce of the gradients, which is then

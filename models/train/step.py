@@ -241,11 +241,17 @@ def make_tx(lr: float, warmup: int, steps: int, weight_decay: float, clip: float
 
 
 def make_schedule(lr: float, warmup: int, steps: int, end: float = 0.1):
-  """`make_tx`'s learning rate at each step: linear warmup from 0, then cosine decay to
-  `end` x `lr` at `steps`."""
-  return optax.warmup_cosine_decay_schedule(
-    0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1), end_value=lr * end
+  """`make_tx`'s learning rate at each step (0-based): a linear warmup whose first step
+  already trains, lr / warmup at step 0 up to `lr` at step warmup - 1 (`warmup` 0 or 1:
+  `lr` from the first step), then cosine decay to `end` x `lr` at the last step, steps - 1.
+  optax's schedule from 0 gives its first update a rate of 0 (transformers' warmup
+  does too: its first optimizer step runs before the scheduler's first step), which
+  leaves the first step's weights as they were; here the rate at step k is optax's at
+  k + 1."""
+  base = optax.warmup_cosine_decay_schedule(
+    0.0, lr, warmup_steps=max(warmup, 1), decay_steps=max(steps, warmup + 1), end_value=lr * end
   )
+  return lambda count: base(count + 1)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
