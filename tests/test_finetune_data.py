@@ -361,6 +361,25 @@ def test_sigterm_saves_and_the_resumed_run_has_the_same_losses(folder, tmp_path)
   assert sorted(os.listdir(out / "state")) == ["6"]
 
 
+def test_a_resume_onto_other_data_is_refused_naming_what_differs_and_writes_nothing(folder, tmp_path):
+  import finetune as script
+
+  data = write_jsonl(tmp_path / "a.jsonl", chats(8))
+  out = tmp_path / "run"
+  script.main(_args(folder, data, out, "--steps", "1", "--no-progress"))
+  before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+  other = write_jsonl(tmp_path / "b.jsonl", chats(8, seed=9))
+  with pytest.raises(SystemExit, match=r"fine-tuned on other data \(tokens '[0-9a-f]+' -> '[0-9a-f]+'; path"):
+    script.main(_args(folder, other, out, "--steps", "2", "--no-progress"))
+  with pytest.raises(SystemExit, match=r"other data \(length 256 -> 128; rows 8 -> 14\)"):
+    script.main(_args(folder, data, out, "--steps", "2", "--no-progress", "--length", "128"))
+  assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+  moved = tmp_path / "moved.jsonl"
+  moved.write_bytes(data.read_bytes())  # the same data elsewhere goes on
+  script.main(_args(folder, moved, out, "--steps", "2", "--no-progress"))
+  assert len(json.loads((out / "report.json").read_text())["steps"]) == 2
+
+
 def test_a_non_finite_loss_stops_naming_the_batch_and_keeps_the_last_state(folder, tmp_path):
   import finetune as script
 

@@ -199,6 +199,48 @@ def check_resume(out: str, record: dict) -> None:
       f"{out}/state/ was fine-tuned from {before.get('path')}, whose {' and '.join(what)} differ from "
       f"{record['path']}'s: not resuming it (remove {out}/state/ or pass another --out)"
     )
+  differ = []
+  if "data" in before and before["data"] != record.get("data"):
+    was, now = before["data"], record.get("data") or {}
+    # The path is shown, not compared: the same data moved elsewhere resumes.
+    differ = [k for k in sorted(set(was) | set(now)) if k != "path" and was.get(k) != now.get(k)]
+    differ += ["path"] if differ and was.get("path") != now.get("path") else []
+    shown = "; ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in differ)
+  if "data" in before and differ:
+    raise ValueError(
+      f"{out}/state/ was fine-tuned on other data ({shown}): not resuming it with this data "
+      "(pass the same --data and data settings, remove state/, or pass another --out)"
+    )
+
+
+def data_record(data, config: FinetuneConfig, ids=None, path=None) -> dict:
+  """What a run trains on, for `check_resume`: the data's path and format, a hash of
+  its tokens and loss weights (the files, tokenizer, template and columns all show
+  there) and the settings that make rows and batches of them (row length, batch,
+  seed, what became of long examples)."""
+  h = hashlib.sha256()
+  out = dict(
+    path=None if path is None else str(path), length=config.length, batch=config.batch, seed=config.seed
+  )
+  examples = getattr(data, "examples", None)
+  if examples is not None:  # a pipeline.Loader
+    for a, m in zip(examples.ids, examples.masks):
+      h.update(np.asarray(a, np.int32).tobytes())
+      h.update(np.asarray(m, np.float32).tobytes())
+    h.update(json.dumps(examples.docs).encode())
+    out.update(
+      format=examples.format,
+      examples=len(examples),
+      rows=len(data.rows),
+      dropped=len(data.dropped),
+    )
+  elif ids is not None:
+    h.update(np.asarray(ids, np.int32).tobytes())
+    out.update(format="text windows")
+  else:
+    out.update(format="documents")
+  out["tokens"] = h.hexdigest()[:16]
+  return out
 
 
 def check_run(model, tokenizer, config: FinetuneConfig, ids=None, *, data=None) -> None:
@@ -296,6 +338,7 @@ def finetune(
   ids = None if text is None or data is not None else np.asarray(tokenizer.encode(text), np.int32)
   check_run(model, tokenizer, config, ids, data=data)
   record = base_record(model, base)
+  record["data"] = data_record(data, config, ids, path=(run or {}).get("data"))
   state_dir = os.path.join(out, "state")
   state = None
   if os.path.isdir(state_dir) and os.listdir(state_dir):
