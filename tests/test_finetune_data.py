@@ -380,6 +380,39 @@ def test_a_resume_onto_other_data_is_refused_naming_what_differs_and_writes_noth
   assert len(json.loads((out / "report.json").read_text())["steps"]) == 2
 
 
+def test_sigkill_after_an_unsaved_step_resumes_with_every_step_once(folder, tmp_path):
+  """SIGKILL (nothing saved at the kill) once steps after the last save were logged
+  (--save-every 4; killed after step 5 or so): the same command again takes the steps
+  from the saved state and data place on; its losses equal an uninterrupted run's bit
+  for bit, and metrics.jsonl and TensorBoard hold each step once (the killed run's
+  unsaved steps replaced, none lost)."""
+  data = write_jsonl(tmp_path / "c.jsonl", chats(40, seed=5))
+  steps = ["--steps", "10", "--batch", "2", "--save-every", "4", "--cache-dir", str(tmp_path / "cache")]
+  whole, out = tmp_path / "whole", tmp_path / "killed"
+  _finish(_child(_args(folder, data, whole, *steps), 300), 300)
+  expected = [r["loss"] for r in json.loads((whole / "report.json").read_text())["steps"]]
+  child = _child(_args(folder, data, out, *steps), 300)
+  metrics = out / "metrics.jsonl"
+  logged = lambda: len(metrics.read_text().splitlines()) if metrics.exists() else 0
+  try:
+    end = time.monotonic() + 240
+    while logged() < 6 and child.poll() is None and time.monotonic() < end:
+      time.sleep(0.01)  # steps take tens of milliseconds here: kill before the next save
+  finally:
+    child.kill()  # SIGKILL
+    child.wait(timeout=60)
+  saved = max(int(p.name) for p in (out / "state").iterdir() if p.name.isdigit())
+  assert saved < logged() < 10  # steps logged past the last save, then killed
+  _finish(_child(_args(folder, data, out, *steps), 300), 300)
+  records = [json.loads(x) for x in metrics.read_text().splitlines()]
+  assert [r["step"] for r in records] == list(range(10))
+  assert [r["loss"] for r in records] == expected
+  assert [r["loss"] for r in json.loads((out / "report.json").read_text())["steps"]] == expected
+  events = sorted((s, v) for t, s, v in _events(out / "tb") if t == "loss")
+  assert [s for s, _ in events] == list(range(10))
+  assert [v for _, v in events] == pytest.approx(expected, rel=1e-6)  # float32 in the event files
+
+
 def test_a_non_finite_loss_stops_naming_the_batch_and_keeps_the_last_state(folder, tmp_path):
   import finetune as script
 

@@ -30,8 +30,10 @@ def read(out) -> list[dict]:
 class Metrics:
   """Appends each record to `out/metrics.jsonl` and its numbers to TensorBoard. Opened
   to resume at `step`, it first drops the records of steps from `step` on (a run killed
-  after its last saved state logged steps it will take again), and TensorBoard's
-  `purge_step` does the same in the event files."""
+  after its last saved state logged steps it will take again), and writes the event
+  files anew from the records it keeps: TensorBoard then shows every step once, however
+  the run before was stopped (a purge step only hides what a later file repeats, and a
+  step logged after the last save was lost with the next run's purge)."""
 
   def __init__(self, out, step: int = 0, tensorboard: bool = True):
     os.makedirs(out, exist_ok=True)
@@ -43,19 +45,28 @@ class Metrics:
     self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
     self._tb = None
     if tensorboard:
+      import shutil
+
       from tensorboardX import SummaryWriter
 
-      self._tb = SummaryWriter(os.path.join(out, "tb"), purge_step=step if step else None)
+      shutil.rmtree(os.path.join(out, "tb"), ignore_errors=True)
+      self._tb = SummaryWriter(os.path.join(out, "tb"))
+      for record in kept:
+        self._scalars(record)
+      self._tb.flush()
 
   def log(self, record: dict) -> None:
     """One record: "step" and scalars (others, such as lists, go to the JSONL only)."""
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
     if self._tb is not None:
-      for name, value in record.items():
-        if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-          self._tb.add_scalar(name, value if math.isfinite(value) else float("nan"), record["step"])
+      self._scalars(record)
       self._tb.flush()
+
+  def _scalars(self, record: dict) -> None:
+    for name, value in record.items():
+      if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        self._tb.add_scalar(name, value if math.isfinite(value) else float("nan"), record["step"])
 
   def close(self) -> None:
     self._file.close()
