@@ -413,6 +413,41 @@ def test_sigkill_after_an_unsaved_step_resumes_with_every_step_once(folder, tmp_
   assert [v for _, v in events] == pytest.approx(expected, rel=1e-6)  # float32 in the event files
 
 
+def test_sigterm_during_the_set_up_exits_0_having_written_nothing(folder, tmp_path):
+  """A SIGTERM half a second after the start (while Python imports JAX and loads the
+  model): exit 0, a line saying so, and no file in --out."""
+  data = write_jsonl(tmp_path / "c.jsonl", chats(8))
+  out = tmp_path / "run"
+  child = _child(_args(folder, data, out, "--steps", "2"), 300)
+  time.sleep(0.5)
+  child.send_signal(signal.SIGTERM)
+  output = _finish(child, 240)
+  assert b"SIGTERM during the set-up: stopped before writing anything" in output
+  assert not out.exists() or not any(out.iterdir())
+
+
+def test_an_exported_folder_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+  """The export writes checkpoint/ (and adapter/) under a temporary name and renames it:
+  a failure midway (here the tokenizer's files) leaves no checkpoint/, and an older
+  complete one is replaced only by a complete one."""
+  from jax_ring.models.train import finetune
+
+  finetune._whole(str(tmp_path / "checkpoint"), lambda f: (os.makedirs(f), open(f"{f}/a", "w").close()))
+  assert sorted(os.listdir(tmp_path)) == ["checkpoint"] and os.listdir(tmp_path / "checkpoint") == ["a"]
+
+  def broken(folder):
+    os.makedirs(folder)
+    open(f"{folder}/config.json", "w").close()
+    raise OSError("disk full")
+
+  with pytest.raises(OSError, match="disk full"):
+    finetune._whole(str(tmp_path / "checkpoint"), broken)
+  assert os.listdir(tmp_path / "checkpoint") == ["a"]  # the complete one stays
+  with pytest.raises(OSError, match="disk full"):
+    finetune._whole(str(tmp_path / "new"), broken)
+  assert not (tmp_path / "new").exists()
+
+
 def test_a_non_finite_loss_stops_naming_the_batch_and_keeps_the_last_state(folder, tmp_path):
   import finetune as script
 

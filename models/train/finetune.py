@@ -292,6 +292,7 @@ def finetune(
   merge: bool = False,
   objective=None,
   cache_dir=None,
+  stop: dict | None = None,
 ) -> dict:
   """Fine-tunes `model` on the main job's documents, on windows of `text`, or on `data`
   (a `data.pipeline.Loader` of packed rows; `eval_data` another, in order, for the
@@ -326,14 +327,57 @@ def finetune(
   `objective` (`objective.Supervised` by default; `dpo.Preference`): how a batch is
   completed before the step, the loss, and the records of steps and evaluations; the
   run around it is the same for every objective. `cache_dir`: where an objective keeps
-  what it computes once for the data (DPO's precomputed reference; default `out`)."""
+  what it computes once for the data (DPO's precomputed reference; default `out`).
+
+  `stop`: a dict a signal handler of the caller's fills with "signal" (the caller's
+  handlers then cover its own set-up too, as scripts/finetune.py's do); without it the
+  call installs SIGTERM and SIGINT handlers of its own for its whole length. A signal
+  before anything is written returns at once (report["interrupted"], nothing on disk);
+  one before or during a step saves the state once the step ends; one during the
+  export lets it finish (each exported folder appears whole, renamed into place)."""
+  import signal
+
+  from . import objective as objectives
+
+  objective = objective or objectives.Supervised()
+  handlers = {}
+  if stop is None:
+    stop = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      with contextlib.suppress(ValueError):  # not the main thread: no handlers, the run just goes on
+        handlers[sig] = signal.signal(sig, lambda number, frame: stop.setdefault("signal", number))
+  try:
+    return _finetune(
+      model, tokenizer, config, out, text=text, data=data, eval_data=eval_data, progress=progress, base=base,
+      run=run, merge=merge, objective=objective, cache_dir=cache_dir, stop=stop,
+    )  # fmt: skip
+  finally:
+    for sig, old in handlers.items():
+      signal.signal(sig, old)
+
+
+def _finetune(
+  model,
+  tokenizer,
+  config,
+  out,
+  *,
+  text,
+  data,
+  eval_data,
+  progress,
+  base,
+  run,
+  merge,
+  objective,
+  cache_dir,
+  stop,
+):
+  """`finetune`'s run, with `stop` filled by a signal handler."""
   import signal
 
   from . import metrics as metrics_io
-  from . import objective as objectives
   from .step import make_schedule
-
-  objective = objective or objectives.Supervised()
 
   ids = None if text is None or data is not None else np.asarray(tokenizer.encode(text), np.int32)
   check_run(model, tokenizer, config, ids, data=data)
@@ -352,6 +396,10 @@ def finetune(
         "(pass --steps of at least the steps done, or another --out)"
       )
   main = jax.process_index() == 0  # the process that writes the files (all save the state)
+  if "signal" in stop:  # during the set-up: nothing written yet, nothing to save
+    if state is not None:
+      state.close()
+    return dict(steps=[], interrupted=signal.Signals(stop["signal"]).name, saved=False)
   if main:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, BASE), "w") as f:
@@ -411,11 +459,6 @@ def finetune(
   report["memory"] = trainer.memory(*args, **rows)
   history = [r for r in metrics_io.read(out) if "loss" in r and r["step"] < first]
   log = metrics_io.Metrics(out, first) if main else metrics_io.Quiet()
-  stop = {}
-  handlers = {}
-  for sig in (signal.SIGTERM, signal.SIGINT):
-    with contextlib.suppress(ValueError):  # not the main thread: no handlers, the run just goes on
-      handlers[sig] = signal.signal(sig, lambda number, frame: stop.setdefault("signal", number))
 
   def save(step):
     state.save(step, trainer, force=True)
@@ -445,6 +488,10 @@ def finetune(
     steps = tqdm(steps, desc="fine-tuning", initial=first, total=config.steps, unit="step")
   try:
     for step in steps:
+      if "signal" in stop:  # before this step (during the set-up, or an evaluation)
+        save(step)
+        report["interrupted"] = signal.Signals(stop["signal"]).name
+        return report
       arrays, where = next(data)
       start = time.perf_counter()
       arrays = objective.prepare(arrays)
@@ -486,8 +533,6 @@ def finetune(
     save(config.steps)
     report.pop("interrupted", None)
   finally:
-    for sig, old in handlers.items():
-      signal.signal(sig, old)
     log.close()
     state.close()
   # The AdamW moments are in state/ now; the export below needs only the weights. Freed,
@@ -500,14 +545,32 @@ def finetune(
 
     nnx.update(tuned, multihost_utils.process_allgather(nnx.state(tuned, nnx.Param), tiled=True))
   if main and adapters:
-    lora.save_lora(tuned, os.path.join(out, "adapter"))
+    _whole(os.path.join(out, "adapter"), lambda folder: lora.save_lora(tuned, folder))
   if adapters and merge:
     lora.merge_lora(tuned)
   if main and (merge or not adapters):
-    checkpoints.save(tuned, os.path.join(out, "checkpoint"), tokenizer=tokenizer)
+    _whole(os.path.join(out, "checkpoint"), lambda f: checkpoints.save(tuned, f, tokenizer=tokenizer))
     with open(report_path, "w") as f:
       json.dump(report, f, indent=1)
   return report
+
+
+def _whole(folder, write) -> None:
+  """`write(path)` into `folder` + ".part", then renamed to `folder` (an older one
+  replaced): a folder that is there is complete, whatever stopped the run."""
+  import shutil
+
+  part = folder + ".part"
+  shutil.rmtree(part, ignore_errors=True)
+  write(part)
+  if os.path.isdir(folder):
+    old = folder + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(folder, old)
+    os.replace(part, folder)
+    shutil.rmtree(old)
+  else:
+    os.replace(part, folder)
 
 
 def _cache_path(folder, record, config, objective):
