@@ -3,14 +3,13 @@
 
 Where a template has `{% generation %}` blocks (TRL's training templates), the tokens
 those blocks produce are the assistant's, as transformers' `assistant_masks` marks them.
-Where it has none, each assistant turn's span is found by rendering the conversation up
-to that turn (with the generation prompt) and through it: what the second adds to the
-first, up to the last token it shares with the whole conversation's rendering, is the
-turn (its text and the template's end-of-turn marker). That needs a template that
-renders a turn the same whatever follows it; one that does not (Qwen 3's drops the
-thinking block of earlier turns; Mistral's moves the system message into the last user
-turn) is refused with the reason, and a template with generation blocks does it
-(`--chat-template FILE`).
+Where it has none, the conversation is rendered once more with each assistant
+content between two private-use marks, which must change nothing else in the text: a
+turn's span runs from its content's start (where the template keeps only the content's
+tail, as Qwen 3's keeps what follows an earlier turn's reasoning, from that tail's
+start) to the end of the last whole token after it that the conversation rendered
+through the turn shares with the whole one: the turn's text and the template's
+end-of-turn marker. The ids are always those of the one plain rendering.
 """
 
 from __future__ import annotations
@@ -174,7 +173,7 @@ def tokenize_chat(
   if not assistant_mask:
     return np.asarray(encoding.ids, np.int32)
   if not spans and not _GENERATION.search(template):
-    spans = _turn_spans(template, messages, text, encoding, encode, tools, special)
+    spans = _turn_spans(template, messages, text, encoding, tools, special, add_generation_prompt)
   ids = np.asarray(encoding.ids, np.int32)
   mask = np.zeros(len(ids), np.int32)
   for t, (start, end) in enumerate(encoding.offsets):
@@ -183,32 +182,83 @@ def tokenize_chat(
   return ids, mask
 
 
-def _turn_spans(template, messages, text, encoding, encode, tools, special):
-  """Each assistant turn's span in `text` (tokenized as `encoding`): from the end of the
-  conversation rendered up to the turn with the generation prompt, to the end of the
-  last token that the conversation rendered through the turn shares with `text` (a
-  template may close the last turn differently, as Phi-3's adds EOS). The span must
-  hold the turn's content."""
-  spans = []
-  for i, m in enumerate(messages):
-    if m.get("role") != "assistant":
-      continue
-    before = render_chat(template, messages[:i], add_generation_prompt=True, tools=tools, **special)[0]
-    through = encode(render_chat(template, messages[: i + 1], tools=tools, **special)[0])
-    shared = 0
-    for a, b in zip(through.ids, encoding.ids):
-      if a != b:
-        break
-      shared += 1
-    end = encoding.offsets[shared - 1][1] if shared else 0
-    content = m.get("content")
-    if not text.startswith(before) or (
-      isinstance(content, str) and content.strip() not in text[len(before) : end]
-    ):
-      raise ValueError(
-        f"messages[{i}] (assistant): the chat template renders this turn differently when later turns "
-        "follow it, so its tokens cannot be found; use a template with {% generation %} blocks "
-        "(--chat-template FILE; TRL's training templates have them)"
-      )
-    spans.append((len(before), end))
+def _turn_spans(template, messages, text, encoding, tools, special, add_generation_prompt=False):
+  """Each assistant turn's span in `text` (tokenized as `encoding`), from one more
+  rendering of the whole conversation with each assistant content between two
+  private-use marks: the span runs from the content's start (or, where the template
+  keeps only its end, as Qwen 3's keeps what follows an earlier turn's reasoning, from
+  the start of the content's tail it kept) to the end of the last token, after the
+  content, that the conversation rendered through the turn shares with `text` (the
+  template's end of turn; Phi-3's EOS only after the last). The marks must change
+  nothing else in the rendering."""
+  for inner in (False, True):  # marks around the content, else around it less its outer whitespace
+    marked = [_marked(m, inner) for m in messages]
+    shown = render_chat(template, marked, add_generation_prompt=add_generation_prompt, tools=tools, **special)
+    clean, marks = _unmark(shown[0])
+    turns = [i for i, m in enumerate(messages) if m is not marked[i]]
+    closes = [at for kind, at in marks if kind == _MARK_CLOSE]
+    if clean == text and len(closes) == len(turns):
+      break
+  else:
+    raise ValueError(
+      "the chat template renders an assistant turn's text otherwise when it holds other characters, so "
+      "its tokens cannot be found; use a template with {% generation %} blocks (--chat-template FILE; "
+      "TRL's training templates have them)"
+    )
+  ends = [end for _, end in encoding.offsets]
+  spans, previous = [], 0
+  for i, close in zip(turns, closes):
+    content = messages[i]["content"].strip() if inner else messages[i]["content"]
+    opens = [at for kind, at in marks if kind == _MARK_OPEN and previous <= at <= close]
+    if opens:
+      start = opens[-1]
+    else:  # the template kept the content's tail only
+      kept = 0
+      while kept < min(close, len(content)) and text[close - kept - 1] == content[len(content) - kept - 1]:
+        kept += 1
+      start = close - kept
+      while start < close and text[start].isspace():  # a template that keeps a tail strips it
+        start += 1
+    if content.strip() and not text[start:close].strip():
+      raise ValueError(f"messages[{i}] (assistant): the chat template leaves none of its content")
+    through, through_marks = _unmark(render_chat(template, marked[: i + 1], tools=tools, **special)[0])
+    after = through[[at for kind, at in through_marks if kind == _MARK_CLOSE][-1] :]
+    same = 0
+    while same < min(len(after), len(text) - close) and after[same] == text[close + same]:
+      same += 1
+    # Whole tokens only: a token the shared text cuts (a different special token that
+    # starts alike) is not the turn's.
+    end = max([e for e in ends if close < e <= close + same], default=close)
+    spans.append((start, end))
+    previous = close
   return spans
+
+
+_MARK_OPEN, _MARK_CLOSE = "\ue002", "\ue003"
+
+
+def _marked(message, inner: bool = False):
+  """An assistant message with string content, its content between the marks (`inner`:
+  inside the content's outer whitespace, for a template that trims it); the message
+  itself otherwise."""
+  if message.get("role") != "assistant" or not isinstance(message.get("content"), str):
+    return message
+  content = message["content"]
+  if _MARK_OPEN in content or _MARK_CLOSE in content:
+    raise ValueError("an assistant message holds U+E002 or U+E003, which finding its tokens reserves")
+  core = content.strip() if inner else content
+  at = content.find(core) if core else 0
+  return dict(message, content=content[:at] + _MARK_OPEN + core + _MARK_CLOSE + content[at + len(core) :])
+
+
+def _unmark(shown: str):
+  """(the text without the marks, [(mark, its place in that text)])."""
+  out, marks = [], []
+  at = 0
+  for ch in shown:
+    if ch in (_MARK_OPEN, _MARK_CLOSE):
+      marks.append((ch, at))
+    else:
+      out.append(ch)
+      at += 1
+  return "".join(out), marks
