@@ -222,6 +222,34 @@ def test_rslora_scales_by_the_square_root_and_tensors_are_checked(tmp_path):
     models.load(base, attention="dense", adapter=tmp_path / "a")
 
 
+def test_the_scale_is_alpha_over_rank_and_a_is_drawn_as_peft_draws_it(tmp_path):
+  """y = x W + (alpha / r) (x A) B with rank != alpha (4 and 16: 4, where r / alpha
+  gives 0.25), against NumPy in float64; A uniform within PEFT's 1 / sqrt(in) (not
+  1 / in); an adapter_config.json without "use_rslora" read as PEFT reads it (False)."""
+  model = models.build(CFG, attention="dense", rngs=nnx.Rngs(0))
+  _with_b(models.add_lora(model, rank=4, alpha=16, targets=("o", "down")))
+  out = model.blocks[0].attn.out
+  assert out.lora_scale == 4.0
+  x = np.random.default_rng(2).standard_normal((3, out.in_features)).astype(np.float32)
+  w, a, b = (np.asarray(v[...], np.float64) for v in (out.kernel, out.lora_a, out.lora_b))
+  np.testing.assert_allclose(
+    np.asarray(out(jnp.asarray(x)), np.float64), x @ w + 4.0 * (x @ a) @ b, rtol=1e-5, atol=1e-5
+  )
+  for module, n_in in ((out, out.in_features), (model.blocks[1].mlp.down, CFG.mlp_hidden)):
+    values = np.abs(np.asarray(module.lora_a[...]))
+    assert values.max() <= 1 / np.sqrt(n_in) and values.max() > 0.9 / np.sqrt(n_in) > 2 / n_in
+  base = _folder(tmp_path)
+  trained, _ = models.load(base, attention="dense")
+  _with_b(models.add_lora(trained, rank=4, alpha=8, targets=("q",)))
+  models.save_lora(trained, tmp_path / "a")
+  config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+  del config["use_rslora"]
+  (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
+  loaded, _ = models.load(base, attention="dense", adapter=tmp_path / "a")
+  assert loaded.blocks[0].attn.query.lora_scale == 2.0  # 8 / 4, not 8 / sqrt(4)
+  assert rel_err(loaded(TOKENS), trained(TOKENS)) < 1e-6
+
+
 def test_bad_settings_and_unsupported_targets_are_refused():
   model = models.build(CFG, attention="dense")
   with pytest.raises(ValueError, match="rank=0 must be a positive int"):
