@@ -511,3 +511,64 @@ def test_rows_with_nothing_to_learn_are_left_out():
   arrays, where = next(loader)
   assert where == ["data.jsonl:1"] and arrays["positions"][0, 0] == 512
   assert arrays["weights"].sum() == 10
+
+
+# --- Checks that plausible slips in the data path fail. ---
+
+
+def _examples(masks, where=None):
+  """pipeline.Examples of the given loss masks (ids 5, 6, ... each)."""
+  ids = [np.arange(5, 5 + len(m), dtype=np.int32) for m in masks]
+  masks = [np.asarray(m, np.float32) for m in masks]
+  return pipeline.Examples(ids, masks, where or [f"f:{i + 1}" for i in range(len(masks))], "completion", [])
+
+
+def test_the_token_cache_is_keyed_by_the_template_and_keeps_the_skipped_count(folder, tmp_path):
+  tok = HFTokenizer.from_folder(folder)
+  data = write_jsonl(tmp_path / "c.jsonl", chats(3) + [{"messages": []}])
+  cache = tmp_path / "cache"
+  first = pipeline.load_examples(data, tok, skip_bad=True, cache_dir=cache)
+  again = pipeline.load_examples(data, tok, skip_bad=True, cache_dir=cache)
+  assert again.cached and len(again.skipped) == len(first.skipped) == 1
+  other = (TEMPLATES / "llama3_1.jinja").read_text()
+  changed = pipeline.load_examples(data, tok, skip_bad=True, cache_dir=cache, chat_template=other)
+  assert not changed.cached and [list(x) for x in changed.ids] != [list(x) for x in first.ids]
+
+
+def test_texts_end_with_eos_and_a_completion_not_its_prompt_must_hold_something(folder):
+  tok = HFTokenizer.from_folder(folder)
+  ids, mask = pipeline.tokenize_record(tok, {"text": "abc"}, "text", None)
+  assert ids[-1] == tok.eos_id and ids[0] == tok.bos_id and mask.all()
+  assert sources.check("f:1", {"prompt": "", "completion": "x"}, "completion") == {
+    "prompt": "",
+    "completion": "x",
+  }
+  with pytest.raises(sources.BadRecord, match="'completion' is empty"):
+    sources.check("f:1", {"prompt": "x", "completion": " "}, "completion")
+
+
+def test_the_loader_shuffles_by_its_seed_keeps_a_last_partial_batch_and_names_each_example():
+  ex = _examples([[0, 1, 1, 1]] * 9)
+  seen = {}
+  for seed in (0, 1):
+    loader = pipeline.Loader(ex, 4, 3, seed=seed)
+    seen[seed] = [w for _ in range(3) for w in next(loader)[1]]
+  assert sorted(seen[0]) == sorted(seen[1]) == sorted(ex.where) and seen[0] != seen[1]
+  again = pipeline.Loader(ex, 4, 3, seed=1)
+  assert [w for _ in range(3) for w in next(again)[1]] == seen[1]
+  # Evaluation: 5 rows in batches of 2 are 3 batches, the last of one row.
+  ev = pipeline.Loader(_examples([[0, 1, 1, 1]] * 5), 4, 2, shuffle=False)
+  assert [len(where) for _, where in ev] == [2, 2, 1]
+  # A row of several examples names each, in the row's order, for every row of the batch.
+  packed = pipeline.Loader(_examples([[0, 1], [0, 1], [0, 1, 1], [0, 1, 1]]), 5, 2, shuffle=False)
+  arrays, where = next(packed)
+  names = [packed.examples.where[p.example] for row in packed.rows[:2] for p in row]
+  assert where == names and len(where) == 4
+
+
+def test_split_off_holds_out_one_at_least_and_rows_learn_past_their_first_token():
+  kept, held = pipeline.split_off(_examples([[0, 1]] * 3), 0.1)
+  assert len(held) == 1 and len(kept) == 2
+  # The first token of a row is predicted by nothing: a row whose only weight is there learns nothing.
+  loader = pipeline.Loader(_examples([[1, 0, 0], [0, 0, 1]]), 3, 1, shuffle=False)
+  assert loader.idle_rows == 1 and len(loader.rows) == 1
