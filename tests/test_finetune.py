@@ -938,6 +938,46 @@ def test_check_run_refuses_each_bad_setting_by_name():
     with pytest.raises(ValueError, match=re.escape(says)):
       check(**kw)
   check(length=SMALL.context_length)
+  # A text needs length + 2 tokens (a window of length + 1 at two offsets at least).
+  window = lambda n: finetune.check_run(model, None, finetune.FinetuneConfig(length=16), np.arange(n) % 7)
+  with pytest.raises(ValueError, match="the text has 17 tokens; length=16 needs at least 18"):
+    window(17)
+  window(18)
+
+
+def test_ids_outside_the_vocabulary_are_named_and_the_last_id_is_in():
+  from jax_ring.models.data import pipeline
+
+  model = models.build(SMALL, attention="dense")
+  loader = lambda top: type("L", (), {"examples": pipeline.Examples(
+    [np.asarray([1, top], np.int32)], [np.ones(2, np.float32)], ["f.jsonl:3"], "text", []
+  )})()  # fmt: skip
+  config = finetune.FinetuneConfig(length=8)
+  finetune.check_run(model, None, config, data=loader(SMALL.vocab_size - 1))
+  with pytest.raises(ValueError, match=f"f.jsonl:3: token id {SMALL.vocab_size} is outside"):
+    finetune.check_run(model, None, config, data=loader(SMALL.vocab_size))
+
+
+def test_the_supervised_records_count_weighted_targets_and_evaluate_per_token():
+  """loss_tokens counts the targets with a weight (not the targets that are not 0); an
+  evaluation's loss is the mean over every weighted token, so a batch of 3 tokens at
+  loss 1 and one of 1 token at loss 5 give 2, not the batches' mean 3."""
+  from jax_ring.models.train import objective
+
+  sft = objective.Supervised()
+  arrays = dict(targets=np.asarray([[3, 0, 5, 7]]), weights=np.asarray([[0.0, 1.0, 1.0, 0.0]]))
+  assert sft.record(arrays, 1.5, {})["loss_tokens"] == 2
+  batches = [(dict(weights=np.ones((1, 3))), 1.0, {}), (dict(weights=np.asarray([[1.0, 0.0]])), 5.0, {})]
+  assert sft.evaluate(batches) == dict(eval_loss=2.0)
+
+
+def test_the_datas_place_must_be_the_saved_steps(tmp_path):
+  """data_state.json holds the loader's place at the step it was saved with; a state at
+  another step (a kill between the two writes) is refused, not resumed on the wrong rows."""
+  finetune._write_data_state(str(tmp_path), 3, {"next": 7})
+  assert finetune._data_state(str(tmp_path), 3, None) == {"next": 7}
+  with pytest.raises(ValueError, match="is at step 4 but .* does not hold the data's place there"):
+    finetune._data_state(str(tmp_path), 4, None)
 
 
 def test_base_record_without_a_path_fingerprints_the_weights_not_only_their_shapes():
