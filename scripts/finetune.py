@@ -270,9 +270,12 @@ def make_objective(args, mesh, models):
     config = dpo.DPOConfig(args.loss_type, args.beta, args.label_smoothing)
   except ValueError as e:
     raise SystemExit(f"finetune.py: --loss-type/--beta/--label-smoothing: {e}") from None
-  reference = "initial"
+  reference, key = "initial", None
   if args.reference is not None:
+    from jax_ring.models.train import finetune
+
     reference, _ = models.load(args.reference, mesh=mesh, fsdp=args.fsdp, dtype=args.reference_dtype)
+    key = finetune.base_record(reference, args.reference)
   elif args.reference_dtype is not None and args.lora_rank is not None:
     raise SystemExit("finetune.py: --reference-dtype: with adapters the reference is the base itself")
   return objective.make(
@@ -281,6 +284,7 @@ def make_objective(args, mesh, models):
     reference=reference,
     reference_dtype=args.reference_dtype,
     precompute=args.precompute_reference,
+    reference_key=key,
   )
 
 

@@ -132,10 +132,10 @@ def test_pairs_pack_whole_each_sequence_its_own_document():
   # keep_end: each sequence cut to its share of the row from its start; keep_start: from its end.
   cut = pipeline.Loader(ex, 40, 1, long="truncate", shuffle=False, truncation="keep_end")
   assert cut.docs[2] == [20, 20] and cut.dropped == []
-  np.testing.assert_array_equal(cut._pairs[2][0][:20], ids[2][:20])
-  np.testing.assert_array_equal(cut._pairs[2][0][20:], ids[2][25:])
+  np.testing.assert_array_equal(cut.packed[2][0][:20], ids[2][:20])
+  np.testing.assert_array_equal(cut.packed[2][0][20:], ids[2][25:])
   cut = pipeline.Loader(ex, 40, 1, long="truncate", shuffle=False, truncation="keep_start")
-  np.testing.assert_array_equal(cut._pairs[2][0][20:], ids[2][20:40])
+  np.testing.assert_array_equal(cut.packed[2][0][20:], ids[2][20:40])
   assert preference.fit_pair([30, 5], 20) == (15, 5) and preference.fit_pair([5, 30], 21) == (5, 16)
   with pytest.raises(ValueError, match="never split"):
     pipeline.Loader(ex, 40, 1, long="split")

@@ -272,7 +272,7 @@ class Loader:
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
       raise ValueError(f"batch={batch!r} must be a positive int (rows a step)")
     self.examples, self.length, self.pad_id, self.batch = examples, length, int(pad_id or 0), batch
-    self._pairs = examples.pairs()
+    self.packed = examples.pairs()  # (ids, mask) of each example as the rows take it (pairs cut to fit)
     self.docs = examples.docs
     self.reference = None  # per example, its documents' reference log-probabilities (`set_reference`)
     lengths = [len(i) for i in examples.ids]
@@ -284,11 +284,11 @@ class Loader:
           "as TRL's truncation_mode cuts them) or 'drop' it"
         )
       if long == "truncate":
-        self._pairs, self.docs = list(self._pairs), list(self.docs)
+        self.packed, self.docs = list(self.packed), list(self.docs)
         for i, (n, d) in enumerate(zip(lengths, self.docs)):
           if n > length:
-            ids, mask, d = preference.truncate_pair(*self._pairs[i], d, length, truncation)
-            self._pairs[i], self.docs[i], lengths[i] = (ids, mask), d, len(ids)
+            ids, mask, d = preference.truncate_pair(*self.packed[i], d, length, truncation)
+            self.packed[i], self.docs[i], lengths[i] = (ids, mask), d, len(ids)
             if not preference.learns(mask, d):  # keep_start cut a completion whole
               unlearned.append(i)
               lengths[i] = 0
@@ -296,7 +296,7 @@ class Loader:
     self.dropped = sorted(set(self.dropped) | set(unlearned))
     # A row with nothing to learn (a piece of a long prompt, say) would cost a step for
     # no gradient: left out, and counted.
-    learns = lambda row: any(self._pairs[p.example][1][p.start + 1 : p.stop].any() for p in row)
+    learns = lambda row: any(self.packed[p.example][1][p.start + 1 : p.stop].any() for p in row)
     self.rows = [row for row in rows if learns(row)]
     # The most documents a row holds (a batch's reference log-probabilities: one a document).
     count = lambda p: 1 if self.docs is None else len(self.docs[p.example])
@@ -312,7 +312,7 @@ class Loader:
     self._iter = iter(self.dataset)
 
   def _row(self, i):
-    row = packing.fill(self.rows[i], self._pairs, self.length, pad_id=self.pad_id, docs=self.docs)
+    row = packing.fill(self.rows[i], self.packed, self.length, pad_id=self.pad_id, docs=self.docs)
     row = dict(row, row=np.int64(i))
     if self.reference is not None:  # each document's reference log-probability, in its segment's slot
       values = [v for p in self.rows[i] for v in self.reference[p.example]]

@@ -107,7 +107,7 @@ class Reference:
     self.params, self.rest = params, rest
     self._run = functools.lru_cache(maxsize=None)(
       lambda slots: jax.jit(
-        functools.partial(step._evaluate, graphdef, _logps_only(slots), chunk, plan),
+        functools.partial(step.evaluate_objective, graphdef, _logps_only(slots), chunk, plan),
       )
     )
 
@@ -147,29 +147,37 @@ def _logps_only(slots):
 class Preference(objective.Supervised):
   """DPO as an objective of the training loop. `reference`: "initial" (the initial
   weights: adapters off, or a frozen copy in `reference_dtype`), or a model
-  (`Reference.of_model`'s). `precompute`: the reference's log-probabilities of every
-  row computed once, before training (`setup`), and the step holds one model."""
+  (`Reference.of_model`'s, named for the cache by `reference_key`). `precompute`: the
+  reference's log-probabilities of every row computed once, before training (`setup`),
+  and the step holds one model."""
 
   name = "dpo"
 
   def __init__(
-    self, config: DPOConfig = DPOConfig(), *, reference="initial", reference_dtype=None, precompute=False
+    self,
+    config: DPOConfig = DPOConfig(),
+    *,
+    reference="initial",
+    reference_dtype=None,
+    precompute=False,
+    reference_key=None,
   ):
     self.config, self.reference, self.reference_dtype = config, reference, reference_dtype
+    # What names the reference in a cached file's name ("initial": the run's own model,
+    # which the file's name holds already; another model: its record, else nothing is cached).
+    self.reference_key = "initial" if reference == "initial" else reference_key
     self.precompute, self._ref, self._place = precompute, None, None
 
   def setup(self, trainer, data, eval_data, *, place=None, cache=None) -> None:
-    from .. import lora
-
     self._place = place
     loaders = [x for x in (data, eval_data) if x is not None]
     self.slots = max(x.slots for x in loaders)
     for x in loaders:  # one shape of "reference" for every batch: one compiled step
       x.slots = self.slots
-    model = trainer.model()
+    adapters = bool(jax.tree.leaves(nnx.filter_state(trainer.params, nnx.LoRAParam)))
     if self.reference != "initial":
       self._ref = Reference.of_model(self.reference, trainer.chunk)
-    elif lora.lora_settings(model) is not None:
+    elif adapters:
       self._ref = Reference.adapters_off(trainer)
     elif self.precompute:  # the weights as they are, before any step: no copy
       self._ref = Reference(trainer.graphdef, trainer.params, trainer.rest, trainer.plan, trainer.chunk)
@@ -184,8 +192,8 @@ class Preference(objective.Supervised):
   def table(self, loader, cache=None) -> list:
     """Each example's documents' reference log-probabilities, from every row of
     `loader` once in order; read from `cache(loader)` (a path) where an earlier run wrote
-    them, and written there."""
-    path = None if cache is None else cache(loader)
+    them, and written there (not for another model without a `reference_key`)."""
+    path = None if cache is None or self.reference_key is None else cache(loader)
     if path is not None and path.is_file():
       with np.load(path) as z:
         flat, lengths = z["values"], z["lengths"]

@@ -199,14 +199,14 @@ def check_resume(out: str, record: dict) -> None:
       f"{out}/state/ was fine-tuned from {before.get('path')}, whose {' and '.join(what)} differ from "
       f"{record['path']}'s: not resuming it (remove {out}/state/ or pass another --out)"
     )
-  differ = []
-  if "data" in before and before["data"] != record.get("data"):
-    was, now = before["data"], record.get("data") or {}
-    # The path is shown, not compared: the same data moved elsewhere resumes.
-    differ = [k for k in sorted(set(was) | set(now)) if k != "path" and was.get(k) != now.get(k)]
-    differ += ["path"] if differ and was.get("path") != now.get("path") else []
+  was, now = before.get("data"), record.get("data") or {}
+  if was is None:  # a state written before runs recorded their data
+    return
+  # The path is shown, not compared: the same data moved elsewhere resumes.
+  differ = [k for k in sorted(set(was) | set(now)) if k != "path" and was.get(k) != now.get(k)]
+  if differ:
+    differ += ["path"] if was.get("path") != now.get("path") else []
     shown = "; ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in differ)
-  if "data" in before and differ:
     raise ValueError(
       f"{out}/state/ was fine-tuned on other data ({shown}): not resuming it with this data "
       "(pass the same --data and data settings, remove state/, or pass another --out)"
@@ -582,9 +582,9 @@ def _cache_path(folder, record, config, objective):
     from pathlib import Path
 
     h = hashlib.sha256()
-    for ids, _ in loader._pairs:
+    for ids, _ in loader.packed:
       h.update(np.asarray(ids, np.int32).tobytes())
-    key = [loader.docs, loader.length, loader.batch, config.chunk, record, str(objective.reference)]
+    key = [loader.docs, loader.length, loader.batch, config.chunk, record, objective.reference_key]
     h.update(json.dumps(key, default=str).encode())
     return Path(folder) / f"{objective.name}-{h.hexdigest()[:24]}.npz"
 

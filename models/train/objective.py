@@ -20,7 +20,7 @@ class Supervised:
 
   name = "sft"
 
-  reference = None  # what an objective compares with (`dpo`), part of its cached files' names
+  reference_key = None  # what names an objective's reference (`dpo`) in its cached files' names
 
   def setup(self, trainer, data, eval_data, *, place=None, cache=None) -> None:
     """Called once the step's weights exist, before a resumed state replaces them:

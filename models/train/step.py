@@ -339,7 +339,9 @@ class Trainer:
       donate_argnums=(0, 2),
       out_shardings=(shardings(self.params), shardings(self.opt_state), None, None),
     )
-    self._evaluate = jax.jit(functools.partial(_evaluate, self.graphdef, objective, chunk, self.plan))
+    self._evaluate = jax.jit(
+      functools.partial(evaluate_objective, self.graphdef, objective, chunk, self.plan)
+    )
     self._programs = {}
 
   def _program(self, tokens, targets, weights, rows):
@@ -602,7 +604,9 @@ def _step(graphdef, tx, objective, chunk, plan, params, rest, opt_state, tokens,
   return optax.apply_updates(params, updates), opt_state, loss_value, stats
 
 
-def _evaluate(graphdef, objective, chunk, plan, params, rest, tokens, targets, weights, rows=None):
+def evaluate_objective(graphdef, objective, chunk, plan, params, rest, tokens, targets, weights, rows=None):
+  """`objective` of the model `graphdef` with `params` and `rest` (the blocks' weights
+  stacked as `plan` says, as `Trainer` keeps them), on one batch, without a step."""
   model, stacked = _as_model(graphdef, plan, params, rest)
   with stacked:
     return objective(model, tokens, targets, weights, chunk=chunk, **(rows or {}))
