@@ -217,6 +217,15 @@ def compile_model(mesh, args, seq_len: int):
     return jax.jit(jax.grad(loss)).lower(params, tokens, tokens).compile()
 
 
+def objective_of(name: str) -> dict:
+  """`compile_train_step`'s objective and its further inputs for --objective NAME."""
+  if name == "dpo":
+    from jax_ring.models.train import dpo
+
+    return dict(objective=dpo.Preference().loss, objective_rows=dpo.compiled_rows)
+  return {}
+
+
 def compile_for(mesh, args, seq_len: int):
   if isinstance(args.model, str):
     from jax_ring.models.train import step as train_step
@@ -235,7 +244,7 @@ def compile_for(mesh, args, seq_len: int):
       lora_rank=args.lora_rank,
       lora_alpha=args.lora_alpha,
       device_bytes=aot.target(args.target).memory_bytes,
-      objective=args.objective,
+      **objective_of(args.objective),
     )
   if args.model:
     return compile_model(mesh, args, seq_len)

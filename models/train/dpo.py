@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import objective, step
+from . import step
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 METRICS = (
@@ -99,6 +99,18 @@ def pair_losses(policy, reference, counts, config: DPOConfig):
   return per, beta * ratio_c, beta * ratio_r
 
 
+def compiled_rows(batch: int, seq_len: int, rows, whole) -> dict:
+  """DPO's further step inputs, abstract, for `step.compile_train_step`: each row one
+  pair (its two sequences, seq_len / 2 tokens each, two documents), its segment ids and
+  positions split as the tokens (`rows`), and the two reference log-probabilities
+  (`whole`)."""
+  return dict(
+    segment_ids=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows),
+    positions=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows),
+    reference=jax.ShapeDtypeStruct((batch, 2), jnp.float32, sharding=whole),
+  )
+
+
 class Reference:
   """The reference model's log-probabilities of a batch's documents: `graphdef` merged
   with `params` and `rest` (stacked as `plan` says, as `step.Trainer` keeps them)."""
@@ -144,8 +156,9 @@ def _logps_only(slots):
   return run
 
 
-class Preference(objective.Supervised):
-  """DPO as an objective of the training loop. `reference`: "initial" (the initial
+class Preference:
+  """DPO as an objective of the training loop (`objective.Supervised`'s
+  interface). `reference`: "initial" (the initial
   weights: adapters off, or a frozen copy in `reference_dtype`), or a model
   (`Reference.of_model`'s, named for the cache by `reference_key`). `precompute`: the
   reference's log-probabilities of every row computed once, before training (`setup`),

@@ -645,7 +645,8 @@ def compile_train_step(
   lora_rank: int | None = None,
   lora_alpha: float | None = None,
   device_bytes: int | None = None,
-  objective: str = "sft",
+  objective=None,
+  objective_rows=None,
 ):
   """One whole AdamW step of the named model (`models.config(name)`) with `fsdp=True`,
   per-layer `remat` and the chunked loss, over `mesh`'s "seq" axis, compiled with
@@ -658,10 +659,10 @@ def compile_train_step(
   attention's alone for a mixture of experts) are all the step trains: the base stays
   in `param_dtype` with no gradient or optimizer state, the adapters and their AdamW
   moments float32. `device_bytes`: a device's memory, for the scheduler's limit with
-  remat "offload" (`offload_compiler_options`). `objective`: "sft" (the next token's
-  cross-entropy) or "dpo" (`dpo.Preference`, sigmoid: each row one preference pair, its
-  chosen and rejected sequences seq_len / 2 tokens each, two documents with their
-  segment ids and positions, and the reference's log-probabilities an input)."""
+  remat "offload" (`offload_compiler_options`). `objective`: the step's loss (`Trainer`'s
+  objective; None: the next token's cross-entropy), with `objective_rows(batch, seq_len,
+  rows, whole)` the further inputs it takes, abstract (`rows`: the sharding of [B, T]
+  arrays, `whole`: a replicated one), as `dpo.compiled_rows` gives DPO's."""
   # Training past the released context (as long-context fine-tuning does): the model
   # takes sequences up to seq_len, with its rotary settings as released.
   cfg = checkpoints.config(name)
@@ -710,21 +711,9 @@ def compile_train_step(
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)
     weights = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=rows)
     extra = ()
-    loss_fn = cross_entropy
-    if objective == "dpo":
-      from . import dpo
-
-      loss_fn = dpo.Preference().loss
-      whole = NamedSharding(auto, P())
-      extra = (
-        dict(
-          segment_ids=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows),
-          positions=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows),
-          reference=jax.ShapeDtypeStruct((batch, 2), jnp.float32, sharding=whole),
-        ),
-      )
-    elif objective != "sft":
-      raise ValueError(f"objective={objective!r}: expected 'sft' or 'dpo'")
+    if objective_rows is not None:
+      extra = (objective_rows(batch, seq_len, rows, NamedSharding(auto, P())),)
+    loss_fn = cross_entropy if objective is None else objective
     step = jax.jit(functools.partial(_step, graphdef, tx, loss_fn, chunk, plan), donate_argnums=(0, 2))
     options = dict(TPU_COMPILER_OPTIONS) if auto.devices.flat[0].platform == "tpu" else {}
     if remat == "offload":

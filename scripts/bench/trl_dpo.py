@@ -15,7 +15,6 @@ size on a tiny Llama).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -83,17 +82,23 @@ def _run_finetune(args, out, batch):
   subprocess.run(command, check=True, timeout=1800, stdout=subprocess.DEVNULL)
 
 
+def parse_args(argv=None):
+  from jax_ring.models import cli
+
+  p = cli.parser(__doc__)
+  p.add_argument("folder", help="a model folder both read (models.save's layout)")
+  p.add_argument("pairs", help="a JSONL file of preference pairs")
+  p.add_argument("--loss-type", default="sigmoid", choices=("sigmoid", "ipo", "hinge"), help="DPO's loss")
+  p.add_argument("--beta", type=float, default=0.1, help="DPO's beta")
+  p.add_argument("--length", type=int, default=512, help="finetune.py's row length")
+  p.add_argument("--devices", type=int, default=2, help="finetune.py's devices")
+  p.add_argument("--finetune-python", default=".venv/bin/python", help="a Python with jax_ring")
+  p.add_argument("--json", default=None, help="write both steps' metrics here")
+  return p.parse_args(argv)
+
+
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("folder")
-  p.add_argument("pairs")
-  p.add_argument("--loss-type", default="sigmoid", choices=("sigmoid", "ipo", "hinge"))
-  p.add_argument("--beta", type=float, default=0.1)
-  p.add_argument("--length", type=int, default=512)
-  p.add_argument("--devices", type=int, default=2)
-  p.add_argument("--finetune-python", default=".venv/bin/python")
-  p.add_argument("--json", default=None)
-  args = p.parse_args(argv)
+  args = parse_args(argv)
   with open(args.pairs) as f:
     records = [json.loads(line) for line in f if line.strip()]
   theirs = trl_first_step(args.folder, records, args.loss_type, args.beta)
