@@ -15,6 +15,7 @@ size on a tiny Llama).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -83,9 +84,11 @@ def _run_finetune(args, out, batch):
 
 
 def parse_args(argv=None):
-  from jax_ring.models import cli
-
-  p = cli.parser(__doc__)
+  # Plain argparse: this runs with TRL's Python, which need not have jax_ring.
+  formatter = type(
+    "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
+  )
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
   p.add_argument("folder", help="a model folder both read (models.save's layout)")
   p.add_argument("pairs", help="a JSONL file of preference pairs")
   p.add_argument("--loss-type", default="sigmoid", choices=("sigmoid", "ipo", "hinge"), help="DPO's loss")
