@@ -38,9 +38,10 @@ DIR/checkpoint/ (models.save's layout: models.load and transformers read it). Wi
 --lora-rank only low-rank adapters train (the base frozen): DIR/adapter/ in PEFT's
 layout, and DIR/checkpoint/ merged with --merge. Several
 processes: scripts/launch.py, or --coordinator --num-processes --process-id (--devices
-is then each process's); each tokenizes its share of --data. SIGTERM
-or SIGINT saves the state and exits 0. A bad data record exits 1 naming its file and
-line before anything is written (--skip-bad leaves such records out and counts them).
+is then each process's); each tokenizes its share of --data. SIGTERM or SIGINT saves
+the state and exits 0 (a second SIGINT stops at once). A bad data record exits 1 naming
+its file and line before anything is written (--skip-bad leaves such records out and
+counts them).
 """
 
 from __future__ import annotations
@@ -49,10 +50,19 @@ import signal
 
 # SIGTERM and SIGINT from the first moment: the run stops where it can without losing
 # anything (models.train.finetune's `stop`), set-up and export included.
+# A second SIGINT (Ctrl-C again) stops at once, as Python's default would.
 STOP: dict = {}
+
+
+def _on_signal(number, frame):
+  if number == signal.SIGINT and "signal" in STOP:
+    raise KeyboardInterrupt
+  STOP.setdefault("signal", number)
+
+
 if __name__ == "__main__":
   for _sig in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(_sig, lambda number, frame: STOP.setdefault("signal", number))
+    signal.signal(_sig, _on_signal)
 
 import argparse  # noqa: E402 - after the handlers: importing JAX takes seconds
 import os  # noqa: E402
