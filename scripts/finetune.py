@@ -46,17 +46,22 @@ counts them).
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 
 # SIGTERM and SIGINT from the first moment: the run stops where it can without losing
 # anything (models.train.finetune's `stop`), set-up and export included.
-# A second SIGINT (Ctrl-C again) stops at once, as Python's default would.
+# A second SIGINT (Ctrl-C again) stops at once, as a SIGKILL would: the state saved
+# last stays (it is written whole or not at all), and the run resumes from it. Not by
+# KeyboardInterrupt, which a signal arriving in a garbage-collection callback loses.
 STOP: dict = {}
 
 
 def _on_signal(number, frame):
   if number == signal.SIGINT and "signal" in STOP:
-    raise KeyboardInterrupt
+    print("finetune.py: SIGINT again: stopped at once", file=sys.stderr, flush=True)
+    os._exit(130)
   STOP.setdefault("signal", number)
 
 
@@ -65,7 +70,6 @@ if __name__ == "__main__":
     signal.signal(_sig, _on_signal)
 
 import argparse  # noqa: E402 - after the handlers: importing JAX takes seconds
-import os  # noqa: E402
 import resource  # noqa: E402
 
 from jax_ring.models import cli, runtime  # noqa: E402

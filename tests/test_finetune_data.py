@@ -427,6 +427,26 @@ def test_sigterm_during_the_set_up_exits_0_having_written_nothing(folder, tmp_pa
   assert not out.exists() or not any(out.iterdir())
 
 
+def test_a_second_sigint_stops_at_once(folder, tmp_path):
+  """Ctrl-C asks for a stop where nothing is lost; Ctrl-C again stops at once (exit
+  130), here during the set-up, before anything is written."""
+  data = write_jsonl(tmp_path / "c.jsonl", chats(8))
+  out = tmp_path / "run"
+  child = _child(_args(folder, data, out, "--steps", "2"), 300)
+  time.sleep(0.5)
+  child.send_signal(signal.SIGINT)
+  time.sleep(0.2)
+  child.send_signal(signal.SIGINT)
+  try:
+    output, _ = child.communicate(timeout=120)
+  finally:
+    if child.poll() is None:
+      child.kill()
+      child.wait(timeout=30)
+  assert child.returncode == 130 and b"SIGINT again: stopped at once" in output
+  assert not out.exists() or not any(out.iterdir())
+
+
 def test_an_exported_folder_appears_whole_or_not_at_all(tmp_path, monkeypatch):
   """The export writes checkpoint/ (and adapter/) under a temporary name and renames it:
   a failure midway (here the tokenizer's files) leaves no checkpoint/, and an older
