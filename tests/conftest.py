@@ -4,6 +4,15 @@ import functools
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Caches (tokenized data, parsed GGUF files) in a folder of this run's own, never the
+# user's ~/.cache/jax_ring: a test sees what it wrote, and nothing an older run left.
+if "JAX_RING_CACHE" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+
+  os.environ["JAX_RING_CACHE"] = tempfile.mkdtemp(prefix="jax_ring_tests_")
+  atexit.register(shutil.rmtree, os.environ["JAX_RING_CACHE"], ignore_errors=True)
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
   flags = f"{flags} --xla_force_host_platform_device_count=8"

@@ -200,6 +200,14 @@ def test_tokenization_is_cached_by_content(folder, tmp_path):
   assert not first.cached and again.cached and again.where == first.where
   assert all((a == b).all() for a, b in zip(first.ids, again.ids))
   assert all((a == b).all() for a, b in zip(first.masks, again.masks))
+  # One tokenizer.json with another EOS or no BOS makes other tokens: tokenized anew.
+  for change in (dict(eos_id=tok.pad_id), dict(add_bos=not tok.add_bos)):
+    other = HFTokenizer.from_folder(folder)
+    vars(other).update(change)
+    pairs = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2=", "completion": "4"}])
+    ours = pipeline.load_examples(pairs, tok, cache_dir=tmp_path / "cache").ids[0]
+    fresh = pipeline.load_examples(pairs, other, cache_dir=tmp_path / "cache")
+    assert not fresh.cached and fresh.ids[0].tolist() != ours.tolist()
   write_jsonl(data, chats(5, seed=1))  # new contents: tokenized anew
   assert not pipeline.load_examples(data, tok, cache_dir=tmp_path / "cache").cached
 
@@ -358,7 +366,7 @@ def test_sigterm_saves_and_the_resumed_run_has_the_same_losses(folder, tmp_path)
   )
   # Fewer steps than are done: refused, the state left as it is.
   with pytest.raises(SystemExit, match="holds 6 steps done and --steps asks for 3"):
-    script.main(_args(folder, data, out, "--steps", "3", "--batch", "2"))
+    script.main(_args(folder, data, out, "--steps", "3", "--batch", "2", "--cache-dir", str(tmp_path / "cache")))
   assert sorted(os.listdir(out / "state")) == ["6"]
 
 

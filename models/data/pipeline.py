@@ -19,7 +19,7 @@ import numpy as np
 
 from . import chat, packing, preference, sources
 
-CACHE_VERSION = 1  # part of the cache key: a change to how records become tokens bumps it
+CACHE_VERSION = 2  # part of the cache key: a change to how records become tokens bumps it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,11 @@ def tokenize_record(tokenizer, record: dict, format: str, template: str | None):
 
 
 def _tokenizer_key(tokenizer) -> str:
-  return hashlib.sha256(tokenizer.to_tokenizers().to_str().encode()).hexdigest()[:20]
+  """The vocabulary and what the tokenizer adds beside it: two folders with one
+  tokenizer.json but another BOS, EOS or padding token make other tokens."""
+  specials = [getattr(tokenizer, name, None) for name in ("bos_id", "eos_id", "pad_id", "add_bos")]
+  text = tokenizer.to_tokenizers().to_str() + json.dumps(specials)
+  return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def load_examples(
