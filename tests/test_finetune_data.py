@@ -366,7 +366,9 @@ def test_sigterm_saves_and_the_resumed_run_has_the_same_losses(folder, tmp_path)
   )
   # Fewer steps than are done: refused, the state left as it is.
   with pytest.raises(SystemExit, match="holds 6 steps done and --steps asks for 3"):
-    script.main(_args(folder, data, out, "--steps", "3", "--batch", "2", "--cache-dir", str(tmp_path / "cache")))
+    script.main(
+      _args(folder, data, out, "--steps", "3", "--batch", "2", "--cache-dir", str(tmp_path / "cache"))
+    )
   assert sorted(os.listdir(out / "state")) == ["6"]
 
 
