@@ -283,11 +283,16 @@ def main(argv=None):
     budget = (args.budget_gib * 2**30) if args.budget_gib else target.memory_bytes
     step = args.granularity or 2 * target.devices * 1024
 
+    # The longest program that fit so far (the answer's, kept for the report below) and
+    # what each length tried gave.
+    compiled_at, tried = {}, {}
+
     def fits(length: int) -> bool:
       try:
         compiled = compile_for(mesh, args, length)
       except Exception as e:  # a compiler that refuses a size (out of memory) says so
         if "memory" in str(e).lower() or "RESOURCE_EXHAUSTED" in str(e):
+          tried[length] = "refused by the compiler"
           return False
         raise
       memory = compiled.memory_analysis()
@@ -295,16 +300,25 @@ def main(argv=None):
       if isinstance(args.model, str):  # donated weights and optimizer state: outputs reuse them
         used -= memory.alias_size_in_bytes
       host = int(getattr(memory, "host_temp_size_in_bytes", 0) or 0)
+      tried[length] = dict(used_gib=used / 2**30, host_gib=host / 2**30)
       if args.host_budget_gib is not None and host > args.host_budget_gib * 2**30:
         return False
-      if args.hidden and not aot.transfers_hidden(aot.report(compiled)):
+      if args.hidden:
+        tried[length]["hidden"] = aot.transfers_hidden(aot.report(compiled))
+        if not tried[length]["hidden"]:
+          return False
+      if used > budget:
         return False
-      return used <= budget
+      compiled_at.clear()
+      compiled_at[length] = compiled
+      return True
 
     result["budget_gib"] = budget / 2**30
     result["max_length"] = aot.max_length(fits, step, args.upper, step)
+    result["tried"] = {str(k): v for k, v in sorted(tried.items())}
     args.seq_len = result["max_length"] or step
-  compiled = compile_for(mesh, args, args.seq_len)
+  compiled = compiled_at.get(args.seq_len) if args.max_length else None
+  compiled = compiled or compile_for(mesh, args, args.seq_len)
   result["seq_len"] = args.seq_len
   result |= aot.report(compiled)
   result["attention_hidden"] = aot.attention_hidden(result)
