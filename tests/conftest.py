@@ -13,11 +13,6 @@ if "JAX_RING_CACHE" not in os.environ:
 
   os.environ["JAX_RING_CACHE"] = tempfile.mkdtemp(prefix="jax_ring_tests_")
   atexit.register(shutil.rmtree, os.environ["JAX_RING_CACHE"], ignore_errors=True)
-# XLA's compiled programs kept there too (JAX's persistent cache): a program that the
-# other worker, a process a test starts, or this worker before a module's
-# `jax.clear_caches()` compiled is read back, not compiled again.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["JAX_RING_CACHE"], "xla"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
   flags = f"{flags} --xla_force_host_platform_device_count=8"

@@ -938,12 +938,13 @@ _DENSE_GRADS = {}
 
 
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
-@pytest.mark.parametrize("arch", ["qwen2", "mistral", "olmo2", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "olmo2", "phi3", "gemma3"])
 def test_ring_gradients_equal_dense(checkpoints, arch, devices):
   """The gradient of every weight of a loss on the logits (a fixed random projection),
   the ring on 1, 2, 4 and 8 devices against dense attention: Qwen 2.5's biases,
   Mistral's window (8 keys at 40 tokens), OLMo 2's post-norms and q/k norms over all
-  heads, Phi-3's partial rotary under LongRoPE's long factors and its window."""
+  heads, Phi-3's partial rotary under LongRoPE's long factors and its window, Gemma 3's
+  windowed and global layers, sandwich norms and tied, scaled embedding."""
   from flax import nnx
 
   path = checkpoints[arch]["paths"]["hf5"]
