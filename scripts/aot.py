@@ -279,13 +279,12 @@ def main(argv=None):
     args.kernel, device.platform, args.head_dim, policy_for(device), device_kind=device.device_kind
   )
   result["kernel_resolved"], result["kernel_reason"] = choice.kernel, choice.reason
+  kept = {}  # --max-length: the longest program that fit, by its length, for the report below
   if args.max_length:
     budget = (args.budget_gib * 2**30) if args.budget_gib else target.memory_bytes
     step = args.granularity or 2 * target.devices * 1024
 
-    # The longest program that fit so far (the answer's, kept for the report below) and
-    # what each length tried gave.
-    compiled_at, tried = {}, {}
+    tried = {}  # what each length tried gave
 
     def fits(length: int) -> bool:
       try:
@@ -309,16 +308,15 @@ def main(argv=None):
           return False
       if used > budget:
         return False
-      compiled_at.clear()
-      compiled_at[length] = compiled
+      kept.clear()
+      kept[length] = compiled
       return True
 
     result["budget_gib"] = budget / 2**30
     result["max_length"] = aot.max_length(fits, step, args.upper, step)
     result["tried"] = {str(k): v for k, v in sorted(tried.items())}
     args.seq_len = result["max_length"] or step
-  compiled = compiled_at.get(args.seq_len) if args.max_length else None
-  compiled = compiled or compile_for(mesh, args, args.seq_len)
+  compiled = kept.get(args.seq_len) or compile_for(mesh, args, args.seq_len)
   result["seq_len"] = args.seq_len
   result |= aot.report(compiled)
   result["attention_hidden"] = aot.attention_hidden(result)
