@@ -173,6 +173,7 @@ TARGETS = {
   "v5e:2x4": _target("v5e:2x4", "tpu", 8, "v5e:2x4", "v5e", memory_bytes=16 * GiB),
   "v5e:8x8": _target("v5e:8x8", "tpu", 64, "v5e:8x8", "v5e", memory_bytes=16 * GiB),
   "v5e:16x16": _target("v5e:16x16", "tpu", 256, "v5e:16x16", "v5e", memory_bytes=16 * GiB),
+  "v5p:2x2x2": _target("v5p:2x2x2", "tpu", 8, "v5p:2x2x2", "v5p", memory_bytes=95 * GiB),
   "v5p:4x4x4": _target("v5p:4x4x4", "tpu", 64, "v5p:4x4x4", "v5p", memory_bytes=95 * GiB),
   "v6e:2x4": _target("v6e:2x4", "tpu", 8, "v6e:2x4", "v6e", memory_bytes=32 * GiB),
 }

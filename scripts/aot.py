@@ -14,7 +14,7 @@ Needs the [aot] extra, best in an environment of its own (`python -m venv .venv-
 .venv-aot/bin/pip install -e ".[aot]"`: the CUDA plugin with ptxas and jax[tpu], pinned
 to the jax version tested; README, "Install into your own project"). Without it the
 script says so and exits with status 2. `JAX_PLATFORMS=cpu` is set here.
-Targets: h100x8, a100x8, v5e:2x4, v5e:8x8, v5e:16x16, v5p:4x4x4, v6e:2x4.
+Targets: h100x8, h100x1, a100x8, v5e:2x4, v5e:8x8, v5e:16x16, v5p:2x2x2, v5p:4x4x4, v6e:2x4.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def main(argv=None) -> None:
   for line in pathlib.Path(args.durations).read_text().splitlines():
     match = LINE.match(line)
     if match and match.group(2) != "teardown":
-      spent[match.group(3)] += float(match.group(1))
+      # "id@group": the name pytest-xdist's --dist loadgroup gives a grouped test
+      spent[re.sub(r"@[\w-]+$", "", match.group(3))] += float(match.group(1))
   if not spent:
     raise SystemExit(f"{args.durations}: no pytest durations in it (run pytest with --durations=0)")
   slow = sorted((t, s) for t, s in spent.items() if s >= args.seconds)

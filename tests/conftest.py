@@ -67,6 +67,16 @@ def make_mesh(shape, names):
   return jax.make_mesh(shape, names, devices=jax.devices()[:n])
 
 
+def crossed(families, counts=(1, 2, 4, 8)):
+  """A grid of model families over device counts, crossed rather than full: family i
+  runs on counts i and i + 1 (cyclically), so every family runs on two counts and every
+  count on two families or more. What depends on the count is the ring, which the
+  attention's own tests compare with the float64 reference on every count; a family's
+  blocks are the same on each. Ids are "family-devices", as the full grid's."""
+  pairs = [(f, counts[(i + k) % len(counts)]) for i, f in enumerate(families) for k in (0, 1)]
+  return [pytest.param(f, n, id=f"{f}-{n}") for f, n in pairs]
+
+
 def rel_err(actual, expected):
   """|actual - expected| / |expected| (Frobenius), in float64 on the host, whatever
   mesh either lives on."""
@@ -190,6 +200,28 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.slow)
 
 
+class _Groups:
+  """`--dist loadgroup` under pytest 9: pytest-xdist 3.8 tells the scheduler a test's
+  group by renaming it `id@group` through `item._nodeid`, which pytest 9 no longer reads
+  (a node's id is `item._id`), so a group's tests went to both workers and each loaded
+  what the group shares (the real model, a compiled step). This renames them where
+  pytest 9 reads it, after the slow marks, which match the plain ids."""
+
+  @pytest.hookimpl(trylast=True)
+  def pytest_collection_modifyitems(self, config, items):
+    if not config.getoption("loadgroup", False) or not hasattr(config, "workerinput"):
+      return
+    try:
+      from _pytest.nodeid import coerce_node_id  # pytest 9; before it xdist's rename works
+    except ImportError:
+      return
+    for item in items:
+      marks = item.iter_markers("xdist_group")
+      groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks})
+      if groups and "@" not in str(item._id):
+        item._id = coerce_node_id(f"{item._id}@{'_'.join(groups)}")
+
+
 @pytest.fixture
 def x64():
   return True
@@ -205,6 +237,11 @@ def _release_compiled_programs():
 
 
 def pytest_configure(config):
+  config.pluginmanager.register(_Groups(), "jax_ring_groups")
+  _write_gemma_once(config)
+
+
+def _write_gemma_once(config):
   """The Gemma 3 file written once, by the process that starts the workers: written by
   two workers at once on a fresh machine, one read the other's half-written file and
   refused it (`assemble`'s checksum)."""

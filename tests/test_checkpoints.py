@@ -3,7 +3,8 @@ as Hugging Face folders (safetensors' own NumPy writer; config.json as transform
 4.x and 5.x write it; one file and shards with their index) and as GGUF files (the gguf
 package's writer, with llama.cpp's tensor names and reorderings written out here):
 every loader equals an independent float64 NumPy forward (tests/numpy_models.py), the
-ring on 1, 2, 4 and 8 devices equals dense, saving and loading back is exact, the
+ring equals dense (each architecture on two of 1, 2, 4 and 8 devices, every count
+running two or more: `conftest.crossed`), saving and loading back is exact, the
 tokenizers equal tokenizers built apart from the loader, and bad files and inputs are
 ValueErrors that name them."""
 
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh, rel_err
+from conftest import crossed, make_mesh, rel_err
 from flax import nnx
 from numpy_models import gemma3_logits, inv_frequencies, llama_logits, olmo2_logits, phi3_logits
 from safetensors.numpy import load_file, save_file  # noqa: E402
@@ -564,8 +565,7 @@ _DENSE = {}
 _forward = nnx.jit(lambda model, tokens: model(tokens))
 
 
-@pytest.mark.parametrize("devices", [1, 2, 4, 8])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch, devices", crossed(ARCHS))
 def test_ring_equals_dense(checkpoints, arch, devices):
   path = checkpoints[arch]["paths"]["hf5"]
   tokens = _tokens(checkpoints[arch]["config"]["vocab_size"], seed=1)
@@ -937,11 +937,11 @@ def test_generates_what_the_dense_forward_predicts(checkpoints, arch):
 _DENSE_GRADS = {}
 
 
-@pytest.mark.parametrize("devices", [1, 2, 4, 8])
-@pytest.mark.parametrize("arch", ["qwen2", "mistral", "olmo2", "phi3", "gemma3"])
+@pytest.mark.parametrize("arch, devices", crossed(["qwen2", "mistral", "olmo2", "phi3", "gemma3"]))
 def test_ring_gradients_equal_dense(checkpoints, arch, devices):
   """The gradient of every weight of a loss on the logits (a fixed random projection),
-  the ring on 1, 2, 4 and 8 devices against dense attention: Qwen 2.5's biases,
+  the ring (each architecture on two of 1, 2, 4 and 8 devices: `crossed`) against
+  dense attention: Qwen 2.5's biases,
   Mistral's window (8 keys at 40 tokens), OLMo 2's post-norms and q/k norms over all
   heads, Phi-3's partial rotary under LongRoPE's long factors and its window, Gemma 3's
   windowed and global layers, sandwich norms and tied, scaled embedding."""

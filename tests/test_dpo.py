@@ -1,11 +1,11 @@
 """Preference tuning (`models.train.dpo`, `models.data.preference`): TRL's preference
 formats tokenized as its DPOTrainer tokenizes them, pairs packed whole (each sequence a
 document), each packed sequence's log-probability against the sequence run alone on one
-device in float64 (Llama, Qwen 3, Gemma 3 with windows, Qwen3-MoE; 1, 2, 4 and 8
-devices, FSDP on and off), every loss type's loss and gradients against TRL's formulas
-written here in float64, the reference with the adapters off against the base, the
-precomputed reference against the one computed at each step, and a SIGTERM'd run
-resumed with the uninterrupted run's losses."""
+device in float64 (Llama, Qwen 3, Gemma 3 with windows, Qwen3-MoE; each on two of 1, 2,
+4 and 8 devices, `conftest.crossed`; FSDP on and off), every loss type's loss and
+gradients against TRL's formulas written here in float64, the reference with the
+adapters off against the base, the precomputed reference against the one computed at
+each step, and a SIGTERM'd run resumed with the uninterrupted run's losses."""
 
 import json
 import signal
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh, rel_err
+from conftest import crossed, make_mesh, rel_err
 from flax import nnx
 from test_finetune_data import _child, _finish, _wait_for, tiny_folder, tiny_tokenizer, write_jsonl
 from test_packing import _flat, _tiny
@@ -207,8 +207,7 @@ def _trl_loss(pi, ref, counts, loss_type, beta, smoothing=0.0):
   return jnp.mean(per)
 
 
-@pytest.mark.parametrize("devices", [1, 2, 4, 8])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("family, devices", crossed(["llama", "qwen3", "gemma3", "qwen3_moe"]))
 def test_packed_sequences_log_probabilities_equal_each_alone_in_float64(family, devices):
   ex, loader, arrays = _pairs(seed=1)
   if family not in _F64:

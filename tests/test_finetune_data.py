@@ -334,18 +334,33 @@ def _finish(child, timeout):
   return output
 
 
-def test_sigterm_saves_and_the_resumed_run_has_the_same_losses(folder, tmp_path):
+# The SIGTERM and SIGKILL tests' data and options, and the losses of the same command
+# never stopped (`whole`): both interrupted runs must end with them bit for bit.
+STOPPED = ["--steps", "10", "--batch", "2", "--save-every", "4"]
+
+
+@pytest.fixture(scope="module")
+def whole(folder, tmp_path_factory):
+  """(data, losses) of the uninterrupted run, once for the module, in a child process as
+  the interrupted runs are."""
+  root = tmp_path_factory.mktemp("whole")
+  data = write_jsonl(root / "c.jsonl", chats(40, seed=5))
+  out = root / "whole"
+  _finish(_child(_args(folder, data, out, *STOPPED, "--cache-dir", str(root / "cache")), 300), 300)
+  return data, [r["loss"] for r in json.loads((out / "report.json").read_text())["steps"]]
+
+
+@pytest.mark.xdist_group("stopped")  # one worker: the uninterrupted run once
+def test_sigterm_saves_and_the_resumed_run_has_the_same_losses(folder, whole, tmp_path):
   """A real SIGTERM to a child process after its second step: it saves and exits 0; the
   same command again finishes the run; its losses equal an uninterrupted run's (the same
   command, never stopped) bit for bit: the data continue at the next row, the weights
   and moments where they were."""
   import finetune as script
 
-  data = write_jsonl(tmp_path / "c.jsonl", chats(40, seed=2))
-  steps = ["--steps", "6", "--batch", "2", "--cache-dir", str(tmp_path / "cache")]
-  whole, out = tmp_path / "whole", tmp_path / "stopped"
-  _finish(_child(_args(folder, data, whole, *steps), 300), 300)
-  expected = [r["loss"] for r in json.loads((whole / "report.json").read_text())["steps"]]
+  data, expected = whole
+  steps = [*STOPPED, "--cache-dir", str(tmp_path / "cache")]
+  out = tmp_path / "stopped"
   child = _child(_args(folder, data, out, *steps), 300)
   try:
     metrics = out / "metrics.jsonl"
@@ -357,19 +372,21 @@ def test_sigterm_saves_and_the_resumed_run_has_the_same_losses(folder, tmp_path)
     output = _finish(child, 120)
   assert b"SIGTERM: saved the state at step" in output
   done = len(json.loads((out / "report.json").read_text())["steps"])
-  assert 2 <= done < 6 and (out / "state" / str(done)).is_dir()
+  assert 2 <= done < 10 and (out / "state" / str(done)).is_dir()
   _finish(_child(_args(folder, data, out, *steps), 300), 300)
   got = [r["loss"] for r in json.loads((out / "report.json").read_text())["steps"]]
   assert got == expected
   assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == list(
-    range(6)
+    range(10)
   )
   # Fewer steps than are done: refused, the state left as it is.
-  with pytest.raises(SystemExit, match="holds 6 steps done and --steps asks for 3"):
+  states = sorted(os.listdir(out / "state"))
+  assert max(int(name) for name in states) == 10
+  with pytest.raises(SystemExit, match="holds 10 steps done and --steps asks for 3"):
     script.main(
       _args(folder, data, out, "--steps", "3", "--batch", "2", "--cache-dir", str(tmp_path / "cache"))
     )
-  assert sorted(os.listdir(out / "state")) == ["6"]
+  assert sorted(os.listdir(out / "state")) == states
 
 
 def test_a_resume_onto_other_data_is_refused_naming_what_differs_and_writes_nothing(folder, tmp_path):
@@ -391,17 +408,16 @@ def test_a_resume_onto_other_data_is_refused_naming_what_differs_and_writes_noth
   assert len(json.loads((out / "report.json").read_text())["steps"]) == 2
 
 
-def test_sigkill_after_an_unsaved_step_resumes_with_every_step_once(folder, tmp_path):
+@pytest.mark.xdist_group("stopped")  # one worker: the uninterrupted run once
+def test_sigkill_after_an_unsaved_step_resumes_with_every_step_once(folder, whole, tmp_path):
   """SIGKILL (nothing saved at the kill) once steps after the last save were logged
   (--save-every 4; killed after step 5 or so): the same command again takes the steps
   from the saved state and data place on; its losses equal an uninterrupted run's bit
   for bit, and metrics.jsonl and TensorBoard hold each step once (the killed run's
   unsaved steps replaced, none lost)."""
-  data = write_jsonl(tmp_path / "c.jsonl", chats(40, seed=5))
-  steps = ["--steps", "10", "--batch", "2", "--save-every", "4", "--cache-dir", str(tmp_path / "cache")]
-  whole, out = tmp_path / "whole", tmp_path / "killed"
-  _finish(_child(_args(folder, data, whole, *steps), 300), 300)
-  expected = [r["loss"] for r in json.loads((whole / "report.json").read_text())["steps"]]
+  data, expected = whole
+  steps = [*STOPPED, "--cache-dir", str(tmp_path / "cache")]
+  out = tmp_path / "killed"
   child = _child(_args(folder, data, out, *steps), 300)
   metrics = out / "metrics.jsonl"
   logged = lambda: len(metrics.read_text().splitlines()) if metrics.exists() else 0

@@ -2,7 +2,8 @@
 example once, long ones split with their positions going on), and a packed row's loss
 and every weight's gradient against the sum over its examples, each run alone on one
 device through the dense path in float64, for Llama, Qwen 3, Gemma 3 (sliding windows
-with segments), Mistral (window) and Qwen3-MoE, on 1, 2, 4 and 8 devices, with FSDP."""
+with segments), Mistral (window) and Qwen3-MoE, each on two of 1, 2, 4 and 8 devices
+(`conftest.crossed`: every count runs two families or more), with FSDP."""
 
 import dataclasses
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh, rel_err
+from conftest import crossed, make_mesh, rel_err
 from flax import nnx
 
 from jax_ring import models
@@ -154,8 +155,7 @@ def _reference(family, examples):
 FAMILIES = ["llama", "qwen3", "gemma3", "mistral", "qwen3_moe"]
 
 
-@pytest.mark.parametrize("devices", [1, 2, 4, 8])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, devices", crossed(FAMILIES))
 def test_packed_row_equals_its_examples_alone_in_float64(family, devices):
   """Examples of 5-30 tokens (one split across two rows' worth of length is not needed
   here: positions going on are the plan's test) packed into one row of 48 whose

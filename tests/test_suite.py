@@ -41,7 +41,8 @@ def test_every_slow_id_names_a_collected_test():
 
 def test_slow_tests_script_keeps_ids_with_spaces_whole(tmp_path):
   """scripts/slow_tests.py reads a node id to the end of its line: a parameter's id may
-  hold spaces (it cut them at the first, and the truncated ids marked nothing)."""
+  hold spaces (it cut them at the first, and the truncated ids marked nothing); the
+  "@group" that `--dist loadgroup` puts after a grouped test's id is not part of it."""
   import importlib.util
 
   spec = importlib.util.spec_from_file_location("slow_tests", ROOT.parent / "scripts" / "slow_tests.py")
@@ -52,11 +53,16 @@ def test_slow_tests_script_keeps_ids_with_spaces_whole(tmp_path):
     "2.00s call     tests/test_x.py::test_a[options0-striped layout]\n"
     "0.50s setup    tests/test_x.py::test_a[options0-striped layout]\n"
     "0.20s call     tests/test_x.py::test_b\n"
+    "1.00s setup    tests/test_x.py::test_c[8]@gemma\n"
+    "1.25s call     tests/test_x.py::test_c[8]@gemma\n"
   )
   out = tmp_path / "slow.txt"
   script.main([str(durations), "--out", str(out)])
   listed = [line for line in out.read_text().splitlines() if not line.startswith("#")]
-  assert listed == ["tests/test_x.py::test_a[options0-striped layout]  2.5"], listed
+  assert listed == [
+    "tests/test_x.py::test_a[options0-striped layout]  2.5",
+    "tests/test_x.py::test_c[8]  2.2",
+  ], listed
 
 
 class _Item:
