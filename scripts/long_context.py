@@ -38,16 +38,12 @@ DEFAULT_DEPTHS = (0.05, 0.275, 0.5, 0.725, 0.95)
 
 def parse_args(argv=None):
   p = cli.parser(__doc__)
-  p.add_argument(
-    "--lengths", type=int, nargs="+", default=None, help="context lengths (default 4K-32K)"
-  )
+  p.add_argument("--lengths", type=int, nargs="+", default=None, help="context lengths (default 4K-32K)")
   p.add_argument("--depths", type=float, nargs="+", default=None, help="needle depths in [0, 1]")
   p.add_argument("--tasks", nargs="+", default=None, choices=("passkey", "needle"), help="default: passkey")
   p.add_argument("--dense-max", type=int, default=None, help="longest length dense runs at (default 4096)")
   p.add_argument("--one-per-document", action="store_true", help="one needle per document (default: all)")
-  p.add_argument(
-    "--full", action="store_true", help="both tasks, one needle per document, dense to 16K"
-  )
+  p.add_argument("--full", action="store_true", help="both tasks, one needle per document, dense to 16K")
   p.add_argument("--quick", action="store_true", help="512 and 1024 tokens, two depths")
   p.add_argument("--devices", type=int, default=8, help="devices of the ring (simulated on a CPU)")
   p.add_argument("--new-tokens", type=int, default=6, help="tokens generated per answer")
