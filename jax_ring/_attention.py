@@ -11,10 +11,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_ring import _choice, _mosaic, _pallas, _ulysses, _validation, layouts
+from jax_ring import _choice, _documents, _mosaic, _pallas, _ulysses, _validation, layouts
 from jax_ring._kernel import MaskSpec
 from jax_ring._mesh import (
   call_on_mesh,
@@ -85,6 +86,7 @@ def ring_attention_shard(
   dropout_rng=None,
   score_mod=None,
   dropout_broadcast: bool = False,
+  document_bound: int | None = None,
   _valid_lengths: tuple[int, int] | None = None,
   _offsets: tuple | None = None,
   _seed=None,
@@ -127,6 +129,8 @@ def ring_attention_shard(
       and `alibi_slopes` [N] or [B, N] are this shard's heads' (and rows'), and
       score_mod's `head` and dropout's batch row and head are indices into this
       shard's heads and rows (positions are global, as everywhere here).
+    document_bound: as in `ring_attention`, on the layout's positions (with
+      `positions`, or S != T, every pass runs and the bound is not used).
 
   Returns:
     [B, T, N, H] output shard in the policy's output dtype; with `return_residual`,
@@ -138,6 +142,7 @@ def ring_attention_shard(
     query, key, value, segment_ids, local_window_size, scale, block_sizes, unbatched=unbatched
   )
   is_causal = _validation.check_bool(is_causal, "is_causal")
+  document_bound = _validation.check_document_bound(document_bound, segment_ids, t, s)
   return_residual = _validation.check_bool(return_residual, "return_residual")
   _validation.check_bound_axis(axis_name, "axis_name", "ring_attention_shard")
   if ulysses_axis is not None:
@@ -210,6 +215,7 @@ def ring_attention_shard(
       mods=mods,
       args=args,
       lse_out=return_residual or sinks is not None,
+      bound=document_bound,
     )
     if sinks is not None:
       out, lse = with_sinks(out, lse, sinks)
@@ -244,9 +250,11 @@ def _ring_shard(
   mods: ScoreMods = NO_MODS,
   args: ScoreArgs | None = None,
   lse_out: bool = False,
+  bound: int | None = None,
 ):
   """The ring on checked rank-4 shards: positions (None: the layout's) to masks, the
-  tiles padded, and (output, lse) of the T local queries."""
+  tiles padded, and (output, lse) of the T local queries. `bound`: `document_bound`,
+  used where the positions are the layout's and S == T."""
   b, t, s = query.shape[0], query.shape[1], key.shape[1]
   ring_size = lax.axis_size(axis_name)
   q_len = _validation.check_seq_lengths(q_len, "query_seq_lengths", b, t * ring_size, unbatched)
@@ -262,6 +270,9 @@ def _ring_shard(
     q_pos = jnp.where(q_pos < valid_lengths[0], q_pos, -1)
     k_pos = jnp.where(k_pos < valid_lengths[1], k_pos, -1)
   q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, q_pos, k_pos)
+  reach = None if custom or s != t else _documents.reach(bound, window, is_causal)
+  # Rows whose documents break the bound: their output is NaN, not a wrong number.
+  beyond = None if reach is None else _documents.rows_beyond(q_seg, q_pos, axis_name, bound)
   use = kernel.kernel
   auto = kernel.auto
   if use == "cudnn":
@@ -316,6 +327,8 @@ def _ring_shard(
     k_pos = jnp.pad(k_pos, (0, padded_s - s), constant_values=-1)
     kv_seg = None if kv_seg is None else pad_seq(kv_seg, padded_s - s, -1)
   back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
+  if reach is not None:
+    back, fwd = _documents.schedule(layout, *reach, t, ring_size)
   kernel_name = "cudnn" if use == "cudnn" else "pallas" if use_pallas else "xla"
   groups = block_sizes.head_groups(key.shape[2], max(padded_t, padded_s), kernel=kernel_name)
   rows = b * query.shape[2] // groups
@@ -343,7 +356,11 @@ def _ring_shard(
     quadrants=quadrants is not None,
   )
   out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg, args)
-  return out[:, :t], lse[:, :t]
+  out, lse = out[:, :t], lse[:, :t]
+  if beyond is not None:
+    out = jnp.where(beyond[:, None, None, None], jnp.nan, out)
+    lse = jnp.where(beyond[:, None, None], jnp.nan, lse)
+  return out, lse
 
 
 def _from_cudnn(kernel: _choice.KernelChoice, why: str, head_dim: int, policy) -> str:
@@ -379,6 +396,7 @@ class GlobalConfig:
   kernel: str = "auto"
   mods: ScoreMods = NO_MODS
   laid_out: bool = False  # token_order="layout": inputs and output already in `layout`
+  document_bound: int | None = None
 
   @property
   def seq_spec(self):
@@ -499,6 +517,7 @@ def global_impl(
       dropout_rate=gc.mods.dropout,
       score_mod=gc.mods.score_mod,
       dropout_broadcast=gc.mods.dropout_broadcast,
+      document_bound=gc.document_bound,
       _valid_lengths=(t, s) if padded else None,
       _offsets=(batch0, head0),
       _seed=seed,
@@ -590,6 +609,7 @@ def ring_attention(
   token_order: str = "natural",
   mask=None,
   bias=None,
+  document_bound: int | None = None,
 ):
   """Exact softmax attention with the sequence sharded over `seq_axis` of `mesh`.
 
@@ -674,6 +694,13 @@ def ring_attention(
       T and S must then be multiples of what the layout needs (`layouts.multiple`,
       with the Ulysses axis' size), since padding would break the order; masks and
       modifiers still see global positions.
+    document_bound: int n (packed rows): no document, a run of one segment id, is
+      longer than n tokens, so no query sees a key n or more positions away, and the
+      ring makes only the passes that can bring such keys (in the contiguous and
+      zig-zag layouts, about 2 * (n - 1) / (T / p) of the p - 1 when causal;
+      `jax_ring._documents`). Needs `segment_ids` and S == T. A row that breaks it
+      gets NaN output (that row only), never a wrong number; concrete ids are checked
+      before anything runs (a ValueError naming the row). None (default): every pass.
     mask, bias: not accepted (a ValueError that names what to use instead): a dense
       [B, N, T, S] matrix is what ring attention never builds. The masks it usually
       carries are `is_causal`, `local_window_size`, `segment_ids` and the lengths.
@@ -728,6 +755,10 @@ def ring_attention(
   _validation.notice_mesh(mesh, "ring_attention", seq_axis, named, t, mesh.shape[seq_axis] * nu)
   layout = layouts.resolve(layout, is_causal, shard_len=-(-t // mesh.shape[seq_axis]))
   laid_out = _check_token_order(token_order, layout, t, s, mesh.shape[seq_axis], nu)
+  document_bound = _validation.check_document_bound(document_bound, segment_ids, t, s)
+  if document_bound is not None:  # ids in the layout's order go back to natural order for the check
+    inverse = np.argsort(layouts.permutation(layout, t, mesh.shape[seq_axis])) if laid_out else None
+    _documents.check_concrete(q_seg, document_bound, order=inverse)
   policy = get_policy(policy, mesh.devices.flat[0])
   # Checked here, for the mesh's platform (a ValueError before anything is traced);
   # each shard's call chooses again, "auto" falling back where its blocks do not suit.
@@ -749,6 +780,7 @@ def ring_attention(
     kernel,
     mods,
     laid_out,
+    document_bound,
   )
   with jax.named_scope("jax_ring.ring_attention"):
     placed = place_attention_inputs(

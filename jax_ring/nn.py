@@ -577,6 +577,12 @@ class RingAttention(_Cached, _Projected):
       o["local_window_size"] = None  # a window wider than the sequence excludes no key (cuDNN stays open)
     if token_order != "natural":
       o["token_order"] = token_order
+    bound = getattr(self, "document_bound", None)
+    if bound is not None and self.kind == "ring" and segment_ids is not None:
+      limit, padding = bound
+      if padding is not None:  # padding is no document: its run is not bounded
+        segment_ids = jnp.where(segment_ids == padding, -1, segment_ids)
+      o["document_bound"] = limit
     return ring_attention(q, k, v, segment_ids=segment_ids, **o, **mods)
 
   def token_layout(self, length: int) -> str:
@@ -659,6 +665,23 @@ def _per_head(name: str, value, num_heads: int, default):
 def _one_device_mesh():
   """A mesh of the first device, for the dense kind's cache."""
   return jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+
+
+def set_document_bound(model, bound: int | None, *, padding: int | None = None) -> int:
+  """Gives every ring-kind `RingAttention` of `model` the longest document its packed
+  rows hold, `bound` tokens (`ring_attention`'s `document_bound`: the ring makes only
+  the passes that can bring keys of a query's own document; a row breaking it gets
+  NaN). Calls without segment ids run every pass. `padding`: the id packed rows give
+  padding (0 for `models.pack`'s rows), which is then no document and not bounded
+  (its queries see no key; the loss gives them no weight). None: no bound. Read when
+  a call is traced: set it before building a `Trainer` or jitting a call. Returns the
+  number of layers set."""
+  if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+    raise ValueError(f"document_bound={bound!r} must be an int >= 1 (the longest document's tokens) or None")
+  layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, RingAttention) and m.kind == "ring"]
+  for layer in layers:
+    layer.document_bound = nnx.static(None if bound is None else (int(bound), padding))
+  return len(layers)
 
 
 def shard_segments(batch: int, length: int, shards: int, segment_ids=None):
@@ -1024,5 +1047,6 @@ __all__ = [
   "make_attention_fn",
   "rope_frequencies",
   "segment_mask",
+  "set_document_bound",
   "shard_segments",
 ]

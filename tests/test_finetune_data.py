@@ -285,6 +285,7 @@ def test_finetune_on_chats_writes_metrics_and_events_and_evaluates(folder, tmp_p
   # One warmup step, which trains: the peak rate from the first step, a tenth of it at the last.
   assert steps[0]["lr"] == pytest.approx(1e-3) and steps[-1]["lr"] == pytest.approx(1e-4)
   assert report["data"]["format"] == "chat" and report["data"]["examples"] == 18
+  assert 0 < report["data"]["document_bound"] <= 256  # the longest chat (or piece of one) bounds the passes
   assert [s["loss"] for s in report["steps"]] == [r["loss"] for r in steps]
   events = _events(out / "tb")
   assert sorted(s for t, s, _ in events if t == "loss") == [0, 1, 2, 3]

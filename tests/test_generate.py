@@ -254,5 +254,14 @@ def test_reader_shares_decode_steps_across_lengths_and_stops_at_the_answer():
   _, cache, _ = reader.prefill(wide, doc)
   short, short_logits, _ = reader.answer(wide, cache, question, new, done=lambda got: len(got) == 2)
   assert short == ids[:2] and short_logits.shape[0] == 2
+  # One document's cache answers its questions in turn, in place: after a longer
+  # question (whose tokens lie past this one's, unseen) and a shorter one, the answer is
+  # that of a fresh prefill.
+  longer = [3, 1, 4, 1, 5, 9, 2, 6]
+  reader.compile(len(doc), 64, [len(longer)])
+  reader.answer(wide, cache, longer, new)
+  again, again_logits, _ = reader.answer(wide, cache, question, new)
+  assert again == ids
+  np.testing.assert_allclose(again_logits, logits, rtol=1e-6, atol=1e-6)
   assert long_context.is_complete("48213", " 48213.") and not long_context.is_complete("48213", " 4821")
   assert long_context.is_complete("Oslo", " the secret") and not long_context.is_complete("Oslo", " Oslo")

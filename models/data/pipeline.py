@@ -306,6 +306,12 @@ class Loader:
     count = lambda p: 1 if self.docs is None else len(self.docs[p.example])
     self.slots = max((sum(count(p) for p in row) for row in self.rows), default=1)
     self.idle_rows = len(rows) - len(self.rows)
+    # The longest document a row holds (a piece of a split example, or one sequence of
+    # a pair): the ring's passes are bounded by it (`jax_ring.nn.set_document_bound`).
+    sizes = lambda p: (
+      [p.stop - p.start] if self.docs is None or self.docs[p.example] is None else self.docs[p.example]
+    )
+    self.longest_document = max((int(n) for row in self.rows for p in row for n in sizes(p)), default=0)
     if not self.rows:
       raise ValueError(f"no rows: all {len(examples)} examples were dropped (long={long!r}, length={length})")
     ds = grain.MapDataset.range(len(self.rows))

@@ -284,6 +284,7 @@ def run_grid(
   seed: int = 0,
   log=print,
   progress: bool = False,
+  release_dense: bool = False,
 ) -> dict:
   """Reads every (task, length) document with each reader and returns the report:
   "answers" (reader, task, length, depth, expected, generated, right), "runs" (per
@@ -293,7 +294,10 @@ def run_grid(
   whether every generated token is the same). A length is a nominal context: its
   documents have `length - ANSWER_ROOM` tokens, the question and answer fill the rest.
   `progress`: a bar over every question of the grid (tqdm: reader, length, depth,
-  time left), the log lines printed above it."""
+  time left), the log lines printed above it. `release_dense`: once the baselines have
+  read the grid's last document, the dense model's weights are deleted
+  (`jax.Array.delete`), so that the ring's longest reading runs without them beside it
+  (1.1 GB for Gemma 3 270M); the caller's dense model is unusable afterwards."""
   report = dict(answers=[], runs=[], exact=[], lengths=list(lengths), depths=list(depths), tasks=list(tasks))
   dense_reader = Engine(dense_model)
   readers_of = dict(ring=Engine(ring_model), local=dense_reader, last4k=dense_reader, dense=dense_reader)
@@ -354,6 +358,10 @@ def run_grid(
         bar.set_postfix_str(f"{kind} at {length}: prefill")
         if kind == "ring":
           program = ahead[task, length].result()
+          if release_dense and (task, length) == keys[-1]:
+            dense_reader.programs.clear()
+            for x in jax.tree.leaves(nnx.state(dense_model)):
+              x.delete()
         else:  # a length's documents all have its number of tokens (make_document)
           n = len(reader_tokens(kind, docs[0], devices))
           program = reader.compile(n, capacity[reader], asked(docs))
@@ -453,14 +461,22 @@ def time_spent(report: dict, readers_of: dict) -> dict:
   }
 
 
-def dense_memory(report: dict, dense_model, room: int = ANSWER_ROOM) -> dict:
+def dense_memory(report: dict, dense_model, room: int = ANSWER_ROOM, known=None) -> dict:
   """Per-device compiled temp MiB of dense attention's prefill at each length of the
-  report: the dense run's where it ran, else compiled (not run), which says what dense
-  would need where it does not fit."""
+  report: the dense run's where it ran, else `known`'s (`compiled_dense_memory`, from
+  before the grid), else compiled now (not run), which says what dense would need where
+  it does not fit."""
   ran = {r["length"]: r["temp_mib"] for r in report["runs"] if r["reader"] == "dense"}
+  ran = {**(known or {}), **ran}
+  missing = [t for t in report["lengths"] if t not in ran]
+  ran |= compiled_dense_memory(dense_model, missing, room) if missing else {}
+  return {int(t): ran[t] for t in report["lengths"]}
+
+
+def compiled_dense_memory(dense_model, lengths, room: int = ANSWER_ROOM) -> dict:
+  """{length: per-device compiled temp MiB of the dense model's prefill} (compiled, not run)."""
   reader = Engine(dense_model)
-  compiled = lambda t: round(reader.prefill_temp(t - room, t) / 2**20, 1)
-  return {int(t): ran[t] if t in ran else compiled(t) for t in report["lengths"]}
+  return {int(t): round(reader.prefill_temp(t - room, t) / 2**20, 1) for t in lengths}
 
 
 def heatmap(ax, grid, *, rows, columns, title: str, xlabel: str, cmap: str, cell):

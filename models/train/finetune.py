@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_ring import nn as ring_nn
+
 from .. import checkpoints, lora
 from ..eval import long_context
 from .state import Checkpoints
@@ -407,6 +409,7 @@ def _finetune(
   tx = make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
   schedule = make_schedule(config.lr, config.warmup, config.steps)
   adapters = lora.lora_settings(model) is not None
+  bound = _bound_documents(model, data, eval_data)
   trainer = Trainer(
     model,
     tx,
@@ -451,6 +454,7 @@ def _finetune(
       rows_without_loss=data.idle_rows,
       skipped_records=len(data.examples.skipped),
       format=data.examples.format,
+      document_bound=bound,
     )
   here = data.state()
   arrays, _ = next(data)  # the first batch, for the compiled step's memory; then back
@@ -553,6 +557,18 @@ def _finetune(
     with open(report_path, "w") as f:
       json.dump(report, f, indent=1)
   return report
+
+
+def _bound_documents(model, *loaders) -> int | None:
+  """The longest document of the packed rows (`pipeline.Loader.longest_document`, over
+  the training and evaluation rows), given to the model's ring as the bound of its passes
+  (`jax_ring.nn.set_document_bound`): exact, since no row holds a longer one. None where
+  the rows are not packed documents or the model runs no ring."""
+  longest = [getattr(loader, "longest_document", None) for loader in loaders if loader is not None]
+  if not longest or None in longest:
+    return None
+  bound = max(longest)
+  return bound if ring_nn.set_document_bound(model, bound) else None
 
 
 def _whole(folder, write) -> None:

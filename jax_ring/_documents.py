@@ -1,0 +1,114 @@
+"""A bound on documents' lengths, and the ring passes it leaves (`document_bound=`).
+
+A packed row's documents are runs of one segment id, and a query sees only keys of its
+own document. If no document is longer than n tokens, no query sees a key n or more
+positions away from it, as under a window of n - 1 each way: the ring needs only the
+passes that bring such keys (`schedule`). Which passes those are depends on where the
+layout puts each position. Contiguous shards of t tokens: ceil((n - 1) / t) back (and as
+many forward when not causal). Zig-zag shards, two chunks of t / 2 each (device d holds
+chunks d and 2p - 1 - d): a chunk's neighbours sit one device back on the first half of
+the sequence and one device forward on the second, so k = ceil((n - 1) / (t / 2)) passes
+each way. Striped: one token of each p consecutive ones per device, min(p - 1, n - 1)
+back. Where the passes each way add up to the whole ring, the ring is left as it was.
+
+The bound is a promise about data. A row that breaks it (two tokens of one id n or more
+apart) would lose keys that the skipped passes hold; instead its output is NaN, that
+row's only (`rows_beyond`), and a call on concrete ids raises before anything runs
+(`check_concrete`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_ring import layouts
+
+
+def reach(bound: int | None, window, is_causal: bool) -> tuple[int, int] | None:
+  """(left, right): how far back and ahead of a query its keys can lie, under the
+  bound and the window together; None when the bound adds nothing to the window."""
+  if bound is None:
+    return None
+  left = right = bound - 1
+  if window is not None:
+    if window[0] <= left and (is_causal or window[1] <= right):
+      return None  # the window alone is as tight: the bound changes no pass
+    left, right = min(left, window[0]), min(right, window[1])
+  return left, 0 if is_causal else right
+
+
+def _runs(row: np.ndarray) -> list[tuple[int, int]]:
+  """A device's positions as runs [first, last] of consecutive integers."""
+  cuts = np.flatnonzero(np.diff(row) != 1) + 1
+  return [(int(part[0]), int(part[-1])) for part in np.split(row, cuts)]
+
+
+def schedule(layout: str, left: int, right: int, shard_len: int, ring_size: int) -> tuple[int, int]:
+  """(steps_back, steps_fwd): the fewest passes each way that bring every key within
+  `left` positions before a query or `right` after it, in `layout` (the full ring,
+  (ring_size - 1, 0), where the two ways would make as many passes)."""
+  p = ring_size
+  full = (p - 1, 0)
+  if p == 1:
+    return full
+  if layouts.resolve(layout, False) == "striped":
+    # Device d holds positions d, d + p, ...: the token o back lies o devices back.
+    back = min(p - 1, left)
+    fwd = min(p - 1 - back, right)
+    return (back, fwd) if back + fwd < p - 1 else full
+  runs = [_runs(row) for row in layouts.positions(layout, p, shard_len)]
+
+  def sees(q_runs, k_runs) -> bool:  # some query q and key k with -right <= q - k <= left
+    return any(a - e <= left and b - c >= -right for a, b in q_runs for c, e in k_runs)
+
+  needed = {o for o in range(p) for d in range(p) if sees(runs[d], runs[(d - o) % p])}
+  best = full
+  for back in range(p):
+    later = [o for o in needed if o > back]
+    fwd = p - min(later) if later else 0
+    if back + fwd < best[0] + best[1]:
+      best = (back, fwd)
+  return best
+
+
+def check_concrete(segment_ids, bound: int, *, order=None, name: str = "segment_ids") -> None:
+  """ValueError naming the first row with two tokens of one (non-negative) id
+  `bound` or more positions apart; nothing for traced ids (the call's own check,
+  `rows_beyond`, covers them). `order`: the indices that put the ids in natural order."""
+  if isinstance(segment_ids, jax.core.Tracer):
+    return
+  ids = np.asarray(segment_ids)
+  if order is not None:
+    ids = ids[..., order]
+  for row, line in enumerate(ids.reshape(-1, ids.shape[-1])):
+    for value in np.unique(line[line >= 0]):
+      at = np.flatnonzero(line == value)
+      if at[-1] - at[0] >= bound:
+        raise ValueError(
+          f"document_bound={bound}: {name} row {row} has id {int(value)} at positions {int(at[0])} "
+          f"and {int(at[-1])}, {int(at[-1] - at[0])} apart; every document must lie within "
+          f"{bound} tokens (raise document_bound, or leave it None to run every ring pass)"
+        )
+
+
+def rows_beyond(seg, pos, axis_name, bound: int):
+  """bool [B]: rows where two tokens of one id lie `bound` or more positions apart,
+  over the whole ring (inside shard_map: `seg` [B, t] this device's ids, negative on
+  padding; `pos` [t] their global positions, negative on padding)."""
+  seg = lax.all_gather(seg, axis_name, axis=1, tiled=True)
+  pos = lax.all_gather(pos, axis_name, axis=0, tiled=True)
+  pos = jnp.broadcast_to(pos, seg.shape)
+  valid = (seg >= 0) & (pos >= 0)
+  top = jnp.iinfo(jnp.int32).max
+  key = jnp.where(valid, seg, top)
+  key, pos = lax.sort((key, jnp.where(valid, pos, top)), dimension=1, num_keys=2)
+  # Sorted by (id, position): a run of one id starts where the id changes; each
+  # token's distance from its run's first token is its distance from the id's first.
+  index = jnp.arange(key.shape[1])
+  starts = jnp.concatenate([jnp.ones_like(key[:, :1], bool), key[:, 1:] != key[:, :-1]], axis=1)
+  first = lax.cummax(jnp.where(starts, index, 0), axis=1)
+  span = pos - jnp.take_along_axis(pos, first, axis=1)
+  return jnp.any((key != top) & (span >= bound), axis=1)

@@ -1,0 +1,128 @@
+"""Packed rows over the ring against what their documents cost: with and without
+`document_bound`, in interleaved rounds.
+
+A row's ideal share is its documents' causal score work (the sum of L^2 / 2) over one
+causal document as long as the row (T^2 / 2). Each row is timed forward and backward
+through `ring_attention` (causal, float32, B=1, 4 query and 2 kv heads of 64,
+`--devices` simulated devices), and its measured share is its time over one causal
+document's of T in the same rounds. Rows (`--rows`, each its own seed-fixed order):
+
+- "1k": T / 1,024 documents of 1,024 tokens;
+- "mixed": 16,384, 8,192, 4,096, 2,048, 1,024 and 4 x 256 tokens, shuffled (seed 0),
+  scaled to T and padded;
+- "tail": lengths drawn from a heavy-tailed mix (log-normal, median 1,024, 99th
+  percentile near 16K, capped at T; seed 0) until the row is full.
+
+    python scripts/bench/bench_documents.py --length 32768 --out docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import sys
+
+from _harness import fwd_bwd, header, inputs, publish, run_times, simulate_devices
+
+from jax_ring.models import cli
+
+
+def parse_args(argv=None):
+  p = cli.parser(__doc__)
+  p.add_argument("--length", type=int, default=32768, help="tokens a row (T)")
+  p.add_argument("--devices", type=int, default=8, help="simulated devices on the ring")
+  p.add_argument("--rows", default="1k,mixed,tail", help="comma-separated rows: 1k, mixed, tail")
+  p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each program timed once a round)")
+  p.add_argument("--out", default=None, help="Markdown file for the table (its 'documents' section)")
+  return p.parse_args(argv)
+
+
+def row_lengths(name: str, t: int):
+  """The documents' lengths of row `name` (they fill at most t tokens)."""
+  import numpy as np
+
+  rng = np.random.default_rng(0)
+  if name == "1k":
+    return [1024] * (t // 1024)
+  if name == "mixed":
+    scale = t / 32768
+    lengths = [int(n * scale) for n in (16384, 8192, 4096, 2048, 1024, 256, 256, 256, 256)]
+    return [int(n) for n in rng.permutation([n for n in lengths if n > 0])]
+  if name == "tail":  # log-normal: median 1,024, sigma so that the 99th percentile is ~16K
+    out, room = [], t
+    while room > 0:
+      n = int(min(room, t, max(1, rng.lognormal(np.log(1024), np.log(16) / 2.326))))
+      out.append(n)
+      room -= n
+    return out
+  raise ValueError(f"--rows: unknown row {name!r} (expected 1k, mixed or tail)")
+
+
+def segment_row(lengths, t: int):
+  import numpy as np
+
+  row = np.full(t, -1, np.int32)
+  at = 0
+  for i, n in enumerate(lengths):
+    row[at : at + n] = i
+    at += n
+  return row
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  simulate_devices(args.devices)
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jax_ring import ring_attention
+
+  t, p = args.length, args.devices
+  mesh = jax.make_mesh((p,), ("seq",), devices=jax.devices()[:p])
+  sharding = NamedSharding(mesh, P(None, "seq"))
+  q, g = inputs([(1, t, 4, 64), (1, t, 4, 64)], sharding)
+  k, v = inputs([(1, t, 2, 64), (1, t, 2, 64)], sharding, seed=1)
+  programs = {}
+
+  def add(name, seg, bound):
+    seg = None if seg is None else jax.device_put(jnp.asarray(seg[None]), sharding)
+    attend = lambda q, k, v: ring_attention(
+      q, k, v, mesh=mesh, is_causal=True, segment_ids=seg, document_bound=bound
+    )
+    fn = jax.jit(fwd_bwd(attend))
+    programs[name] = fn.lower(q, k, v, g).compile()
+
+  add("one document", None, None)
+  shares = {}
+  for row in args.rows.split(","):
+    lengths = row_lengths(row, t)
+    seg = segment_row(lengths, t)
+    shares[row] = (len(lengths), max(lengths), sum(n * n for n in lengths) / (t * t))
+    add(f"{row}", seg, None)
+    add(f"{row} bounded", seg, max(lengths))
+  times = {name: [] for name in programs}
+  for _ in range(args.rounds):
+    for name, fn in programs.items():
+      times[name] += run_times(fn, q, k, v, g, repeats=1, warmup=not times[name])
+  med = {name: float(np.median(ts)) for name, ts in times.items()}
+  whole = med["one document"]
+  lines = header("scripts/bench/bench_documents.py", sys.argv[1:] if argv is None else argv, p)
+  lines += [
+    f"T = {t:,} tokens, causal, float32, 4/2 heads of 64, forward and backward; one causal document "
+    f"of T: {whole:.2f} s (median of {args.rounds} interleaved rounds).",
+    "",
+    "| row | documents | longest | ideal share | every pass: s | share | over ideal "
+    "| document_bound: s | share | over ideal |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for row, (count, longest, ideal) in shares.items():
+    cells = [f"| {row} | {count} | {longest:,} | {ideal:.3f} |"]
+    for seconds in (med[row], med[f"{row} bounded"]):
+      cells.append(f" {seconds:.2f} | {seconds / whole:.3f} | {seconds / whole / ideal:.2f}x |")
+    lines.append("".join(cells))
+  print(publish(lines, args.out, "documents", echo=True))
+
+
+if __name__ == "__main__":
+  main()

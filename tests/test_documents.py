@@ -1,0 +1,207 @@
+"""`document_bound=`: packed rows whose documents are at most n tokens long run only the
+ring passes that can bring keys within n - 1 positions. Against the float64 reference
+on 1, 2, 3, 4 and 8 devices in the contiguous, zig-zag and striped layouts, causal and
+not, with the XLA tiles, the Pallas kernel and cuDNN's CPU stand-in; the passes counted
+from a brute force over every position pair and from the compiled program's transfers;
+a row that breaks the bound gets NaN (and concrete ids a ValueError) rather than a
+wrong number."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import compare_with_reference, make_mesh, qkv, rel_err
+
+import jax_ring
+from jax_ring import _cudnn, _documents, _ring, hlo, layouts, reference_attention, ring_attention
+
+TOL = 1e-5
+SMALL_BLOCKS = jax_ring.BlockSizes(block_q=8, block_kv=16, kv_heads=1)
+T = 192  # a multiple of 2p for zig-zag on 1-4 and 8 devices, of p * p for striped on 1, 2, 4, 8
+
+
+def documents(batch: int, length: int, bound: int, seed: int = 0) -> np.ndarray:
+  """Rows of documents of 1 to `bound` tokens, ids 0, 1, ... and a padded tail (-1)."""
+  rng = np.random.default_rng(seed)
+  rows = np.full((batch, length), -1, np.int32)
+  for row in rows:
+    at, k = 0, 0
+    while at < length - 5:
+      n = int(rng.integers(1, bound + 1))
+      row[at : at + n] = k
+      at, k = at + n, k + 1
+    row[length - int(rng.integers(1, 5)) :] = -1
+  return rows
+
+
+def needed_offsets(layout: str, p: int, shard: int, left: int, right: int) -> set[int]:
+  """The ring offsets o (device d reading device d - o's keys) at which some device has
+  a query and a key within [-right, left] of each other: every position pair tried."""
+  pos = layouts.positions(layout, p, shard)
+  out = set()
+  for o in range(p):
+    for d in range(p):
+      delta = pos[d][:, None] - pos[(d - o) % p][None, :]
+      if np.any((delta <= left) & (delta >= -right)):
+        out.add(o)
+  return out
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_the_schedule_makes_the_fewest_passes_that_hold_every_visible_key(layout, p):
+  """For bounds from one token to past the ring, causal and not: the passes (back, then
+  forward) visit every offset a brute force finds keys at, and no plan with fewer
+  passes does; where both ways add up to the ring, it is the ring as before."""
+  shard = {"contiguous": 12, "zigzag": 12, "striped": p}[layout]
+  for bound in (1, 2, 5, 7, 12, 13, 25, 40, 1000):
+    for causal in (True, False):
+      left, right = bound - 1, 0 if causal else bound - 1
+      back, fwd = _documents.schedule(layout, left, right, shard, p)
+      need = needed_offsets(layout, p, shard, left, right)
+      visited = set(range(back + 1)) | {p - f for f in range(1, fwd + 1)}
+      assert need <= visited, (bound, causal, back, fwd, need)
+      fewest = min(
+        b + (p - min(o for o in need if o > b) if any(o > b for o in need) else 0) for b in range(p)
+      )
+      assert back + fwd == min(fewest, p - 1), (bound, causal, back, fwd, fewest)
+      if back + fwd == p - 1:
+        assert (back, fwd) == (p - 1, 0)
+
+
+def test_zigzag_documents_within_a_chunk_need_one_pass_each_way():
+  """Zig-zag: chunk c's neighbour sits one device back on the sequence's first half and
+  one forward on its second; documents within a chunk need 1 + 2 passes of 8."""
+  assert _documents.schedule("zigzag", 11, 0, 24, 8) == (1, 1)
+  assert _documents.schedule("contiguous", 11, 0, 24, 8) == (1, 0)
+  assert _documents.schedule("contiguous", 11, 11, 24, 8) == (1, 1)
+  assert _documents.reach(None, None, True) is None
+  assert _documents.reach(12, (5, 0), True) is None  # the window is tighter: no change
+  assert _documents.reach(12, (20, 0), True) == (11, 0)
+  assert _documents.reach(12, (20, 3), False) == (11, 3)
+
+
+CASES = [
+  (1, "zigzag", True),
+  (2, "contiguous", True),
+  (2, "zigzag", False),
+  (3, "zigzag", True),
+  (3, "contiguous", False),
+  (4, "striped", True),
+  (4, "zigzag", True),
+  (8, "zigzag", True),
+  (8, "contiguous", True),
+  (8, "contiguous", False),
+  (8, "striped", True),
+]
+
+
+@pytest.mark.parametrize("devices, layout, causal", CASES, ids=[f"{d}-{lay}-{c}" for d, lay, c in CASES])
+def test_bounded_ring_equals_float64(devices, layout, causal):
+  """Outputs and every gradient against the float64 reference, documents of up to 20
+  tokens (bound 20: fewer passes than the ring on 3 devices and more)."""
+  mesh = make_mesh((devices,), ("seq",))
+  seg = jnp.asarray(documents(2, T, 20, seed=devices))
+  args = qkv(2, T, 4, 2, 16, seed=devices)
+  options = dict(is_causal=causal, segment_ids=seg)
+  fn = lambda q, k, v: ring_attention(
+    q, k, v, mesh=mesh, layout=layout, block_sizes=SMALL_BLOCKS, document_bound=20, **options
+  )
+  compare_with_reference(fn, lambda q, k, v: reference_attention(q, k, v, **options), args, TOL)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+  """kernel="cudnn" on this CPU, with the XLA twin in cuDNN's place (read while tracing),
+  and the GPUs' backward scheme (dK/dV one step behind their K/V)."""
+  monkeypatch.setattr(_cudnn, "CPU_STAND_IN", True)
+  monkeypatch.setattr(_ring, "LATE_DKV_PLATFORMS", _ring.LATE_DKV_PLATFORMS + ("cpu",))
+  jax.clear_caches()
+  yield
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("kernel", ["pallas", "cudnn"])
+def test_bounded_ring_with_the_kernels_equals_float64(kernel, request):
+  """Zig-zag, causal, 4 devices: the Pallas kernel (interpreted) and cuDNN's stand-in
+  (with GPUs' backward scheme) over the passes each way."""
+  if kernel == "cudnn":
+    request.getfixturevalue("stand_in")
+  mesh = make_mesh((4,), ("seq",))
+  seg = jnp.asarray(documents(2, 128, 12, seed=7))
+  args = qkv(2, 128, 4, 2, 16, seed=7)
+  if kernel == "cudnn":
+    args = tuple(x.astype(jnp.bfloat16) for x in args)
+  options = dict(is_causal=True, segment_ids=seg)
+  fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, kernel=kernel, document_bound=12, **options)
+  tol = 2e-2 if kernel == "cudnn" else TOL
+  compare_with_reference(fn, lambda q, k, v: reference_attention(q, k, v, **options), args, tol)
+
+
+def test_the_compiled_ring_moves_only_the_passes_it_makes():
+  """8 devices, zig-zag, inputs in the layout's order (no relayout): with documents
+  within a chunk, the forward's collective permutes move 2 K/V shards, not 7."""
+  mesh = make_mesh((8,), ("seq",))
+  q, k, v = qkv(1, 256, 4, 2, 16)
+  seg = jnp.asarray(documents(1, 256, 16))
+  to = lambda x: layouts.to_layout(x, "zigzag", 8)
+  q, k, v, seg = to(q), to(k), to(v), to(seg)
+
+  def permuted(bound):
+    call = lambda q, k, v, seg: ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      is_causal=True,
+      layout="zigzag",
+      segment_ids=seg,
+      token_order="layout",
+      document_bound=bound,
+    )
+    return hlo.collective_bytes(jax.jit(call).lower(q, k, v, seg).compile())["collective-permute"]
+
+  assert permuted(None) * 2 == permuted(16) * 7, (permuted(None), permuted(16))
+  assert _documents.schedule("zigzag", 15, 0, 32, 8) == (1, 1)
+
+
+def test_a_row_that_breaks_the_bound_is_nan_and_the_others_exact():
+  """Under jit the ids are traced: a row with a document longer than the bound gets NaN,
+  every other row the reference's numbers; on concrete ids the call raises first,
+  naming the row, the id and how far apart its tokens lie."""
+  mesh = make_mesh((4,), ("seq",))
+  q, k, v = qkv(2, 128, 4, 2, 16)
+  seg = documents(2, 128, 10)
+  seg[1, 40:80] = 99  # a 40-token document in row 1
+  call = lambda q, k, v, seg: ring_attention(
+    q, k, v, mesh=mesh, is_causal=True, segment_ids=seg, document_bound=10
+  )
+  out = jax.jit(call)(q, k, v, jnp.asarray(seg))
+  assert bool(jnp.all(jnp.isnan(out[1]))) and bool(jnp.all(jnp.isfinite(out[0])))
+  expected = reference_attention(q[:1], k[:1], v[:1], is_causal=True, segment_ids=jnp.asarray(seg[:1]))
+  assert rel_err(out[:1], expected) < TOL
+  with pytest.raises(ValueError, match=r"row 1 has id 99 at positions 40 and 79, 39 apart"):
+    call(q, k, v, jnp.asarray(seg))
+  # An id that comes back after another document spans both of its runs.
+  seg = documents(2, 128, 10)
+  seg[0, 100] = seg[0, 0]
+  with pytest.raises(ValueError, match=r"row 0 has id 0 at positions 0 and 100"):
+    call(q, k, v, jnp.asarray(seg))
+
+
+def test_the_bound_asks_for_an_int_ids_and_self_attention():
+  mesh = make_mesh((2,), ("seq",))
+  q, k, v = qkv(1, 32, 2, 2, 8)
+  seg = jnp.zeros((1, 32), jnp.int32)
+  call = lambda **kw: ring_attention(q, k, v, mesh=mesh, is_causal=True, **kw)
+  with pytest.raises(TypeError, match=r"document_bound=True must be an int"):
+    call(segment_ids=seg, document_bound=True)
+  with pytest.raises(TypeError, match=r"document_bound=8.0 must be an int"):
+    call(segment_ids=seg, document_bound=8.0)
+  with pytest.raises(ValueError, match=r"document_bound=0 must be at least 1"):
+    call(segment_ids=seg, document_bound=0)
+  with pytest.raises(ValueError, match=r"document_bound=8 needs segment_ids"):
+    call(document_bound=8)
+  k2, v2 = qkv(1, 16, 2, 2, 8)[1:]
+  with pytest.raises(ValueError, match=r"needs self-attention \(S == T\); got T=32, S=16"):
+    ring_attention(q, k2, v2, mesh=mesh, segment_ids=(seg, seg[:, :16]), document_bound=8)
