@@ -118,6 +118,23 @@ def test_short_shard_benchmark_writes_both_masks(tmp_path):
   assert all(float(r[4]) < float(r[2]) for r in rows[2:]), rows[2:]
 
 
+def test_documents_benchmark_shares_each_row_against_its_ideal(tmp_path):
+  import bench_documents
+
+  out = tmp_path / "bench.md"
+  bench_documents.main(["--length=2048", "--devices=4", "--rounds=1", "--rows=1k,mixed", f"--out={out}"])
+  rows = [
+    line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith(("| 1k", "| mixed"))
+  ]
+  assert [r[0].strip() for r in rows] == ["1k", "mixed"]
+  # Two documents of 1,024 in 2,048 tokens: their causal work is half one document's.
+  assert rows[0][1:4] == [" 2 ", " 1,024 ", " 0.500 "]
+  lengths = bench_documents.row_lengths("mixed", 2048)
+  assert sorted(lengths) == [16, 16, 16, 16, 64, 128, 256, 512, 1024]
+  assert float(rows[1][3]) == round(sum(n * n for n in lengths) / 2048**2, 3)
+  assert all(float(r[k]) > 0 for r in rows for k in (4, 5, 7, 8)), rows
+
+
 def test_dilated_benchmark_rates_against_the_ring(tmp_path):
   import bench_dilated
 

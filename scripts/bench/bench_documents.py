@@ -107,7 +107,7 @@ def main(argv=None):
       times[name] += run_times(fn, q, k, v, g, repeats=1, warmup=not times[name])
   med = {name: float(np.median(ts)) for name, ts in times.items()}
   whole = med["one document"]
-  lines = header("scripts/bench/bench_documents.py", sys.argv[1:] if argv is None else argv, p)
+  lines = header("bench_documents.py", sys.argv[1:] if argv is None else argv, p)
   lines += [
     f"T = {t:,} tokens, causal, float32, 4/2 heads of 64, forward and backward; one causal document "
     f"of T: {whole:.2f} s (median of {args.rounds} interleaved rounds).",
