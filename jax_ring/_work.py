@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax_ring import _validation, layouts
+from jax_ring import _documents, _validation, layouts
 from jax_ring._ring import schedule
 from jax_ring._tiles import BlockSizes, local_blocks
 
@@ -17,6 +17,8 @@ def work_report(
   is_causal: bool = False,
   local_window_size=None,
   block_sizes: BlockSizes | None = None,
+  segment_ids=None,
+  document_bound: int | None = None,
 ) -> np.ndarray:
   """Score blocks computed per ring step and device: int array [steps, num_devices].
 
@@ -25,8 +27,11 @@ def work_report(
   then hold the keys of d + 1, d + 2, ...). A (query block, key block) pair counts
   when some query in it sees some key, which is exactly when `ring_attention` runs
   it; the others are skipped. Steps a windowed contiguous ring never runs are 0.
-  Segment ids are data, not layout, and are left out: with them, fewer blocks run.
-  Blocks are `local_blocks`'s; on short shards the score-tile budget
+  `segment_ids` (int [seq_len], one packed row in natural order, negative on padding):
+  a pair counts only where a query and a key of one document meet, as the call skips
+  the others; `document_bound` (with them): the passes `ring_attention(...,
+  document_bound=)` makes, the others 0. Without ids, blocks are counted as the masks
+  above leave them. Blocks are `local_blocks`'s; on short shards the score-tile budget
   (`fit_tile_budget`, which depends on batch and heads) may halve them in the call,
   and causal zigzag shards of at most 1024 tokens on a CPU mesh that shares its cores
   run their steps by quadrants (`_tiles.quadrant_tiles`): the same keys, in other tiles.
@@ -43,6 +48,18 @@ def work_report(
   local, bq, bk = local_blocks(shard, block_sizes, devices=p, layout=layout)
   pos = np.pad(pos, ((0, 0), (0, local - shard)), constant_values=-1)
   back, fwd = schedule(layout, window, is_causal, shard, p, False)
+  seg = None
+  if segment_ids is not None:
+    ids = np.asarray(segment_ids)
+    if ids.shape != (seq_len,) or not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"segment_ids of shape {ids.shape} and dtype {ids.dtype} must be int [{seq_len}]")
+    seg = np.where(pos >= 0, ids[np.clip(pos, 0, seq_len - 1)], -1)
+    if document_bound is not None:
+      reach = _documents.reach(_validation.check_document_bound(document_bound, ids, 1, 1), window, is_causal)
+      if reach is not None:
+        back, fwd = _documents.schedule(layout, *reach, shard, p)
+  elif document_bound is not None:
+    raise ValueError(f"document_bound={document_bound} needs segment_ids (the documents it bounds)")
   sources = [(s, lambda d, s=s: (d - s) % p) for s in range(back + 1)]
   sources += [(back + s, lambda d, s=s: (d + s) % p) for s in range(1, fwd + 1)]
   report = np.zeros((p, p), np.int64)
@@ -52,6 +69,9 @@ def work_report(
       kp = pos[source(d)].reshape(-1, bk)
       delta = qp[:, None, :, None] - kp[None, :, None, :]
       visible = np.broadcast_to(kp[None, :, None, :] >= 0, delta.shape)
+      if seg is not None:
+        qs, ks = seg[d].reshape(-1, bq), seg[source(d)].reshape(-1, bk)
+        visible = visible & (qs[:, None, :, None] == ks[None, :, None, :]) & (qs[:, None, :, None] >= 0)
       if is_causal:
         visible = visible & (delta >= 0)
       if window is not None:

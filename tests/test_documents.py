@@ -205,3 +205,32 @@ def test_the_bound_asks_for_an_int_ids_and_self_attention():
   k2, v2 = qkv(1, 16, 2, 2, 8)[1:]
   with pytest.raises(ValueError, match=r"needs self-attention \(S == T\); got T=32, S=16"):
     ring_attention(q, k2, v2, mesh=mesh, segment_ids=(seg, seg[:, :16]), document_bound=8)
+
+
+def test_work_report_counts_each_documents_tiles_and_the_bounds_passes():
+  """`work_report` with a row's ids: 16 documents of one 16-token zig-zag chunk each are
+  16 diagonal tiles, two a device, all in the local pass; documents of 24 tokens cross
+  chunks, and the bound's passes hold every tile the whole ring's do (the counts per
+  chunk pair, in natural order, agree)."""
+  blocks = jax_ring.BlockSizes(block_q=16, block_kv=16)
+  report = lambda ids, bound=None: jax_ring.work_report(
+    layout="zigzag",
+    num_devices=8,
+    seq_len=256,
+    is_causal=True,
+    block_sizes=blocks,
+    segment_ids=ids,
+    document_bound=bound,
+  )
+  aligned = np.repeat(np.arange(16), 16)
+  assert report(aligned).tolist() == [[2] * 8] + [[0] * 8] * 7
+  assert report(aligned, 16).tolist() == report(aligned).tolist()
+  crossing = np.repeat(np.arange(11), 24)[:256]
+  chunks = crossing.reshape(16, 16)  # natural order: chunk c is tokens [16c, 16c + 16)
+  pairs = sum(bool(set(chunks[i]) & set(chunks[j])) for i in range(16) for j in range(i + 1))
+  whole, bounded = report(crossing), report(crossing, 24)
+  assert whole.sum() == bounded.sum() == pairs
+  back, fwd = _documents.schedule("zigzag", 23, 0, 32, 8)
+  assert (back, fwd) == (2, 2) and not bounded[back + fwd + 1 :].any()
+  with pytest.raises(ValueError, match=r"document_bound=8 needs segment_ids"):
+    jax_ring.work_report(layout="zigzag", num_devices=8, seq_len=256, is_causal=True, document_bound=8)
