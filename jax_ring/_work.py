@@ -48,18 +48,17 @@ def work_report(
   local, bq, bk = local_blocks(shard, block_sizes, devices=p, layout=layout)
   pos = np.pad(pos, ((0, 0), (0, local - shard)), constant_values=-1)
   back, fwd = schedule(layout, window, is_causal, shard, p, False)
+  reach = _documents.reach(
+    _validation.check_document_bound(document_bound, segment_ids, seq_len, seq_len), window, is_causal
+  )
+  if reach is not None:
+    back, fwd = _documents.schedule(layout, *reach, shard, p)
   seg = None
   if segment_ids is not None:
     ids = np.asarray(segment_ids)
     if ids.shape != (seq_len,) or not np.issubdtype(ids.dtype, np.integer):
       raise ValueError(f"segment_ids of shape {ids.shape} and dtype {ids.dtype} must be int [{seq_len}]")
     seg = np.where(pos >= 0, ids[np.clip(pos, 0, seq_len - 1)], -1)
-    if document_bound is not None:
-      reach = _documents.reach(_validation.check_document_bound(document_bound, ids, 1, 1), window, is_causal)
-      if reach is not None:
-        back, fwd = _documents.schedule(layout, *reach, shard, p)
-  elif document_bound is not None:
-    raise ValueError(f"document_bound={document_bound} needs segment_ids (the documents it bounds)")
   sources = [(s, lambda d, s=s: (d - s) % p) for s in range(back + 1)]
   sources += [(back + s, lambda d, s=s: (d + s) % p) for s in range(1, fwd + 1)]
   report = np.zeros((p, p), np.int64)

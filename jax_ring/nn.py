@@ -579,10 +579,7 @@ class RingAttention(_Cached, _Projected):
       o["token_order"] = token_order
     bound = getattr(self, "document_bound", None)
     if bound is not None and self.kind == "ring" and segment_ids is not None:
-      limit, padding = bound
-      if padding is not None:  # padding is no document: its run is not bounded
-        segment_ids = jnp.where(segment_ids == padding, -1, segment_ids)
-      o["document_bound"] = limit
+      o["document_bound"] = bound
     return ring_attention(q, k, v, segment_ids=segment_ids, **o, **mods)
 
   def token_layout(self, length: int) -> str:
@@ -667,20 +664,18 @@ def _one_device_mesh():
   return jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
 
 
-def set_document_bound(model, bound: int | None, *, padding: int | None = None) -> int:
+def set_document_bound(model, bound: int | None) -> int:
   """Gives every ring-kind `RingAttention` of `model` the longest document its packed
   rows hold, `bound` tokens (`ring_attention`'s `document_bound`: the ring makes only
   the passes that can bring keys of a query's own document; a row breaking it gets
-  NaN). Calls without segment ids run every pass. `padding`: the id packed rows give
-  padding (0 for `models.pack`'s rows), which is then no document and not bounded
-  (its queries see no key; the loss gives them no weight). None: no bound. Read when
-  a call is traced: set it before building a `Trainer` or jitting a call. Returns the
-  number of layers set."""
-  if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
-    raise ValueError(f"document_bound={bound!r} must be an int >= 1 (the longest document's tokens) or None")
+  NaN). Calls without segment ids run every pass; padding must have a negative id (as
+  the training step's rows give it), or it counts as a document. None: no bound. Read
+  when a call is traced: set it before building a `Trainer` or jitting a call. Returns
+  the number of layers set."""
+  bound = _validation.check_document_bound(bound, True, 1, 1)
   layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, RingAttention) and m.kind == "ring"]
   for layer in layers:
-    layer.document_bound = nnx.static(None if bound is None else (int(bound), padding))
+    layer.document_bound = nnx.static(bound)
   return len(layers)
 
 
