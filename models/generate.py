@@ -45,6 +45,17 @@ class Generated(NamedTuple):
   lengths: jax.Array  # int32 [B]
 
 
+class Sampled(NamedTuple):
+  """`generate(..., logprobs=True)`: the tokens and lengths, and each new token's
+  log-probability float32 [B, max_new_tokens] under the softmax of its logits over the
+  temperature (the whole vocabulary, as a trainer scores it; top-k and top-p only choose
+  the token); 0 after a row's stop token."""
+
+  tokens: jax.Array
+  lengths: jax.Array
+  logprobs: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   """How the next token is drawn from the logits."""
@@ -65,6 +76,16 @@ class Sampling:
       raise ValueError(f"top_k={self.top_k!r} must be a positive int or None")
     if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
       raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] or None")
+
+
+def token_logprob(logits, token, temperature: float):
+  """log softmax(logits / temperature)[token] float32 [B] of logits [B, V] (temperature
+  0: the logits as they are)."""
+  logits = logits.astype(jnp.float32)
+  if temperature:
+    logits = logits / temperature
+  picked = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
 def sample(logits, rng, sampling: Sampling):
@@ -117,37 +138,41 @@ def _prefill(graphdef, weights, state, prompts, lengths, rng, *, sampling: Sampl
   if logits.ndim == 3:  # [B, P, V]: each row's at its last prompt token (a masked sum: any sharding)
     at_last = jnp.arange(logits.shape[1])[None, :, None] == (lengths - 1)[:, None, None]
     logits = jnp.sum(jnp.where(at_last, logits, 0.0), axis=1)
-  return sample(logits, rng, sampling), state
+  first = sample(logits, rng, sampling)
+  return first, token_logprob(logits, first, sampling.temperature), state
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "steps", "pad_token"))
 def _decode_loop(
-  graphdef, weights, state, first, rng, stop, *, sampling: Sampling, steps: int, pad_token: int
+  graphdef, weights, state, first, first_logprob, rng, stop, *, sampling: Sampling, steps: int, pad_token: int
 ):
   b = first.shape[0]
   tokens = jnp.full((b, steps), pad_token, jnp.int32).at[:, 0].set(first)
+  logprobs = jnp.zeros((b, steps), jnp.float32).at[:, 0].set(first_logprob)
   done = jnp.isin(first, stop)
   lengths = jnp.ones((b,), jnp.int32)
 
   def cond(carry):
-    step, _, _, _, done, _, _ = carry
+    step, _, _, _, _, done, _, _ = carry
     return (step < steps) & ~jnp.all(done)
 
   def body(carry):
-    step, state, last, tokens, done, lengths, rng = carry
+    step, state, last, tokens, logprobs, done, lengths, rng = carry
     logits, state = _decoded(graphdef, weights, state, last[:, None])
     logits = logits[:, 0]
     rng, key = jax.random.split(rng)
     new = sample(logits, key, sampling)
+    logprob = jnp.where(done, 0.0, token_logprob(logits, new, sampling.temperature))
     new = jnp.where(done, pad_token, new)
     tokens = jax.lax.dynamic_update_slice_in_dim(tokens, new[:, None], step, axis=1)
+    logprobs = jax.lax.dynamic_update_slice_in_dim(logprobs, logprob[:, None], step, axis=1)
     lengths = lengths + (~done).astype(jnp.int32)
     done = done | jnp.isin(new, stop)
-    return step + 1, state, new, tokens, done, lengths, rng
+    return step + 1, state, new, tokens, logprobs, done, lengths, rng
 
-  carry = (jnp.ones((), jnp.int32), state, first, tokens, done, lengths, rng)
-  _, state, _, tokens, _, lengths, _ = jax.lax.while_loop(cond, body, carry)
-  return tokens, lengths, state
+  carry = (jnp.ones((), jnp.int32), state, first, tokens, logprobs, done, lengths, rng)
+  _, state, _, tokens, logprobs, _, lengths, _ = jax.lax.while_loop(cond, body, carry)
+  return tokens, lengths, logprobs, state
 
 
 def generate(
@@ -162,7 +187,8 @@ def generate(
   stop_tokens=(),
   rng=None,
   pad_token: int = 0,
-) -> Generated:
+  logprobs: bool = False,
+) -> Generated | Sampled:
   """Continues each prompt by up to `max_new_tokens` tokens.
 
   Args:
@@ -182,12 +208,15 @@ def generate(
     stop_tokens: token ids that end a row (the stop token is kept in its output).
     rng: a `jax.random` key for sampling (needed when temperature > 0).
     pad_token: what fills a row's output after its stop token.
+    logprobs: also each new token's log-probability (`Sampled`): what a trainer's
+      per-token log-probabilities of the same tokens reproduce (`train.grpo`).
 
   The model's caches are (re)made for P + max_new_tokens tokens per row; the prompt
   runs through one jitted prefill, the new tokens through one jitted while loop.
 
   Returns:
-    `Generated(tokens int32 [B, max_new_tokens], lengths int32 [B])`.
+    `Generated(tokens int32 [B, max_new_tokens], lengths int32 [B])`; with `logprobs`,
+    `Sampled(tokens, lengths, logprobs float32 [B, max_new_tokens])`.
   """
   missing = [m for m in ("init_cache", "prefill", "decode") if not callable(getattr(model, m, None))]
   if missing or not isinstance(model, nnx.Module):
@@ -221,7 +250,7 @@ def generate(
   model.init_cache(b, p + max_new_tokens)
   graphdef, weights, state = nnx.split(model, nnx.Param, ...)
   rng, first_key = jax.random.split(rng)
-  first, state = _prefill(
+  first, first_logprob, state = _prefill(
     graphdef,
     weights,
     state,
@@ -230,11 +259,12 @@ def generate(
     first_key,
     sampling=sampling,
   )
-  tokens, out_lengths, state = _decode_loop(
+  tokens, out_lengths, out_logprobs, state = _decode_loop(
     graphdef,
     weights,
     state,
     first,
+    first_logprob,
     rng,
     stop,
     sampling=sampling,
@@ -242,6 +272,8 @@ def generate(
     pad_token=int(pad_token),
   )
   nnx.update(model, state)
+  if logprobs:
+    return Sampled(tokens, out_lengths, out_logprobs)
   return Generated(tokens, out_lengths)
 
 

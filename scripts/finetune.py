@@ -78,7 +78,9 @@ from jax_ring.models import cli, runtime  # noqa: E402
 def parse_args(argv=None):
   p = cli.parser(__doc__)
   p.add_argument("path", help="a GGUF file or a Hugging Face folder")
-  p.add_argument("--length", type=int, default=1024, help="tokens per sequence")
+  p.add_argument(
+    "--length", type=int, default=None, help="tokens per sequence (default 1024; grpo: a group's documents)"
+  )
   p.add_argument(
     "--steps", type=int, default=4, help="optimizer steps in all (a resumed run goes on to this)"
   )
@@ -116,13 +118,42 @@ def parse_args(argv=None):
   p.add_argument(
     "--objective",
     default="sft",
-    choices=("sft", "dpo"),
-    help="sft: the next token on the weighted tokens; dpo: preference pairs (TRL's DPO)",
+    choices=("sft", "dpo", "grpo"),
+    help="sft: the next token on the weighted tokens; dpo: preference pairs (TRL's DPO); grpo: "
+    "completions sampled for prompts and scored by --reward functions (TRL's GRPO)",
   )
   p.add_argument(
-    "--loss-type", default="sigmoid", choices=("sigmoid", "ipo", "hinge"), help="dpo: TRL's loss type"
+    "--loss-type",
+    default=None,
+    choices=("sigmoid", "ipo", "hinge", "grpo", "bnpo", "dr_grpo", "dapo"),
+    help="TRL's loss type: dpo sigmoid (default), ipo or hinge; grpo dapo (default), grpo, bnpo or dr_grpo",
   )
-  p.add_argument("--beta", type=float, default=0.1, help="dpo: the deviation from the reference's weight")
+  p.add_argument(
+    "--beta",
+    type=float,
+    default=None,
+    help="the weight of the deviation from the reference (dpo: 0.1; grpo: the KL's, 0: no reference)",
+  )
+  p.add_argument(
+    "--reward",
+    action="append",
+    default=[],
+    help="grpo: a reward function, module:function or file.py:function (repeatable)",
+  )
+  p.add_argument("--reward-weights", default=None, help="grpo: the functions' weights, comma-separated")
+  p.add_argument("--num-generations", type=int, default=8, help="grpo: completions a prompt (G)")
+  p.add_argument("--max-completion-length", type=int, default=256, help="grpo: tokens a completion at most")
+  p.add_argument("--temperature", type=float, default=1.0, help="grpo: the sampling temperature")
+  p.add_argument("--top-p", type=float, default=None, help="grpo: sample from the top-p mass")
+  p.add_argument("--top-k", type=int, default=None, help="grpo: sample from the k likeliest tokens")
+  p.add_argument("--epsilon", type=float, default=0.2, help="grpo: the ratio's clip below 1")
+  p.add_argument(
+    "--epsilon-high", type=float, default=None, help="grpo: its clip above 1 (default --epsilon)"
+  )
+  p.add_argument(
+    "--scale-rewards", default="group", choices=("group", "batch", "none"), help="grpo: advantages' scale"
+  )
+  p.add_argument("--num-iterations", type=int, default=1, help="grpo: steps on each rollout (TRL's mu)")
   p.add_argument(
     "--label-smoothing", type=float, default=0.0, help="dpo sigmoid: the chance a preference is flipped"
   )
@@ -214,6 +245,8 @@ def load_data(args, tokenizer):
 
     barrier = lambda: multihost_utils.sync_global_devices("finetune.py: tokenized shares")
     processes = (jax.process_index(), jax.process_count(), barrier)
+  if args.objective == "grpo":
+    return load_prompts(args, tokenizer, columns, template)
   read = lambda path: pipeline.load_examples(
     path,
     tokenizer,
@@ -274,12 +307,107 @@ def load_data(args, tokenizer):
   return loader, evaluator
 
 
-def make_objective(args, mesh, models):
+def load_prompts(args, tokenizer, columns, template):
+  """(grpo's prompts loader, None) of --data: checked and tokenized before anything is
+  written; the rows' length from --length or the prompts (`grpo.Prompts`)."""
+  from jax_ring.models.data import sources
+  from jax_ring.models.train import grpo
+
+  if args.eval_data or args.eval_fraction:
+    raise SystemExit(
+      "finetune.py: --objective grpo has no evaluation: leave out --eval-data and --eval-fraction"
+    )
+  try:
+    prompts, where, skipped = grpo.read_prompts(
+      args.data, tokenizer, columns=columns, chat_template=template, skip_bad=args.skip_bad
+    )
+    loader = grpo.Prompts(
+      prompts, where, skipped, tokenizer, grpo_config(args), batch=args.batch, length=args.length,
+      seed=args.seed, context=args.context,
+    )  # fmt: skip
+  except (ValueError, sources.BadRecord) as e:
+    raise SystemExit(f"finetune.py: {e}") from None
+  args.length = loader.length
+  print(
+    f"finetune.py: {len(prompts)} prompts (the longest {loader.longest_prompt} tokens)"
+    + (f"; {len(skipped)} bad records skipped" if skipped else "")
+    + f"; {args.batch} a step x {args.num_generations} completions of up to {args.max_completion_length} "
+    f"tokens, in {loader.rows_per_step} rows of {loader.length} tokens"
+  )
+  return loader, None
+
+
+def grpo_config(args):
+  from jax_ring.models.train import grpo
+
+  weights = None
+  if args.reward_weights is not None:
+    try:
+      weights = tuple(float(w) for w in args.reward_weights.split(","))
+    except ValueError:
+      raise SystemExit(
+        f"finetune.py: --reward-weights {args.reward_weights!r}: numbers, comma-separated"
+      ) from None
+  try:
+    return grpo.GRPOConfig(
+      num_generations=args.num_generations, max_completion_length=args.max_completion_length,
+      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, beta=args.beta,
+      epsilon=args.epsilon, epsilon_high=args.epsilon_high, loss_type=args.loss_type,
+      scale_rewards=args.scale_rewards, num_iterations=args.num_iterations, reward_weights=weights,
+    )  # fmt: skip
+  except ValueError as e:
+    raise SystemExit(f"finetune.py: --{str(e).split('=')[0].replace('_', '-')}: {e}") from None
+
+
+def load_rewards(specs) -> list:
+  """(name, function) of each --reward: module:function (a module importable from here
+  or the working folder) or path/to/file.py:function."""
+  import importlib
+  import importlib.util
+
+  out = []
+  for spec in specs:
+    module, _, name = spec.rpartition(":")
+    if not module or not name:
+      raise SystemExit(f"finetune.py: --reward {spec!r}: module:function or file.py:function")
+    try:
+      if module.endswith(".py"):
+        if not os.path.isfile(module):
+          raise SystemExit(f"finetune.py: --reward {spec!r}: no such file {module}")
+        loaded = importlib.util.spec_from_file_location(os.path.basename(module)[:-3], module)
+        mod = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(mod)
+      else:
+        if os.getcwd() not in sys.path:
+          sys.path.append(os.getcwd())
+        mod = importlib.import_module(module)
+    except SystemExit:
+      raise
+    except Exception as e:  # noqa: BLE001 - importing the user's module: any error, named
+      raise SystemExit(
+        f"finetune.py: --reward {spec!r}: importing {module} raised {type(e).__name__}: {e}"
+      ) from None
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+      raise SystemExit(f"finetune.py: --reward {spec!r}: {module} has no function {name}")
+    out.append((name, fn))
+  return out
+
+
+def make_objective(args, mesh, models, tokenizer=None):
   """The run's objective (`models.train.objective.make`) from the flags."""
   from jax_ring.models.train import dpo, objective
 
   if args.objective == "sft":
     return objective.make("sft")
+  if args.objective == "grpo":
+    try:
+      return objective.make(
+        "grpo", config=grpo_config(args), rewards=load_rewards(args.reward), tokenizer=tokenizer,
+        seed=args.seed, reference_dtype=args.reference_dtype,
+      )  # fmt: skip
+    except (ValueError, TypeError) as e:
+      raise SystemExit(f"finetune.py: --reward: {e}") from None
   try:
     config = dpo.DPOConfig(args.loss_type, args.beta, args.label_smoothing)
   except ValueError as e:
@@ -327,8 +455,32 @@ def main(argv=None):
     args.long = "truncate" if args.objective == "dpo" else "split"
   if args.objective == "dpo" and args.data is None:
     raise SystemExit("finetune.py: --objective dpo needs --data: preference pairs")
+  losses = {"dpo": ("sigmoid", "ipo", "hinge"), "grpo": ("grpo", "bnpo", "dr_grpo", "dapo")}
+  if args.loss_type is not None and args.loss_type not in losses.get(args.objective, ()):
+    raise SystemExit(
+      f"finetune.py: --loss-type {args.loss_type}: --objective {args.objective} takes "
+      + (", ".join(losses[args.objective]) if args.objective in losses else "none")
+    )
+  args.loss_type = args.loss_type or {"dpo": "sigmoid", "grpo": "dapo"}.get(args.objective)
+  args.beta = args.beta if args.beta is not None else {"grpo": 0.0}.get(args.objective, 0.1)
+  if args.objective == "grpo":
+    if args.data is None:
+      raise SystemExit("finetune.py: --objective grpo needs --data: prompts")
+    if not args.reward:
+      raise SystemExit("finetune.py: --objective grpo needs --reward module:function (one or more)")
+    if args.reference is not None or args.precompute_reference:
+      raise SystemExit(
+        "finetune.py: --objective grpo: the reference is the initial weights (--reference and "
+        "--precompute-reference are dpo's)"
+      )
+    load_rewards(args.reward)  # named before the model loads
+  elif args.reward:
+    raise SystemExit("finetune.py: --reward scores completions of --objective grpo")
+  if args.length is None and args.objective != "grpo":
+    args.length = 1024
+  args.context = None
   for name in ("steps", "devices", "length", "batch"):
-    if getattr(args, name) < 1:
+    if getattr(args, name) is not None and getattr(args, name) < 1:
       raise SystemExit(f"finetune.py: --{name} {getattr(args, name)}: must be at least 1")
   check_paths(args)
   runtime.limit_malloc()  # before JAX starts its threads (run_demo.sh's settings)
@@ -369,6 +521,7 @@ def main(argv=None):
     with open(args.text, encoding="utf-8") as f:
       text = f.read()
   data = eval_data = None
+  args.context = model.config.context_length
   if args.data is not None:
     data, eval_data = load_data(args, tokenizer)
   config = finetune.FinetuneConfig(
@@ -414,8 +567,15 @@ def main(argv=None):
         "step's temporaries grow too, as the weights gather whole on each device; a device count that "
         "divides the model's widths (2, 4, 8) splits them all"
       )
-  objective = make_objective(args, mesh, models)
+  objective = make_objective(args, mesh, models, tokenizer)
   run["objective"] = args.objective
+  if args.objective == "grpo":
+    run.update(
+      rewards=args.reward, reward_weights=args.reward_weights, num_generations=args.num_generations,
+      max_completion_length=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+      top_k=args.top_k, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+      loss_type=args.loss_type, scale_rewards=args.scale_rewards, num_iterations=args.num_iterations,
+    )  # fmt: skip
   if args.objective == "dpo":
     run.update(
       loss_type=args.loss_type,
@@ -473,7 +633,11 @@ def main(argv=None):
     )
     + f"peak resident {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
   )
-  written = ["report.json", "state/"]
+  if args.objective == "grpo":
+    rewards = [r["reward"] for r in steps if r.get("iteration") == 0 and r.get("reward") is not None]
+    if rewards:
+      print(f"mean reward {rewards[0]:.4f} -> {rewards[-1]:.4f} over {len(rewards)} rollouts")
+  written = ["report.json", "state/"] + (["rollouts.jsonl"] if args.objective == "grpo" else [])
   written += ["adapter/"] if args.lora_rank is not None else []
   written += ["checkpoint/"] if args.lora_rank is None or args.merge else []
   print(f"wrote {', '.join(f'{args.out}/{w}' for w in written)}")

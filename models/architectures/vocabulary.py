@@ -260,6 +260,35 @@ def cross_entropy(h, table, targets, axes, chunk, token_axes=(), transposed=Fals
   return ring(h, table, targets, axes, chunk, tuple(token_axes), transposed)
 
 
+def entropy(h, table, axes, chunk, token_axes=(), transposed=False):
+  """Each position's entropy of the softmax over the whole vocabulary float32 [B, T]
+  (the logits h [B, T, D] @ table.T, T a multiple of `chunk`), the table's shards
+  passing each device in a ring (`cross_entropy`'s "table"): online over the shards,
+  log l + m - s / l with m the running maximum, l the sum of exp(logit - m) and s that
+  of exp(logit - m) logit. A statistic: no gradient is defined through it."""
+  n, _, send = _ring(axes)
+  spec = _spec(transposed)
+  hc = _chunks(h, chunk)
+
+  def step(carry, _):
+    shard, m, l, s = carry
+
+    def per_chunk(_, xs):
+      hh, mm, ll, ss = xs
+      logits = jnp.einsum(f"bcd,{spec}->bcv", hh, shard.astype(hh.dtype), preferred_element_type=jnp.float32)
+      new = jnp.maximum(mm, logits.max(-1))
+      scale = jnp.exp(mm - new)
+      e = jnp.exp(logits - new[..., None])
+      return None, (new, ll * scale + e.sum(-1), ss * scale + (e * logits).sum(-1))
+
+    _, (m, l, s) = lax.scan(per_chunk, None, (hc, m, l, s))
+    return (send(shard), m, l, s), None
+
+  stats = _varying(jnp.zeros(hc.shape[:3], jnp.float32), h, table)
+  (_, m, l, s), _ = lax.scan(step, (table, stats - jnp.inf, stats, stats), jnp.arange(n))
+  return _same_over(_unchunk(m + jnp.log(l) - s / l), axes, token_axes)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _ce_table(h, table, targets, axes, chunk, token_axes=(), transposed=False):
   return _ce_fwd(h, table, targets, axes, chunk, token_axes, transposed)[0]

@@ -335,6 +335,18 @@ class Loader:
     self.reference = [list(map(float, v)) for v in values]
     self.rewind()
 
+  def summary(self) -> dict:
+    """The rows' statistics for a run's report."""
+    return dict(
+      examples=len(self.examples),
+      rows=len(self.rows),
+      padding=round(self.padding, 6),
+      dropped_examples=len(self.dropped),
+      rows_without_loss=self.idle_rows,
+      skipped_records=len(self.examples.skipped),
+      format=self.examples.format,
+    )
+
   @property
   def padding(self) -> float:
     """The fraction of all rows' tokens that are padding."""

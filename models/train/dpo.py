@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from . import step
+from .objective import Objective
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 METRICS = (
@@ -115,26 +116,27 @@ class Reference:
   """The reference model's log-probabilities of a batch's documents: `graphdef` merged
   with `params` and `rest` (stacked as `plan` says, as `step.Trainer` keeps them)."""
 
-  def __init__(self, graphdef, params, rest, plan, chunk: int = 512):
+  def __init__(self, graphdef, params, rest, plan, chunk: int = 512, measure=None):
+    # `measure(key)`: the objective the reference runs for `__call__`'s `slots` (any
+    # hashable key): each document's log-probability by default (`_logps_only`).
     self.params, self.rest = params, rest
+    measure = measure or _logps_only
     self._run = functools.lru_cache(maxsize=None)(
-      lambda slots: jax.jit(
-        functools.partial(step.evaluate_objective, graphdef, _logps_only(slots), chunk, plan),
-      )
+      lambda slots: jax.jit(functools.partial(step.evaluate_objective, graphdef, measure(slots), chunk, plan))
     )
 
   @classmethod
-  def adapters_off(cls, trainer):
+  def adapters_off(cls, trainer, measure=None):
     """The trainer's model with its adapters' matrices zero: the base it adapts."""
     zero = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t))(trainer.params)
-    return cls(trainer.graphdef, zero, trainer.rest, trainer.plan, trainer.chunk)
+    return cls(trainer.graphdef, zero, trainer.rest, trainer.plan, trainer.chunk, measure)
 
   @classmethod
-  def initial(cls, trainer, dtype=None):
+  def initial(cls, trainer, dtype=None, measure=None):
     """A frozen copy of the trainer's weights as they are now (in `dtype`, or theirs)."""
     copy = lambda x: jnp.copy(x) if dtype is None else x.astype(dtype)
     frozen = jax.jit(lambda t: jax.tree.map(copy, t))(trainer.params)
-    return cls(trainer.graphdef, frozen, trainer.rest, trainer.plan, trainer.chunk)
+    return cls(trainer.graphdef, frozen, trainer.rest, trainer.plan, trainer.chunk, measure)
 
   @classmethod
   def of_model(cls, model, chunk: int = 512):
@@ -142,8 +144,9 @@ class Reference:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     return cls(graphdef, params, rest, None, chunk)
 
-  def __call__(self, arrays: dict, slots: int, place) -> np.ndarray:
-    """The log-probabilities [B, slots] of the batch `arrays` (placed by `place`)."""
+  def __call__(self, arrays: dict, slots, place) -> np.ndarray:
+    """The log-probabilities [B, slots] of the batch `arrays` (placed by `place`; with
+    another `measure`, what it gives for the key `slots`)."""
     args, rows = place({k: v for k, v in arrays.items() if k != "reference"})
     value, _ = self._run(slots)(self.params, self.rest, *args, rows)
     return np.asarray(jax.device_get(value), np.float32)
@@ -156,7 +159,7 @@ def _logps_only(slots):
   return run
 
 
-class Preference:
+class Preference(Objective):
   """DPO as an objective of the training loop (`objective.Supervised`'s
   interface). `reference`: "initial" (the initial
   weights: adapters off, or a frozen copy in `reference_dtype`), or a model

@@ -379,6 +379,7 @@ def _finetune(
   import signal
 
   from . import metrics as metrics_io
+  from . import objective as objectives
   from .step import make_schedule
 
   ids = None if text is None or data is not None else np.asarray(tokenizer.encode(text), np.int32)
@@ -442,24 +443,16 @@ def _finetune(
   if first:
     state.restore(first, trainer)
     data.restore(_data_state(out, first, data))
+  if main:
+    objective.resume(out, first)
   report_path = os.path.join(out, "report.json")
   report = dict(config=dict(dataclasses.asdict(config), **(run or {})), steps=[])
-  stats = getattr(data, "padding", None)
-  if stats is not None:
-    report["data"] = dict(
-      examples=len(data.examples),
-      rows=len(data.rows),
-      padding=round(stats, 6),
-      dropped_examples=len(data.dropped),
-      rows_without_loss=data.idle_rows,
-      skipped_records=len(data.examples.skipped),
-      format=data.examples.format,
-      document_bound=bound,
-    )
+  if hasattr(data, "summary"):  # a loader of the user's data
+    report["data"] = dict(data.summary(), document_bound=bound)
   here = data.state()
   arrays, _ = next(data)  # the first batch, for the compiled step's memory; then back
   data.restore(here)
-  args, rows = place(objective.prepare(arrays))
+  args, rows = place(objective.probe(arrays))
   report["memory"] = trainer.memory(*args, **rows)
   history = [r for r in metrics_io.read(out) if "loss" in r and r["step"] < first]
   log = metrics_io.Metrics(out, first) if main else metrics_io.Quiet()
@@ -469,6 +462,7 @@ def _finetune(
     state.manager.wait_until_finished()
     report["steps"] = list(history)
     if main:
+      objective.save(out, step)
       _write_data_state(out, step, data.state())
       with open(report_path, "w") as f:
         json.dump(report, f, indent=1)
@@ -496,9 +490,15 @@ def _finetune(
         save(step)
         report["interrupted"] = signal.Signals(stop["signal"]).name
         return report
+      here = data.state()
       arrays, where = next(data)
       start = time.perf_counter()
-      arrays = objective.prepare(arrays)
+      try:
+        arrays = objective.prepare(arrays)
+      except objectives.StopRun:  # saved at this step, its batch still to come
+        data.restore(here)
+        save(step)
+        raise
       args, rows = place(arrays)
       value, out_stats = trainer.step(*args, **rows)
       value, norm = float(value), float(out_stats["grad_norm"])

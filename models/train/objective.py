@@ -1,9 +1,11 @@
 """What an objective is to the training loop (`finetune.finetune`, written once): how a
-batch of rows is completed on the host before the step (`prepare`), the loss the step
-differentiates (`loss`, `step.Trainer`'s objective), and the records it writes for a
-training step (`record`) and an evaluation (`evaluate`). Supervised fine-tuning
-(`Supervised`, here) and preference tuning (`dpo.Preference`) are two such parts;
-`OBJECTIVES` names them for `scripts/finetune.py --objective`.
+batch is completed on the host before the step (`prepare`; `probe` the same shapes
+without the work, for the compiled step's memory), the loss the step differentiates
+(`loss`, `step.Trainer`'s objective), the records it writes for a training step
+(`record`) and an evaluation (`evaluate`), and what it keeps beside the run's state
+(`resume`, `save`). Supervised fine-tuning (`Supervised`, here), preference tuning
+(`dpo.Preference`) and reinforcement learning from rewards (`grpo.GRPO`) are such
+parts; `OBJECTIVES` names them for `scripts/finetune.py --objective`.
 
 Legend: B batch, T sequence length.
 """
@@ -15,11 +17,15 @@ import numpy as np
 from . import step
 
 
-class Supervised:
-  """The next token's cross-entropy on the weighted tokens (`step.cross_entropy`)."""
+class StopRun(ValueError):
+  """An objective's error that ends the run once its state is saved at the step that
+  raised it (a reward function that raised, say): the run resumes there."""
 
-  name = "sft"
 
+class Objective:
+  """The loop's defaults: nothing set up, batches as they come, nothing kept."""
+
+  name = "objective"
   reference_key = None  # what names an objective's reference (`dpo`) in its cached files' names
 
   def setup(self, trainer, data, eval_data, *, place=None, cache=None) -> None:
@@ -31,6 +37,23 @@ class Supervised:
     """A batch's arrays as the step takes them (`tokens`, `targets`, `weights` and the
     rows' other arrays)."""
     return arrays
+
+  def probe(self, arrays: dict) -> dict:
+    """Arrays of the shapes `prepare` gives (for the compiled step's memory)."""
+    return self.prepare(arrays)
+
+  def resume(self, out: str, step: int) -> None:
+    """Before the first step run here (`step`: 0, or the saved state's): what the
+    objective keeps under `out` is brought back to that step."""
+
+  def save(self, out: str, step: int) -> None:
+    """Beside the state saved at `step`: what the objective needs to go on from it."""
+
+
+class Supervised(Objective):
+  """The next token's cross-entropy on the weighted tokens (`step.cross_entropy`)."""
+
+  name = "sft"
 
   def loss(self, model, tokens, targets, weights, *, chunk: int = 512, **rows):
     return step.cross_entropy(model, tokens, targets, weights, chunk=chunk, **rows)
@@ -53,7 +76,7 @@ class Supervised:
 
 
 def make(name: str, **settings):
-  """The objective `name` ("sft", "dpo") with its settings."""
+  """The objective `name` ("sft", "dpo", "grpo") with its settings."""
   match name:
     case "sft":
       return Supervised(**settings)
@@ -61,8 +84,12 @@ def make(name: str, **settings):
       from . import dpo
 
       return dpo.Preference(**settings)
+    case "grpo":
+      from . import grpo
+
+      return grpo.GRPO(**settings)
     case _:
       raise ValueError(f"objective={name!r}: expected one of {OBJECTIVES}")
 
 
-OBJECTIVES = ("sft", "dpo")
+OBJECTIVES = ("sft", "dpo", "grpo")

@@ -163,6 +163,84 @@ def chunked_cross_entropy(
   return (value, best) if predictions else value
 
 
+def token_cross_entropy(
+  h,
+  table,
+  targets,
+  *,
+  chunk: int = 512,
+  mesh=None,
+  seq_axis=None,
+  batch_axis=None,
+  table_axes=None,
+  transposed: bool = False,
+  entropy: bool = False,
+):
+  """Each token's cross-entropy float32 [B, T] of the logits h @ table.T against
+  `targets` (`chunked_cross_entropy`'s chunks, mesh and vocabulary ring, without the
+  sum), and with `entropy` each position's entropy of the softmax [B, T] (a statistic:
+  no gradient flows through it); returns (cross-entropy, entropy or None)."""
+  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    raise ValueError(f"chunk={chunk!r} must be a positive int")
+  if targets.shape != h.shape[:2]:
+    raise ValueError(f"targets.shape={tuple(targets.shape)} must be h's [B, T] {tuple(h.shape[:2])}")
+  if transposed and not table_axes:
+    table, transposed = table.T, False
+  length = h.shape[1]
+
+  def run(h, targets, table):
+    b, t, _ = h.shape
+    c = min(chunk, t)
+    pad = -t % c
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    if table_axes:
+      ce = vocabulary.cross_entropy(h, table, targets, table_axes, c, axes, transposed)
+      ent = None
+      if entropy:
+        stop = jax.lax.stop_gradient
+        ent = vocabulary.entropy(stop(h), stop(table), table_axes, c, axes, transposed)
+      return ce[:, :t], None if ent is None else ent[:, :t]
+    n = (t + pad) // c
+    split = lambda a: jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def body(_, xs):
+      hc, tc = xs
+      logits = jnp.einsum("bcd,vd->bcv", hc, table.astype(hc.dtype), preferred_element_type=jnp.float32)
+      lse = jax.nn.logsumexp(logits, axis=-1)
+      picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+      ent = None
+      if entropy:
+        stopped = jax.lax.stop_gradient(logits)
+        ent = jax.lax.stop_gradient(lse) - jnp.sum(jax.nn.softmax(stopped, axis=-1) * stopped, axis=-1)
+      return None, (lse - picked, ent)
+
+    _, (ce, ent) = jax.lax.scan(body, None, (split(h), split(targets)))
+    whole = lambda a: None if a is None else jnp.moveaxis(a, 0, 1).reshape(b, n * c)[:, :t]
+    return whole(ce), whole(ent)
+
+  if mesh is None:
+    axes = ()
+    return run(h, targets, table)
+  axes = tuple(seq_axis) if isinstance(seq_axis, (tuple, list)) else (seq_axis,)
+  pad = -length % math.prod(mesh.shape[a] for a in axes)
+  if pad:
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+  if batch_axis is not None and h.shape[0] % mesh.shape[batch_axis]:
+    batch_axis = None
+  axes = axes if batch_axis is None else (batch_axis, *axes)
+  rows = P(batch_axis, axes[1:] if batch_axis is not None else axes)
+  ce, ent = jax.shard_map(
+    run,
+    mesh=mesh.update(axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)),
+    in_specs=(P(*rows, None), rows, _table_spec(table_axes, transposed)),
+    out_specs=(rows, rows if entropy else None),
+  )(h, targets, table)
+  return ce[:, :length], None if ent is None else ent[:, :length]
+
+
 def _like_hidden(model, x):
   """x [B, T] split over the sequence (and batch) as the model's hidden states are."""
   mesh, seq_axis, batch_axis = model.placement
@@ -222,6 +300,42 @@ def loss(
     groups=groups,
     group_ids=group_ids,
   )
+
+
+def token_logps(
+  model, tokens, targets, *, chunk: int = 512, temperature: float = 1.0, entropy: bool = False,
+  segment_ids=None, positions=None,
+):  # fmt: skip
+  """Each target's log-probability float32 [B, T] under the softmax of the model's
+  logits over `temperature` after `tokens` (packed rows as `loss` takes them), in the
+  tokens' order; and with `entropy` each position's entropy of that softmax [B, T] (a
+  statistic, no gradient), else None. The logits are linear in the final hidden states,
+  which are divided by the temperature (in their dtype) before the head."""
+  rows = dict(segment_ids=segment_ids, positions=positions)
+  rows = {k: v for k, v in rows.items() if v is not None}
+  perm = model.ring_permutation(tokens.shape[1])
+  if perm is None:
+    h = model.hidden(tokens, **rows)
+  else:  # the ring's order through the layers, then back to the tokens' order
+    laid = lambda a: _like_hidden(model, jnp.take(jnp.asarray(a), perm, axis=1))
+    tokens, targets = laid(tokens), laid(targets)
+    rows = {k: laid(v) for k, v in rows.items()}
+    h = model.hidden(tokens, token_order="layout", **rows)
+  if temperature != 1.0:
+    h = h / jnp.asarray(temperature, h.dtype)
+  table, axes = model.head_table()
+  if axes is None:
+    table = model.head_weights()
+  transposed = axes is not None and model.head is not None
+  ce, ent = token_cross_entropy(
+    h, table, targets, chunk=chunk, **placement(model), table_axes=axes, transposed=transposed,
+    entropy=entropy,
+  )  # fmt: skip
+  if perm is not None:
+    back = np.argsort(np.asarray(perm))
+    ce = _like_hidden(model, jnp.take(ce, back, axis=1))
+    ent = None if ent is None else _like_hidden(model, jnp.take(ent, back, axis=1))
+  return -ce, ent
 
 
 def placement(model, seq_axis=None) -> dict:
