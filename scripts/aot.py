@@ -138,8 +138,9 @@ def parse_args(argv=None):
   p.add_argument(
     "--objective",
     default="sft",
-    choices=("sft", "dpo"),
-    help="--train: the step's objective (dpo: a row is one pair of two --seq-len / 2 token sequences)",
+    choices=("sft", "dpo", "grpo"),
+    help="--train: the step's objective (dpo: a row is one pair of two --seq-len / 2 token sequences; "
+    "grpo: a row is one completion of --seq-len tokens, --batch of them)",
   )
   p.add_argument(
     "--layers",
@@ -223,6 +224,21 @@ def objective_of(name: str) -> dict:
     from jax_ring.models.train import dpo
 
     return dict(objective=dpo.Preference().loss, objective_rows=dpo.compiled_rows)
+  if name == "grpo":
+    from jax_ring.models.train import grpo
+
+    # One completion a row (`batch` of them); the reference's log-probabilities come in
+    # per token (beta 0.04), computed by a pass of their own before the step.
+    made = {}
+
+    def rows(batch, seq_len, rows, whole):
+      made["objective"] = grpo.GRPO.compiled(batch)
+      return made["objective"].rows(batch, seq_len, rows, whole)
+
+    def loss(model, tokens, targets, weights, **kw):
+      return made["objective"].loss(model, tokens, targets, weights, **kw)
+
+    return dict(objective=loss, objective_rows=rows)
   return {}
 
 

@@ -375,6 +375,18 @@ def test_llama_8b_dpo_adapter_step_takes_a_pair_and_its_reference():
   assert dpo["memory"]["fits"] is True
 
 
+@pytest.mark.xdist_group("llama_adapter")  # one worker: the adapter step compiles once
+def test_llama_8b_grpo_adapter_step_takes_each_tokens_old_reference_and_advantage():
+  """--objective grpo: the adapter step of one block on one completion of 8K tokens
+  takes, beside the adapter step's arguments, the row's segment ids and positions and
+  per token the old and the reference log-probabilities and the advantage (TRL's
+  default loss, dapo, needs no completion numbers: the compiler drops them); it fits."""
+  sft, grpo = _adapter_step(), aot(*ADAPTER_STEP, "--objective=grpo")
+  extra = 8192 * 4 * 5
+  assert grpo["memory"]["argument_bytes"] - sft["memory"]["argument_bytes"] == extra
+  assert grpo["memory"]["fits"] is True
+
+
 def test_moe_step_splits_its_experts_8_ways_and_drops_no_token():
   """--model qwen3-30b-a3b --train with one block at 8K tokens on 8 x H100: the
   arguments are the float32 weights (the 128 experts' stacks and the router included)

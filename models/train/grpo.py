@@ -399,6 +399,7 @@ class GRPO(Objective):
     if not isinstance(data, Prompts):
       raise ValueError("grpo takes prompts (`grpo.Prompts`, --data with a 'prompt' column)")
     self.trainer, self.place, self.data = trainer, place, data
+    self.completions = data.completions
     self.stop = stop_ids(self.tokenizer)
     if self.config.beta:
       measure = _token_measure
@@ -590,6 +591,27 @@ class GRPO(Objective):
       raise AssertionError("the completion tokens and the loss weights disagree")
     return dict(arrays, old=old, advantages=adv, completion=which)
 
+  @classmethod
+  def compiled(cls, completions: int, config: GRPOConfig = GRPOConfig(beta=0.04)):
+    """The objective of a step compiled without data or rewards (`scripts/aot.py
+    --objective grpo`): `completions` a step."""
+    out = cls.__new__(cls)
+    out.config, out.completions = config, completions
+    return out
+
+  def rows(self, batch: int, seq_len: int, rows, whole) -> dict:
+    """The step's further inputs, abstract, for `step.compile_train_step`: the packed
+    rows' segment ids and positions, and per token the old log-probabilities, the
+    advantages, the completions' numbers and (beta > 0) the reference's."""
+    shape = lambda dtype: jax.ShapeDtypeStruct((batch, seq_len), dtype, sharding=rows)
+    out = dict(
+      segment_ids=shape(jnp.int32), positions=shape(jnp.int32), old=shape(jnp.float32),
+      advantages=shape(jnp.float32), completion=shape(jnp.int32),
+    )  # fmt: skip
+    if self.config.beta:
+      out["reference"] = shape(jnp.float32)
+    return out
+
   def loss(self, model, tokens, targets, weights, *, chunk: int = 512, old=None, advantages=None,
            completion=None, reference=None, segment_ids=None, positions=None):  # fmt: skip
     logps, entropy = step.token_logps(
@@ -597,7 +619,7 @@ class GRPO(Objective):
       segment_ids=segment_ids, positions=positions,
     )  # fmt: skip
     value, stats = policy_loss(
-      logps, old, advantages, weights, completion, self.config, self.data.completions, reference
+      logps, old, advantages, weights, completion, self.config, self.completions, reference
     )
     mask = (weights > 0).astype(jnp.float32)
     stats["entropy"] = jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0)
