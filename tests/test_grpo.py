@@ -388,6 +388,10 @@ def test_grpo_run_writes_rollouts_and_trls_metrics(folder, tmp_path):
     assert x["rewards"]["short"] == (1.0 if len(x["completion"]) < 12 else 0.0)
   report = json.loads((out / "report.json").read_text())
   assert report["config"]["num_generations"] == 3 and report["data"]["format"] == "prompt"
+  # Going on with other rollouts is another run: refused, naming what differs.
+  more = _grpo_args(folder, data, out, rewards, "--steps", "4", "--beta", "0.04", "--num-generations", "2")
+  with pytest.raises(SystemExit, match="num_generations 3 -> 2"):
+    script.main(more)
 
 
 def test_a_reward_function_that_raises_stops_the_run_named_with_the_state_saved(folder, tmp_path):

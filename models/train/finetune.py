@@ -241,6 +241,7 @@ def data_record(data, config: FinetuneConfig, ids=None, path=None) -> dict:
     out.update(format="text windows")
   else:
     out.update(format="documents")
+  out.update(getattr(data, "settings", {}))  # what else makes the rows (grpo's completions)
   out["tokens"] = h.hexdigest()[:16]
   return out
 

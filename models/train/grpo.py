@@ -312,6 +312,12 @@ class Prompts:
     self.examples = pipeline.Examples([p.ids for p in prompts], masks, list(where), "prompt", list(skipped))
     self.rows, self.dropped = list(range(len(prompts))), []
     self.step = 0
+    # For a resume's check (`finetune.data_record`): what else makes a step's rows.
+    self.settings = dict(
+      num_generations=config.num_generations,
+      max_completion_length=config.max_completion_length,
+      num_iterations=config.num_iterations,
+    )
 
   def summary(self) -> dict:
     """The prompts' statistics for a run's report."""
