@@ -18,6 +18,7 @@ template; the loss on the assistant's turns).
         [--length T] [--steps N] [--devices D] [--fsdp | --no-fsdp] [--lr LR] [--out DIR]
         [--remat full|attention|offload|none] [--dtype float32|bfloat16] [--capacity-factor C]
         [--no-progress] [--objective sft|dpo [--loss-type T --beta B --reference REF ...]]
+        [--objective grpo --reward MODULE:FUNCTION --num-generations G --max-completion-length N ...]
         [--lora-rank R [--lora-alpha A] [--lora-targets q,k,v,o,gate,up,down] [--merge]]
 
 Preference tuning (--objective dpo): pairs with "prompt", "chosen" and "rejected"
@@ -27,6 +28,14 @@ TRL's DPO loss (--loss-type, --beta, --label-smoothing) against the reference: t
 initial weights (with --lora-rank the base, adapters off), or --reference PATH, its
 log-probabilities computed at each step or once before training
 (--precompute-reference); metrics.jsonl then holds TRL's "rewards/..." and "logps/...".
+
+Reinforcement learning from rewards (--objective grpo): records with a "prompt" column
+(a string or messages; the other columns go to the reward functions), each continued
+--num-generations times by the generation engine over the ring (--temperature, --top-p,
+--top-k, up to --max-completion-length tokens), scored by --reward module:function (or
+file.py:function; repeatable, --reward-weights), TRL's GRPO loss (--loss-type, --beta,
+--epsilon, --epsilon-high, --scale-rewards, --num-iterations) on the completions packed
+with their prompts; DIR/rollouts.jsonl holds every completion, its rewards and advantage.
 
 Writes DIR/metrics.jsonl and TensorBoard event files in DIR/tb/ as each step ends
 (loss, gradient norm, learning rate, tokens, padding, tokens/s; the evaluation loss),
