@@ -135,7 +135,8 @@ def parse_args(argv=None):
     "--loss-type",
     default=None,
     choices=("sigmoid", "ipo", "hinge", "grpo", "bnpo", "dr_grpo", "dapo"),
-    help="TRL's loss type: dpo sigmoid (default), ipo or hinge; grpo dapo (default), grpo, bnpo or dr_grpo",
+    help="TRL's loss type: dpo sigmoid, ipo or hinge; grpo dapo, grpo, bnpo or dr_grpo "
+    "(default: sigmoid for dpo, dapo for grpo)",
   )
   p.add_argument(
     "--beta",

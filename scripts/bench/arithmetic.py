@@ -1,11 +1,11 @@
-"""A small verifiable task for reinforcement learning from rewards: sums of two numbers
+r"""A small verifiable task for reinforcement learning from rewards: sums of two numbers
 asked in a few-shot pattern a base model continues, and rewards that parse the answer
 (TRL's reward-function signature, for `scripts/finetune.py --objective grpo --reward
 scripts/bench/arithmetic.py:correct`).
 
     python scripts/bench/arithmetic.py --write prompts.jsonl [--count 256] [--most 10] [--seed 0]
-    python scripts/finetune.py MODEL --data prompts.jsonl --objective grpo \\
-        --reward scripts/bench/arithmetic.py:correct --reward scripts/bench/arithmetic.py:close \\
+    python scripts/finetune.py MODEL --data prompts.jsonl --objective grpo \
+        --reward scripts/bench/arithmetic.py:correct --reward scripts/bench/arithmetic.py:close \
         --num-generations 4 --max-completion-length 256 --devices 8 --out run
 
 Each record holds "prompt" and "answer" (the sum, a string): the reward functions read
@@ -14,7 +14,6 @@ the answer column by its name.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 
@@ -61,13 +60,19 @@ def number_first(prompts, completions, **kw) -> list[float]:
   return [0.2 if FIRST.match(_text(c)) else 0.0 for c in completions]
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--write", required=True, help="the prompts' .jsonl file")
-  p.add_argument("--count", type=int, default=256)
+def parse_args(argv=None):
+  from jax_ring.models import cli
+
+  p = cli.parser(__doc__)
+  p.add_argument("--write", default="prompts.jsonl", help="the prompts' .jsonl file")
+  p.add_argument("--count", type=int, default=256, help="prompts to write")
   p.add_argument("--most", type=int, default=10, help="the numbers added lie in [0, most)")
-  p.add_argument("--seed", type=int, default=0)
-  args = p.parse_args(argv)
+  p.add_argument("--seed", type=int, default=0, help="the numbers' seed")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   with open(args.write, "w", encoding="utf-8") as f:
     f.writelines(json.dumps(r) + "\n" for r in records(args.count, args.seed, args.most))
   print(f"wrote {args.count} prompts to {args.write}")
