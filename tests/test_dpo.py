@@ -404,7 +404,7 @@ def test_dpo_with_adapters_and_sigterm_resumes_with_the_uninterrupted_losses(fol
   _finish(_child(_dpo_args(folder, data, whole, *steps), 300), 300)
   expected = [r["loss"] for r in json.loads((whole / "report.json").read_text())["steps"]]
   assert (whole / "adapter" / "adapter_config.json").is_file()
-  child = _child(_dpo_args(folder, data, out, *steps), 300)
+  child = _child(_dpo_args(folder, data, out, *steps), 300, pause=0.5)
   try:
     metrics = out / "metrics.jsonl"
     _wait_for(

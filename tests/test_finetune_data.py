@@ -317,9 +317,31 @@ def _wait_for(predicate, timeout, what, proc=None):
   raise AssertionError(f"no {what} within {timeout} s")
 
 
-def _child(args, timeout):
-  """scripts/finetune.py ARGS in a child process: (Popen); the caller waits with a timeout."""
-  command = [sys.executable, str(ROOT / "scripts" / "finetune.py"), *args]
+# The child of the signal tests: scripts/finetune.py run as __main__ (its signal handlers
+# and all), with each step's metrics record followed by a pause, so that a signal sent
+# when the second record appears lands while steps remain, however fast the steps are.
+PACED = """
+import runpy, sys, time
+from jax_ring.models.train import metrics
+log, pause = metrics.Metrics.log, float(sys.argv[1])
+def paced(self, record):
+  log(self, record)
+  if "loss" in record:
+    time.sleep(pause)
+metrics.Metrics.log = paced
+sys.argv = sys.argv[2:]
+sys.path.insert(0, sys.argv[0].rpartition("/")[0])
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _child(args, timeout, pause=None):
+  """scripts/finetune.py ARGS in a child process: (Popen); the caller waits with a timeout.
+  `pause`: seconds of sleep after each step's metrics record (the signal tests)."""
+  script = str(ROOT / "scripts" / "finetune.py")
+  command = [sys.executable, script, *args]
+  if pause is not None:
+    command = [sys.executable, "-c", PACED, str(pause), script, *args]
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
@@ -362,7 +384,7 @@ def test_sigterm_saves_and_the_resumed_run_has_the_same_losses(folder, whole, tm
   data, expected = whole
   steps = [*STOPPED, "--cache-dir", str(tmp_path / "cache")]
   out = tmp_path / "stopped"
-  child = _child(_args(folder, data, out, *steps), 300)
+  child = _child(_args(folder, data, out, *steps), 300, pause=0.5)
   try:
     metrics = out / "metrics.jsonl"
     _wait_for(
@@ -419,13 +441,13 @@ def test_sigkill_after_an_unsaved_step_resumes_with_every_step_once(folder, whol
   data, expected = whole
   steps = [*STOPPED, "--cache-dir", str(tmp_path / "cache")]
   out = tmp_path / "killed"
-  child = _child(_args(folder, data, out, *steps), 300)
+  child = _child(_args(folder, data, out, *steps), 300, pause=0.5)
   metrics = out / "metrics.jsonl"
   logged = lambda: len(metrics.read_text().splitlines()) if metrics.exists() else 0
   try:
     end = time.monotonic() + 240
     while logged() < 6 and child.poll() is None and time.monotonic() < end:
-      time.sleep(0.01)  # steps take tens of milliseconds here: kill before the next save
+      time.sleep(0.01)  # a paced child: half a second after each step to kill it in
   finally:
     child.kill()  # SIGKILL
     child.wait(timeout=60)
