@@ -11,7 +11,7 @@ from jax_ring._tiles import BlockSizes, local_blocks
 
 def work_report(
   *,
-  layout: str,
+  layout: str | None = None,
   num_devices: int,
   seq_len: int,
   is_causal: bool = False,
@@ -19,6 +19,7 @@ def work_report(
   block_sizes: BlockSizes | None = None,
   segment_ids=None,
   document_bound: int | None = None,
+  order=None,
 ) -> np.ndarray:
   """Score blocks computed per ring step and device: int array [steps, num_devices].
 
@@ -31,28 +32,50 @@ def work_report(
   a pair counts only where a query and a key of one document meet, as the call skips
   the others; `document_bound` (with them): the passes `ring_attention(...,
   document_bound=)` makes, the others 0. Without ids, blocks are counted as the masks
-  above leave them. Blocks are `local_blocks`'s; on short shards the score-tile budget
+  above leave them. `order` (int [seq_len], a permutation such as
+  `layouts.documents` gives): device d holds positions order[d*c:(d+1)*c] instead of
+  the layout's, and every pass runs (as `ring_attention_shard(..., positions=)` makes
+  them). Blocks are `local_blocks`'s; on short shards the score-tile budget
   (`fit_tile_budget`, which depends on batch and heads) may halve them in the call,
   and causal zigzag shards of at most 1024 tokens on a CPU mesh that shares its cores
   run their steps by quadrants (`_tiles.quadrant_tiles`): the same keys, in other tiles.
   """
   window = _validation.normalize_window(local_window_size)
   is_causal = _validation.check_bool(is_causal, "is_causal")
-  layout = layouts.resolve(layout, is_causal, shard_len=-(-seq_len // num_devices))
+  if (layout is None) == (order is None):
+    raise ValueError(
+      f"work_report takes layout= (a name) or order= (a permutation), one of them; got layout={layout!r}"
+    )
+  if layout is not None:
+    layout = layouts.resolve(layout, is_causal, shard_len=-(-seq_len // num_devices))
   block_sizes = BlockSizes() if block_sizes is None else block_sizes
   p = num_devices
-  padded = layouts.padded_length(layout, seq_len, p)
-  shard = padded // p
-  pos = layouts.positions(layout, p, shard)
-  pos = np.where(pos < seq_len, pos, -1)
-  local, bq, bk = local_blocks(shard, block_sizes, devices=p, layout=layout)
+  if order is not None:
+    order = np.asarray(order)
+    if order.shape != (seq_len,) or seq_len % p or not np.array_equal(np.sort(order), np.arange(seq_len)):
+      raise ValueError(
+        f"order of shape {order.shape} must be a permutation of range({seq_len}), seq_len a multiple of "
+        f"num_devices={p}"
+      )
+    if document_bound is not None:
+      raise ValueError(f"document_bound={document_bound} with `order`: every pass runs, no bound is used")
+    shard = seq_len // p
+    pos = order.reshape(p, shard).astype(np.int64)
+    local, bq, bk = local_blocks(shard, block_sizes, devices=p, layout=None)
+    back, fwd = p - 1, 0
+  else:
+    padded = layouts.padded_length(layout, seq_len, p)
+    shard = padded // p
+    pos = layouts.positions(layout, p, shard)
+    pos = np.where(pos < seq_len, pos, -1)
+    local, bq, bk = local_blocks(shard, block_sizes, devices=p, layout=layout)
+    back, fwd = schedule(layout, window, is_causal, shard, p, False)
+    reach = _documents.reach(
+      _validation.check_document_bound(document_bound, segment_ids, seq_len, seq_len), window, is_causal
+    )
+    if reach is not None:
+      back, fwd = _documents.schedule(layout, *reach, shard, p)
   pos = np.pad(pos, ((0, 0), (0, local - shard)), constant_values=-1)
-  back, fwd = schedule(layout, window, is_causal, shard, p, False)
-  reach = _documents.reach(
-    _validation.check_document_bound(document_bound, segment_ids, seq_len, seq_len), window, is_causal
-  )
-  if reach is not None:
-    back, fwd = _documents.schedule(layout, *reach, shard, p)
   seg = None
   if segment_ids is not None:
     ids = np.asarray(segment_ids)

@@ -11,6 +11,10 @@ in how evenly causal work is spread over the devices.
   attention over short shards (at most SHORT_CAUSAL_SHARD tokens a device) where the
   caller gives the shard length (`ring_attention`, `work_report`).
 
+`documents(segment_ids, p)` builds a layout for one packed row from its documents (every
+device the same causal score work), returned as a permutation whose shards are the
+ring's `positions`.
+
 A model that keeps its activations in one layout through every layer calls
 `permutation` once at the input (and `inverse_permutation` at the output), passes the
 permuted positions to its rotary embeddings, and calls `ring_attention(...,
@@ -186,3 +190,122 @@ def relayout_shard(x, layout: str, axis_name, num_shards: int, *, inverse: bool 
       y = lax.all_to_all(y, axis_name, split_axis=1, concat_axis=2, tiled=True)
       y = y.reshape(b, n, *rest)
   return jnp.moveaxis(y, 1, axis)
+
+
+# A document at least 2 * p * SPREAD_PIECE tokens long is spread over every device
+# (zig-zag within the document: pieces of SPREAD_PIECE tokens or more); shorter ones
+# stay whole on one device where they fit.
+SPREAD_PIECE = 128
+# A shorter document goes whole to one device while that device's scores stay within
+# this fraction over an even share; past it the document is cut.
+SLACK = 0.01
+
+
+def documents(segment_ids, num_shards: int, *, min_piece: int = SPREAD_PIECE) -> np.ndarray:
+  """A layout for one packed row that gives every device the same causal score work:
+  perm (int [T]) such that x[:, perm] is the row laid out (device i holds rows
+  i*c:(i+1)*c, c = T / num_shards), as `permutation` gives for the named layouts.
+
+  `segment_ids` (int [T], concrete; a run of one id is a document, negative ids are
+  padding): a query at offset q of its document costs q + 1 scores. Built on the host,
+  from the longest document down:
+  - a document of at least 2 * num_shards * min_piece tokens, or with more scores
+    than an even share of the row's (its sum over devices, / p), is cut into 2p pieces
+    and zig-zagged over the devices (device i takes pieces i and 2p - 1 - i), so each
+    device gets 1/p of its tokens and of its work; a piece's odd token goes to the
+    device with the most room left;
+  - shorter documents, then padding, go whole to the device with the least work that
+    has room for them (longest processing time first) while its work stays within
+    SLACK of an even share; a document that fits nowhere, or would take a device past
+    that, is cut into consecutive parts over the devices with room, least work first,
+    each part filling its device up to the share; or, in a second plan, zig-zagged
+    over every device as the long ones are. The plan whose busiest device computes
+    fewer scores is kept.
+  Each device keeps its positions in ascending order, so a whole document stays
+  contiguous in its shard. Attention over the laid-out row is exact with any layout:
+  pass `perm`'s shard of each device as `ring_attention_shard(..., positions=...)`
+  (with the laid-out ids); `np.argsort(perm)` undoes it. `jax_ring.work_report(...,
+  order=perm)` counts each device's score tiles.
+  """
+  ids = np.asarray(segment_ids)
+  if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"segment_ids of shape {ids.shape} and dtype {ids.dtype} must be one row: int [T]")
+  if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
+    raise ValueError(f"num_shards={num_shards!r} must be a positive int")
+  if not isinstance(min_piece, int) or isinstance(min_piece, bool) or min_piece < 1:
+    raise ValueError(f"min_piece={min_piece!r} must be a positive int")
+  n, p = ids.shape[0], num_shards
+  if n == 0 or n % p:
+    raise ValueError(f"segment_ids of length {n} must be a positive multiple of num_shards={p}")
+  plans = [_plan(ids, p, min_piece, spread) for spread in (False, True)]
+  held, _ = min(plans, key=lambda plan: plan[1].max())  # the busiest device's scores
+  return np.concatenate([np.concatenate([np.arange(a, b) for a, b in sorted(r)]) for r in held]).astype(
+    np.int32
+  )
+
+
+def _plan(ids: np.ndarray, p: int, min_piece: int, spread_misfits: bool):
+  """(ranges each device holds, scores each computes) of `documents`'s placement; a
+  document that fits no device whole within SLACK is zig-zagged over every device
+  (`spread_misfits`, where every device has room) or cut into consecutive parts."""
+  n = ids.shape[0]
+  starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+  ends = np.r_[starts[1:], n]
+  room = np.full(p, n // p, np.int64)
+  work = np.zeros(p, np.float64)
+  held = [[] for _ in range(p)]  # natural ranges (start, end) on each device
+
+  def cost(lo, hi):  # scores of a document's queries at offsets [lo, hi)
+    return (hi * (hi + 1) - lo * (lo + 1)) / 2
+
+  def most(lo, budget):  # the furthest hi with cost(lo, hi) <= budget
+    hi = int((-1 + np.sqrt(1 + 4 * (2 * max(budget, 0) + lo * (lo + 1)))) / 2)
+    while cost(lo, hi + 1) <= budget:
+      hi += 1
+    while hi > lo and cost(lo, hi) > budget:
+      hi -= 1
+    return hi
+
+  def give(d, start, lo, hi, padding):
+    held[d].append((start + lo, start + hi))
+    room[d] -= hi - lo
+    work[d] += 0.0 if padding else cost(lo, hi)
+
+  share = sum(cost(0, int(e - s)) for s, e in zip(starts, ends) if ids[s] >= 0) / p
+  docs = sorted(
+    ((int(e - s), int(s), bool(ids[s] < 0)) for s, e in zip(starts, ends)),
+    key=lambda x: (x[2], -x[0], x[1]),  # documents longest first, then padding
+  )
+  for length, start, padding in docs:
+    fits = np.flatnonzero(room >= length)
+    whole = fits.size and (padding or work[fits].min() + cost(0, length) <= (1 + SLACK) * share)
+    if padding or not (
+      length >= 2 * p * min_piece or cost(0, length) > share or (spread_misfits and not whole)
+    ):
+      if whole:
+        give(int(fits[np.argmin(work[fits])]), start, 0, length, padding)
+        continue
+    elif np.all(
+      room >= 2 * (length // (2 * p))
+    ):  # zig-zag over every device (odd tokens fit: room left >= length)
+      sizes = np.full(2 * p, length // (2 * p), np.int64)
+      extra = np.zeros(p, np.int64)
+      for _ in range(length % (2 * p)):  # odd tokens to the most room left
+        d = int(np.argmax(room - 2 * sizes[0] - extra))
+        extra[d] += 1
+      sizes[:p] += extra
+      at = np.r_[0, np.cumsum(sizes)]
+      for piece in range(2 * p):
+        give(piece if piece < p else 2 * p - 1 - piece, start, int(at[piece]), int(at[piece + 1]), False)
+      continue
+    lo = 0
+    while lo < length:  # cut over the devices with room, least work first, each to its share
+      open_ = np.flatnonzero(room > 0)
+      d = int(open_[np.argmin(work[open_])])
+      hi = length if padding else most(lo, share - work[d])
+      hi = min(hi, lo + int(room[d]), length)
+      if hi <= lo:  # every device holds its share already: by room
+        hi = lo + int(min(room[d], length - lo))
+      give(d, start, lo, hi, padding)
+      lo = hi
+  return held, work
