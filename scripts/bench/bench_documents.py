@@ -13,10 +13,11 @@ document's of T in the same rounds. Rows (`--rows`, each its own seed-fixed orde
 - "tail": lengths drawn from a heavy-tailed mix (log-normal, median 1,024, 99th
   percentile near 16K, capped at T; seed 0) until the row is full.
 
-Three ways each: every pass, `document_bound=` (the longest document), and the
-per-document layout (`layouts.documents`: the row already in its order, as a model keeps
-it, and its positions given to `ring_attention_shard`). A second table counts each
-device's scores under zig-zag and the per-document layout.
+Four ways each: every pass, `document_bound=` (the longest document), zig-zag's order
+given to `ring_attention_shard` as data (`positions=`), and the per-document layout
+(`layouts.documents`: the row already in its order, as a model keeps it, its positions
+given the same way). A second table counts each device's scores under zig-zag and the
+per-document layout. `--tiles N` sets every program's tiles to N x N.
 
     python scripts/bench/bench_documents.py --length 32768 --out docs/benchmarks.md
 """
@@ -36,6 +37,12 @@ def parse_args(argv=None):
   p.add_argument("--devices", type=int, default=8, help="simulated devices on the ring")
   p.add_argument("--rows", default="1k,mixed,tail", help="comma-separated rows: 1k, mixed, tail")
   p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each program timed once a round)")
+  p.add_argument(
+    "--tiles",
+    type=int,
+    default=None,
+    help="block_q = block_kv for every program (default: the automatic tiles)",
+  )
   p.add_argument("--out", default=None, help="Markdown file for the table (its 'documents' section)")
   return p.parse_args(argv)
 
@@ -92,7 +99,7 @@ def main(argv=None):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jax_ring import layouts, ring_attention, ring_attention_shard
+  from jax_ring import BlockSizes, layouts, ring_attention, ring_attention_shard
 
   t, p = args.length, args.devices
   mesh = jax.make_mesh((p,), ("seq",), devices=jax.devices()[:p])
@@ -100,28 +107,33 @@ def main(argv=None):
   q, g = inputs([(1, t, 4, 64), (1, t, 4, 64)], sharding)
   k, v = inputs([(1, t, 2, 64), (1, t, 2, 64)], sharding, seed=1)
   programs = {}
+  tiles = None if args.tiles is None else BlockSizes(block_q=args.tiles, block_kv=args.tiles)
 
   def add(name, seg, bound):
     seg = None if seg is None else jax.device_put(jnp.asarray(seg[None]), sharding)
     attend = lambda q, k, v: ring_attention(
-      q, k, v, mesh=mesh, is_causal=True, segment_ids=seg, document_bound=bound
+      q, k, v, mesh=mesh, is_causal=True, segment_ids=seg, document_bound=bound, block_sizes=tiles
     )
     fn = jax.jit(fwd_bwd(attend))
     programs[name] = fn.lower(q, k, v, g).compile()
 
-  def add_balanced(name, seg):
-    """The row in `layouts.documents`'s order (as a model keeps its activations), its
-    positions given to the ring: every pass runs, each device's scores even."""
-    order = layouts.documents(seg, p)
+  def add_ordered(name, seg, order):
+    """The row in `order` (as a model keeps its activations), its positions given to
+    the ring as data: every pass runs."""
     ids = jax.device_put(jnp.asarray(seg[order][None]), sharding)
     pos = jax.device_put(jnp.asarray(order, jnp.int32), NamedSharding(mesh, P("seq")))
     inner = lambda q, k, v, ids, pos: ring_attention_shard(
-      q, k, v, axis_name="seq", is_causal=True, segment_ids=ids, positions=pos
+      q, k, v, axis_name="seq", is_causal=True, segment_ids=ids, positions=pos, block_sizes=tiles
     )
     spec = P(None, "seq")
     sharded = jax.shard_map(inner, mesh=mesh, in_specs=(spec,) * 4 + (P("seq"),), out_specs=spec)
     fn = jax.jit(fwd_bwd(lambda q, k, v: sharded(q, k, v, ids, pos)))
     programs[name] = fn.lower(q, k, v, g).compile()
+
+  def add_balanced(name, seg):
+    """The row in `layouts.documents`'s order: each device's scores even."""
+    order = layouts.documents(seg, p)
+    add_ordered(name, seg, order)
     busiest = lambda o: max(work_per_device(seg, o, p))
     balance[name.split()[0]] = (
       busiest(layouts.permutation("zigzag", t, p)),
@@ -138,6 +150,7 @@ def main(argv=None):
     shares[row] = (len(lengths), max(lengths), sum(n * n for n in lengths) / (t * t))
     add(f"{row}", seg, None)
     add(f"{row} bounded", seg, max(lengths))
+    add_ordered(f"{row} zigzag as data", seg, layouts.permutation("zigzag", t, p))
     add_balanced(f"{row} per document", seg)
   times = {name: [] for name in programs}
   for _ in range(args.rounds):
@@ -148,15 +161,22 @@ def main(argv=None):
   lines = header("bench_documents.py", sys.argv[1:] if argv is None else argv, p)
   lines += [
     f"T = {t:,} tokens, causal, float32, 4/2 heads of 64, forward and backward; one causal document "
-    f"of T: {whole:.2f} s (median of {args.rounds} interleaved rounds).",
+    f"of T: {whole:.2f} s (median of {args.rounds} interleaved rounds); tiles: "
+    f"{'automatic' if tiles is None else f'{args.tiles} x {args.tiles}'}.",
     "",
     "| row | documents | longest | ideal share | every pass: s | share | over ideal "
-    "| document_bound: s | share | over ideal | per-document layout: s | share | over ideal |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| document_bound: s | share | over ideal | zig-zag as positions: s | share | over ideal "
+    "| per-document layout: s | share | over ideal |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row, (count, longest, ideal) in shares.items():
     cells = [f"| {row} | {count} | {longest:,} | {ideal:.3f} |"]
-    for seconds in (med[row], med[f"{row} bounded"], med[f"{row} per document"]):
+    for seconds in (
+      med[row],
+      med[f"{row} bounded"],
+      med[f"{row} zigzag as data"],
+      med[f"{row} per document"],
+    ):
       cells.append(f" {seconds:.2f} | {seconds / whole:.3f} | {seconds / whole / ideal:.2f}x |")
     lines.append("".join(cells))
   lines += [
