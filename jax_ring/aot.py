@@ -214,24 +214,43 @@ def attention_inputs(mesh, *, seq_len, heads, kv_heads, head_dim, batch=1, dtype
   return shape(heads), shape(kv_heads), shape(kv_heads)
 
 
-def compile_attention(mesh, *, backward: bool = True, kernel: str = "auto", is_causal: bool = True, **shape):
+def compile_attention(
+  mesh,
+  *,
+  backward: bool = True,
+  kernel: str = "auto",
+  is_causal: bool = True,
+  document_bound: int | None = None,
+  **shape,
+):
   """The compiled forward (+backward) of `ring_attention` on `mesh` for inputs of
-  `shape` (`attention_inputs`' arguments)."""
+  `shape` (`attention_inputs`' arguments). `document_bound`: a packed row's segment ids
+  (int32 [batch, seq_len], sharded as q) are an input too, and the call gets the bound."""
   import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   from jax_ring._attention import ring_attention
 
   q, k, v = attention_inputs(mesh, **shape)
-  attend = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=is_causal, kernel=kernel)
+  ids = None
+  if document_bound is not None:
+    ids = jax.ShapeDtypeStruct(
+      q.shape[:2], jnp.int32, sharding=NamedSharding(mesh, P(None, shape.get("seq_axis", "seq")))
+    )
 
-  def step(q, k, v):
+  def step(q, k, v, ids):
+    attend = lambda q, k, v: ring_attention(
+      q, k, v, mesh=mesh, is_causal=is_causal, kernel=kernel, segment_ids=ids, document_bound=document_bound
+    )
     if not backward:
       return attend(q, k, v)
     out, vjp = jax.vjp(attend, q, k, v)
     return vjp(out)
 
   with jax.set_mesh(mesh):
-    return jax.jit(step).lower(q, k, v).compile()
+    return jax.jit(step).lower(q, k, v, ids).compile()
 
 
 _TRITON = re.compile(

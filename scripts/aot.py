@@ -9,6 +9,7 @@ configuration before you have the cluster.
     python scripts/aot.py --target h100x8 --max-length --budget-gib 70
     python scripts/aot.py --target v5e:8x8 --model --layers 2 --max-length
     python scripts/aot.py --target h100x8 --model llama-3.1-8b --train --seq-len 524288
+    python scripts/aot.py --target h100x8 --seq-len 1048576 --document-bound 32768
 
 Needs the [aot] extra, best in an environment of its own (`python -m venv .venv-aot &&
 .venv-aot/bin/pip install -e ".[aot]"`: the CUDA plugin with ptxas and jax[tpu], pinned
@@ -101,6 +102,12 @@ def parse_args(argv=None):
   )
   p.add_argument("--no-causal", action="store_true", help="full attention instead of causal")
   p.add_argument("--forward-only", action="store_true", help="compile the forward pass alone")
+  p.add_argument(
+    "--document-bound",
+    type=int,
+    default=None,
+    help="packed rows whose documents are at most N tokens: segment ids in, ring_attention(document_bound=N)",
+  )
   p.add_argument("--make-mesh", action="store_true", help="jax.make_mesh's device order, not ring_mesh's")
   p.add_argument(
     "--model",
@@ -269,6 +276,7 @@ def compile_for(mesh, args, seq_len: int):
     backward=not args.forward_only,
     kernel=args.kernel,
     is_causal=not args.no_causal,
+    document_bound=args.document_bound,
     seq_len=seq_len,
     heads=args.heads,
     kv_heads=args.kv_heads,
@@ -283,6 +291,12 @@ def main(argv=None):
   if isinstance(args.model, str) and not args.train:
     print("aot.py: --model NAME compiles a training step: add --train", file=sys.stderr)
     return 2
+  if args.document_bound is not None and args.model:
+    print("aot.py: --document-bound compiles ring attention alone: drop --model", file=sys.stderr)
+    return 2
+  if args.document_bound is not None and args.document_bound < 1:
+    print(f"aot.py: --document-bound {args.document_bound}: must be at least 1", file=sys.stderr)
+    return 2
   target = aot.target(args.target)
   try:
     mesh = aot.target_mesh(args.target, linked=not args.make_mesh)
@@ -290,6 +304,8 @@ def main(argv=None):
     print(f"aot.py: {e}", file=sys.stderr)
     return 2
   result = {"target": args.target, "kernel": args.kernel, "model": args.model}
+  if args.document_bound is not None:
+    result["document_bound"] = args.document_bound
   device = mesh.devices.flat[0]
   choice = choose_kernel(
     args.kernel, device.platform, args.head_dim, policy_for(device), device_kind=device.device_kind

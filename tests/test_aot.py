@@ -146,6 +146,28 @@ def test_h100x8_cudnn_calls_carry_the_window_and_the_documents():
   assert not any(k.endswith("segs=1") for k in found), found
 
 
+def test_document_bound_compiles_the_packed_rows_ring_with_fewer_passes():
+  """`aot.py --document-bound 1024` on 8 x H100 at 16,384 tokens (zig-zag chunks of
+  1,024: one pass each way, not 7): the ids travel in, and the program's
+  collective-permute bytes (the relayouts and passes, forward and backward) fall below
+  half the unbounded program's; the bound needs ring attention alone."""
+  shape = [
+    "--target=h100x8",
+    "--kernel=xla",
+    "--seq-len=16384",
+    "--heads=8",
+    "--kv-heads=2",
+    "--head-dim=128",
+  ]
+  every = aot(*shape)["collective_bytes"]["collective-permute"]
+  bounded = aot(*shape, "--document-bound=1024")
+  assert bounded["document_bound"] == 1024
+  assert bounded["collective_bytes"]["collective-permute"] < every / 2, (bounded["collective_bytes"], every)
+  assert "all-gather" in bounded["collective_bytes"]  # the check's ids, gathered over the ring
+  done = _process(PYTHON, ["scripts/aot.py", "--model", "--train", "--document-bound=1024"])
+  assert done.returncode == 2 and "--document-bound compiles ring attention alone" in done.stderr
+
+
 @pytest.mark.parametrize("kernel", ["xla", "pallas"])
 def test_v5e_2x4_overlaps_every_ring_step(kernel):
   report = aot("--target=v5e:2x4", f"--kernel={kernel}", *SHAPE)
