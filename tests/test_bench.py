@@ -207,6 +207,34 @@ def test_train_gpu_benchmark_writes_its_rows(tmp_path):
     assert "not importable" in rows[2]["error"] and rows[2]["step_s"] is None
 
 
+def test_rollout_benchmark_writes_its_rows(tmp_path):
+  """The GPU rollout benchmark on this CPU at its tiny size: jax_ring's row in a process
+  of its own, every completion its full length (G x N new tokens), and the PyTorch
+  peer's row saying why it cannot run where torch is not installed."""
+  import json
+  import subprocess
+  import sys
+
+  out = tmp_path / "rollout.json"
+  cmd = [sys.executable, "scripts/bench/bench_rollout.py", "--tiny", "--prompt=8", "--completions=3"]
+  cmd += ["--new-tokens=5", "--repeats=1", "--torch", "--timeout=300", f"--json={out}"]
+  root = Path(__file__).resolve().parents[1]
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["impl"] for r in rows] == ["jax_ring", "torch+transformers"]
+  assert rows[0]["new_tokens"] == 15 and rows[0]["rollout_s"] > 0 and "error" not in rows[0], rows[0]
+  assert rows[0]["tokens_per_s"] == round(15 / rows[0]["rollout_s"], 1)
+  try:
+    import torch  # noqa: F401
+
+    assert rows[1]["new_tokens"] == 15 and rows[1]["rollout_s"] > 0
+  except ImportError:
+    assert "not importable" in rows[1]["error"] and rows[1]["rollout_s"] is None
+  bad = subprocess.run([*cmd[:2], "--new-tokens=0"], capture_output=True, text=True, timeout=60, cwd=root)
+  assert bad.returncode == 2 and "--new-tokens 0: must be at least 1" in bad.stderr
+
+
 def test_gpu_benchmark_reads_a_kernel_with_its_pass_size():
   """`bench_gpu.py --kernels cudnn,cudnn@32768`: the kernel alone keeps its default
   passes; NAME@TOKENS sets `BlockSizes.pass_tokens`."""

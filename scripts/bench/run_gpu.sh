@@ -9,6 +9,7 @@
 #
 #   bash scripts/bench/run_gpu.sh [OUT]
 #   PARTS="check packed gemma lora" bash scripts/bench/run_gpu.sh [OUT]
+#   PARTS="rollout" bash scripts/bench/run_gpu.sh [OUT]
 #
 # PARTS (default: probe check train time_h128 time_h64 train_long) picks the parts; each
 # set above fits one command of under 10 minutes on an H200. The default parts took
@@ -72,3 +73,7 @@ part 200 gemma $T --model gemma-3-1b --lengths 16384,32768 --timeout 70 --json "
 part 170 lora $T --model llama-3.1-8b --lora 16 --lengths 32768 --timeout 110 --json "$OUT/lora.json"
 part 150 lora $py scripts/bench/bench_train_gpu.py --remat attention --steps 1 --model llama-3.1-8b --lora 16 \
   --lengths 65536 --timeout 140 --json "$OUT/lora_long.json"
+# 6. Rollouts (GRPO's sampling): G = 8 completions of 4,096 tokens from one prompt of
+#    Llama-3.2-1B, against transformers' generate on the same GPU.
+part 240 rollout "$py" scripts/bench/bench_rollout.py --model llama-3.2-1b --prompt 512 --completions 8 \
+  --new-tokens 4096 --repeats 1 --torch --timeout 110 --json "$OUT/rollout.json"
