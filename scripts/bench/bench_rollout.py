@@ -1,10 +1,10 @@
-"""Rollouts on one GPU: G completions of N new tokens each from one prompt, sampled
+r"""Rollouts on one GPU: G completions of N new tokens each from one prompt, sampled
 (temperature 1, no stop token, so every completion is N tokens long), by jax_ring's
 `generate` (the model's KV cache, the prompt through one jitted prefill and the new
 tokens through one jitted loop) and, with `--torch`, by transformers' `generate` on the
 same random model, each in a process of its own (killed past `--timeout`).
 
-    python scripts/bench/bench_rollout.py --model llama-3.2-1b --prompt 512 --completions 8 \\
+    python scripts/bench/bench_rollout.py --model llama-3.2-1b --prompt 512 --completions 8 \
         --new-tokens 4096 --torch --json out.json
 
 Per implementation: seconds for the rollout (median of `--repeats` after a first run,
@@ -26,22 +26,16 @@ import time
 
 from bench_train_gpu import model_config
 
+from jax_ring.models import cli
+
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(
-    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-  )
-  p.add_argument("--model", default="llama-3.2-1b", help="a name of models.config (default: %(default)s)")
-  p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default: %(default)s)")
-  p.add_argument(
-    "--completions", type=int, default=8, help="completions G of the prompt (default: %(default)s)"
-  )
-  p.add_argument(
-    "--new-tokens", type=int, default=4096, help="tokens N of each completion (default: %(default)s)"
-  )
-  p.add_argument(
-    "--repeats", type=int, default=2, help="timed rollouts after the first (default: %(default)s)"
-  )
+  p = cli.parser(__doc__)
+  p.add_argument("--model", default="llama-3.2-1b", help="a name of models.config")
+  p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+  p.add_argument("--completions", type=int, default=8, help="completions G of the prompt")
+  p.add_argument("--new-tokens", type=int, default=4096, help="tokens N of each completion")
+  p.add_argument("--repeats", type=int, default=2, help="timed rollouts after the first")
   p.add_argument("--torch", action="store_true", help="also transformers' generate, where importable")
   p.add_argument("--tiny", action="store_true", help="2 small layers: a run on a CPU")
   p.add_argument("--timeout", type=float, default=300, help="seconds for each implementation's process")

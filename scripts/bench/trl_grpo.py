@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 
 REWARD = "def length(prompts, completions, **kw):\n  return [float(len(c)) for c in completions]\n"
@@ -100,18 +99,28 @@ def trl_loss(args, rollouts, out) -> dict:
   return dict(loss=loss.item(), grad_norm=norm.item(), version=trl.__version__, torch=torch.__version__)
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("folder", help="a Hugging Face model folder (config, weights, tokenizer)")
-  p.add_argument("prompts", help="JSONL of {'prompt': text}")
-  p.add_argument("--loss-type", default="dapo", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
-  p.add_argument("--num-generations", type=int, default=4)
-  p.add_argument("--max-completion-length", type=int, default=16)
+def parse_args(argv=None):
+  # Plain argparse: this runs with TRL's Python, which need not have jax_ring.
+  formatter = type(
+    "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
+  )
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+  p.add_argument("folder", help="a model folder both read (models.save's layout)")
+  p.add_argument("prompts", help="a JSONL file of {'prompt': text}")
+  p.add_argument(
+    "--loss-type", default="dapo", choices=("grpo", "bnpo", "dr_grpo", "dapo"), help="GRPO's loss"
+  )
+  p.add_argument("--num-generations", type=int, default=4, help="completions of each prompt")
+  p.add_argument("--max-completion-length", type=int, default=16, help="tokens of a completion at most")
   p.add_argument("--length", type=int, default=128, help="finetune.py's row length")
-  p.add_argument("--devices", type=int, default=2, help="finetune.py's simulated devices")
-  p.add_argument("--finetune-python", default=sys.executable, help="a Python with jax_ring")
-  p.add_argument("--json", default=None, help="write both sides as JSON")
-  args = p.parse_args(argv)
+  p.add_argument("--devices", type=int, default=2, help="finetune.py's devices")
+  p.add_argument("--finetune-python", default=".venv/bin/python", help="a Python with jax_ring")
+  p.add_argument("--json", default=None, help="write both sides here")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   with tempfile.TemporaryDirectory() as out:
     ours, rollouts = ours_first_step(args, out)
     theirs = trl_loss(args, rollouts, out)
