@@ -245,11 +245,9 @@ def test_work_report_counts_each_documents_tiles_and_the_bounds_passes():
 def _natural_work(ids: np.ndarray, order: np.ndarray, p: int) -> np.ndarray:
   """Scores each device's queries compute (a query at offset q of its document: q + 1),
   counted from the ids alone, padding (negative ids) none."""
-  starts = {}
   offsets = np.zeros(ids.size, np.int64)
   for i, x in enumerate(ids.tolist()):
     if i == 0 or ids[i - 1] != x:
-      starts[i] = i
       first = i
     offsets[i] = i - first
   cost = np.where(ids >= 0, offsets + 1, 0)
@@ -299,7 +297,7 @@ def test_the_documents_layout_evens_the_tiles_that_zigzag_leaves_uneven():
   assert balanced.max() < 0.8 * zigzag.max() and balanced.sum() < 1.2 * zigzag.sum()
 
 
-def _laid_out_ring(mesh, ids, order, p, **options):
+def _laid_out_ring(mesh, ids, order, **options):
   """ring_attention_shard on the row laid out by `order` (its positions passed), the
   output put back in natural order."""
   from jax.sharding import PartitionSpec as P
@@ -335,7 +333,7 @@ def test_the_documents_layout_equals_float64(p):
   ids = documents(1, T, 70, seed=p)[0]
   order = layouts.documents(ids, p, min_piece=4)
   args = qkv(2, T, 4, 2, 16, seed=p)
-  fn = _laid_out_ring(mesh, ids, order, p, block_sizes=SMALL_BLOCKS)
+  fn = _laid_out_ring(mesh, ids, order, block_sizes=SMALL_BLOCKS)
   seg = jnp.broadcast_to(jnp.asarray(ids)[None], (2, T))
   ref = lambda q, k, v: reference_attention(q, k, v, is_causal=True, segment_ids=seg)
   compare_with_reference(fn, ref, args, TOL)
@@ -348,7 +346,7 @@ def test_the_documents_layout_with_the_pallas_kernel_equals_float64():
   ids = documents(1, 128, 50, seed=9)[0]
   order = layouts.documents(ids, 4, min_piece=4)
   args = qkv(1, 128, 4, 2, 16, seed=9)
-  fn = _laid_out_ring(mesh, ids, order, 4, kernel="pallas")
+  fn = _laid_out_ring(mesh, ids, order, kernel="pallas")
   ref = lambda q, k, v: reference_attention(q, k, v, is_causal=True, segment_ids=jnp.asarray(ids)[None])
   compare_with_reference(fn, ref, args, TOL)
 

@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 
-from bench_train_gpu import model_config
+from bench_train_gpu import model_config, run_worker, torch_available
 
 from jax_ring.models import cli
 
@@ -136,36 +134,12 @@ def torch_row(args) -> dict:
   )
 
 
-def torch_available() -> str | None:
-  try:
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-  except ImportError as e:
-    return f"PyTorch + transformers not importable here ({e})"
-  return None
-
-
 def run_row(args, impl: str) -> dict:
   """The row of `impl` in a process of its own (SIGKILL past --timeout)."""
   cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--model", args.model]
   cmd += ["--prompt", str(args.prompt), "--completions", str(args.completions)]
-  cmd += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)] + (
-    ["--tiny"] if args.tiny else []
-  )
-  proc = subprocess.Popen(
-    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-  )
-  try:
-    out, err = proc.communicate(timeout=args.timeout)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    return dict(impl=impl, error=f"timed out after {args.timeout:.0f} s")
-  lines = [line for line in out.splitlines() if line.startswith("{")]
-  if proc.returncode != 0 or not lines:
-    tail = (err or out).strip().splitlines()[-3:]
-    return dict(impl=impl, error=" | ".join(tail)[-400:] or f"exit code {proc.returncode}")
-  return json.loads(lines[-1])
+  cmd += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+  return dict(impl=impl) | run_worker(cmd + (["--tiny"] if args.tiny else []), args.timeout)
 
 
 def main(argv=None) -> dict:

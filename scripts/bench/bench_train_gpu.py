@@ -339,15 +339,21 @@ def run_row(args, spec: str) -> dict:
   ]
   cmd += ["--lengths", "2", "--kernel", args.kernel] + (["--tiny"] if args.tiny else [])
   cmd += (["--packed"] if args.packed else []) + ["--lora", str(args.lora)]
+  return run_worker(cmd, args.timeout)
+
+
+def run_worker(cmd, timeout: float) -> dict:
+  """The JSON object a worker process prints last, or {"error": why}: the process in a
+  session of its own, SIGKILLed (with its children) past `timeout` seconds."""
   proc = subprocess.Popen(
     cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
   )
   try:
-    out, err = proc.communicate(timeout=args.timeout)
+    out, err = proc.communicate(timeout=timeout)
   except subprocess.TimeoutExpired:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
-    return dict(error=f"timed out after {args.timeout:.0f} s")
+    return dict(error=f"timed out after {timeout:.0f} s")
   lines = [line for line in out.splitlines() if line.startswith("{")]
   if proc.returncode != 0 or not lines:
     tail = (err or out).strip().splitlines()[-3:]
