@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import bench
+import numpy as np
 import pytest
 from _harness import write_section
 
@@ -170,6 +171,58 @@ def test_train_gpu_benchmark_counts_the_flops_of_the_step():
   t = 16384
   expected = 6 * matmul * t + 6 * t * t * 32 * 64 * 16
   assert bench_train_gpu.flops_per_step(models.config("llama-3.2-1b"), t) == expected
+
+
+def test_train_gpu_benchmarks_dpo_pair_is_two_sequences_sharing_the_prompt():
+  """`--objective dpo`'s row: chosen then rejected, each T / 2 tokens, segments 1 and 2,
+  positions from 0 in each, the same first `prompt` tokens, targets weighted on the
+  completions alone (T / 2 - prompt each, as TRL's completion mask counts them); its
+  flops: the policy's over two documents and the reference's forward."""
+  import bench_train_gpu
+
+  from jax_ring import models
+
+  seqs, (tokens, targets, weights, seg, pos) = bench_train_gpu.pair(64, 100, 8)
+  assert seqs.shape == (2, 32) and tokens.shape == targets.shape == weights.shape == seg.shape == (1, 64)
+  np.testing.assert_array_equal(tokens[0], seqs.reshape(-1))
+  assert (seqs[0, :8] == seqs[1, :8]).all() and (seqs[0, 8:] != seqs[1, 8:]).any()
+  np.testing.assert_array_equal(targets[0, :31], seqs[0, 1:])
+  np.testing.assert_array_equal(targets[0, 32:63], seqs[1, 1:])
+  assert seg[0].tolist() == [1] * 32 + [2] * 32 and pos[0].tolist() == list(range(32)) * 2
+  assert weights[0].tolist() == ([0.0] * 7 + [1.0] * 24 + [0.0]) * 2
+  cfg = models.config("llama-3.2-1b")
+  t, matmul = 16384, 1_235_814_400 - 67_584
+  scores = t * t * 32 * 64 * 16 / 2
+  assert bench_train_gpu.flops_per_step(cfg, t, dpo=True) == 8 * matmul * t + 8 * scores
+
+
+@pytest.mark.slow  # 10-20 s: a process that compiles a DPO step and the reference's forward
+def test_train_gpu_benchmark_runs_a_dpo_step_with_its_reference(tmp_path):
+  """The DPO part on this CPU at the tiny size: the first step's loss is log 2 (the
+  policy is its reference before any step: the reference's log-probabilities reach the
+  step), the next one is lower (it trains), and TRL's row says why it cannot run where
+  trl is not installed (its own first loss is log 2 where it is)."""
+  import json
+  import math
+  import subprocess
+  import sys
+
+  out = tmp_path / "dpo.json"
+  cmd = [sys.executable, "scripts/bench/bench_train_gpu.py", "--tiny", "--objective=dpo", "--prompt=8"]
+  cmd += ["--lengths=64", "--steps=1", "--remat=attention", "--torch", "--timeout=300", f"--json={out}"]
+  root = Path(__file__).resolve().parents[1]
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert report["objective"] == "dpo"
+  ours, peer = report["rows"]
+  assert ours["impl"] == "jax_ring" and peer["impl"] == "trl+transformers"
+  assert ours["first_loss"] == pytest.approx(math.log(2), abs=1e-6)
+  assert ours["loss"] < ours["first_loss"] and ours["tokens"] == 64 and ours["mfu"] > 0
+  if "error" in peer:
+    assert "not importable" in peer["error"] and peer["step_s"] is None
+  else:
+    assert peer["first_loss"] == pytest.approx(math.log(2), abs=1e-6) and peer["step_s"] > 0
 
 
 @pytest.mark.slow  # 15-25 s: two processes that each compile a training step

@@ -24,6 +24,16 @@ fits marked `"best": true`. Measured on one H200 (Llama-3.2-1B, cuDNN ring steps
 "attention" took 7% less time than "full" at 16K tokens and 11% less at 32K, for 2.0
 and 3.8 GiB more (0.530 s, 29.2 GiB against 0.572 s, 27.2 GiB at 16K).
 
+`--objective dpo`: one DPO step (TRL 1.x's sigmoid loss, beta 0.1) on one pair a row,
+its chosen and rejected sequences each half the row's tokens, sharing a prompt of
+`--prompt` tokens: jax_ring's `dpo.Preference` objective with the reference's
+log-probabilities from a frozen copy of the initial weights (the base, adapters off,
+with `--lora`) computed in the step's time; the peer (`--torch`) is TRL's DPOTrainer
+(its collator, `training_step` and optimizer) on the same pair, its reference a copy of
+the model (or the peft adapter TRL adds), under the same bf16 autocast. MFU then counts
+the policy's forward and backward over two documents of T / 2 and the reference's forward.
+Each row also gives the first step's loss (DPO's: log 2, the policy being its reference).
+
 `--json PATH` writes {"rows": [{"impl", "tokens", "step_s", "tokens_per_s", "mfu",
 "peak_bytes", ...}], "device", "versions", "matmul_flops"}; `--tiny` shrinks the model to
 2 small layers and a vocabulary of 512, for a run on a CPU (peak memory is then null).
@@ -70,6 +80,15 @@ def parse_args(argv=None):
     metavar="RANK",
     help="train adapters of this rank on every projection, the base frozen in bfloat16 (default: 0, off)",
   )
+  p.add_argument(
+    "--objective",
+    default="sft",
+    choices=["sft", "dpo"],
+    help="the step's loss: next-token cross-entropy, or DPO on one pair a row (default: %(default)s)",
+  )
+  p.add_argument(
+    "--prompt", type=int, default=512, help="DPO: the prompt tokens the pair shares (default: %(default)s)"
+  )
   p.add_argument("--steps", type=int, default=3, help="timed steps after the first (default: %(default)s)")
   p.add_argument(
     "--kernel",
@@ -96,6 +115,11 @@ def parse_args(argv=None):
     p.error(f"--lora={args.lora} must be a rank >= 1, or 0 for no adapters")
   if args.steps < 1:
     p.error(f"--steps={args.steps} must be at least 1")
+  if args.objective == "dpo" and args.packed:
+    p.error("--objective=dpo packs its own pair a row: leave out --packed")
+  short = [t for t in args.lengths if t % 2 or t // 2 < args.prompt + 2]
+  if args.objective == "dpo" and not args.worker and short:
+    p.error(f"--lengths={args.lengths}: with --objective=dpo each must be even and >= 2 x (--prompt + 2)")
   return args
 
 
@@ -111,16 +135,20 @@ def model_config(name: str, tiny: bool):
   return cfg
 
 
-def flops_per_step(cfg, tokens: int, lora: bool = False) -> float:
+def flops_per_step(cfg, tokens: int, lora: bool = False, dpo: bool = False) -> float:
   """6 x matmul parameters x T + 6 x T^2 x N x H x layers. Matmul parameters: every
   projection and the head (the embedding lookup is no matmul; a tied head is). With
   adapters, 4 x matmul parameters x T: a frozen weight's gradient is never formed (the
-  adapters' own matmuls are left out, under 1% at rank 16)."""
+  adapters' own matmuls are left out, under 1% at rank 16). `dpo`: the row is two
+  documents of T / 2 (attention 2 x (T / 2)^2 = T^2 / 2), and the reference's forward
+  adds 2 x matmul parameters x T + 2 x T^2 / 2 x N x H x layers."""
   d, v, f = cfg.dim, cfg.vocab_size, cfg.mlp_hidden
   n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   per_layer = d * h * (2 * n + 2 * k) + 3 * d * f
   matmul = cfg.num_layers * per_layer + v * d
-  return (4 if lora else 6) * matmul * tokens + 6 * tokens * tokens * n * h * cfg.num_layers
+  scores = tokens * tokens * n * h * cfg.num_layers / (2 if dpo else 1)
+  flops = (4 if lora else 6) * matmul * tokens + 6 * scores
+  return flops + 2 * matmul * tokens + 2 * scores if dpo else flops
 
 
 # The dense bf16 peak of an H100 or H200 SXM in NVIDIA's specification (without
@@ -145,6 +173,25 @@ def documents(tokens: int, vocab: int, seed: int = 0):
     at, doc = at + n, doc + 1
   ids = rng.integers(0, vocab, (1, tokens + 1)).astype(np.int32)
   return ids, seg[None], pos[None]
+
+
+def pair(tokens: int, vocab: int, prompt: int, seed: int = 0):
+  """One preference pair of random tokens, two sequences of tokens / 2 sharing their
+  first `prompt`: (sequences [2, tokens / 2], jax_ring's row (tokens, targets, weights,
+  segment ids, positions), each [1, tokens]). A sequence's targets are its next tokens,
+  weighted on the completion's (`prompt` to the end), as TRL's completion mask."""
+  import numpy as np
+
+  half = tokens // 2
+  seqs = np.random.default_rng(seed).integers(0, vocab, (2, half)).astype(np.int32)
+  seqs[1, :prompt] = seqs[0, :prompt]
+  targets = np.concatenate([seqs[:, 1:], np.zeros((2, 1), np.int32)], axis=1)
+  weights = np.zeros((2, half), np.float32)
+  weights[:, prompt - 1 : half - 1] = 1.0
+  seg = np.repeat(np.array([[1], [2]], np.int32), half, axis=1)  # slot k is segment k + 1
+  pos = np.tile(np.arange(half, dtype=np.int32), (2, 1))
+  row = [a.reshape(1, tokens) for a in (seqs, targets, weights, seg, pos)]
+  return seqs, row
 
 
 def jax_matmul_flops(n: int = 8192, reps: int = 10) -> float:
@@ -189,9 +236,22 @@ def jax_row(args, remat: str, tokens: int) -> dict:
   if args.lora:
     models.add_lora(model, rank=args.lora, alpha=2 * args.lora)
   trainable = nnx.LoRAParam if args.lora else nnx.Param
-  trainer = train_step.Trainer(model, train_step.make_tx(1e-5, 1, 100, 0.0, 1.0), trainable=trainable)
+  tx = train_step.make_tx(1e-5, 1, 100, 0.0, 1.0)
+  reference = None
+  if args.objective == "dpo":
+    from jax_ring.models.train import dpo
+
+    objective = dpo.Preference(dpo.DPOConfig()).loss
+    trainer = train_step.Trainer(model, tx, trainable=trainable, objective=objective)
+    reference = dpo.Reference.adapters_off(trainer) if args.lora else dpo.Reference.initial(trainer)
+  else:
+    trainer = train_step.Trainer(model, tx, trainable=trainable)
   del model
-  if args.packed:
+  if args.objective == "dpo":
+    batch = train_step.place_batch(trainer.model(), *pair(tokens, cfg.vocab_size, args.prompt)[1])
+    rows = dict(segment_ids=batch[3], positions=batch[4])
+    batch = batch[:3]
+  elif args.packed:
     ids, seg, pos = documents(tokens, cfg.vocab_size)
     weights = np.ones((1, tokens), np.float32)
     weights[0, :-1] *= seg[0, 1:] == seg[0, :-1]  # no target across a document's end
@@ -202,19 +262,28 @@ def jax_row(args, remat: str, tokens: int) -> dict:
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, tokens + 1)).astype(np.int32)
     batch = train_step.place_batch(trainer.model(), ids[:, :-1], ids[:, 1:], np.ones((1, tokens), np.float32))
     rows = {}
+
+  def step():
+    """One step: with DPO, the reference's log-probabilities of the pair first."""
+    more = {}
+    if reference is not None:
+      more["reference"] = reference._run(2)(reference.params, reference.rest, *batch, rows)[0]
+    return float(trainer.step(*batch, **rows, **more)[0])
+
   start = time.perf_counter()
-  loss = float(trainer.step(*batch, **rows)[0])
+  loss = first_loss = step()
   first = time.perf_counter() - start
   times = []
   for _ in range(args.steps):
     start = time.perf_counter()
-    loss = float(trainer.step(*batch, **rows)[0])
+    loss = step()
     times.append(time.perf_counter() - start)
   stats = jax.devices()[0].memory_stats() or {}
   return dict(
     impl="jax_ring",
     remat=remat,
     kernel=args.kernel,
+    first_loss=round(first_loss, 6),
     loss=round(loss, 4),
     first_step_s=round(first, 2),
     step_s=_median(times),
@@ -258,31 +327,14 @@ def torch_row(args, tokens: int) -> dict:
   model.gradient_checkpointing_enable()
   model.config.use_cache = False
   model.train()
-  params = [p for p in model.parameters() if p.requires_grad]
-  opt = torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")
-  extra = {}
-  if args.packed:
-    ids_np, _, pos = documents(tokens, cfg.vocab_size)
-    ids = torch.tensor(ids_np, device=device, dtype=torch.long)
-    extra["position_ids"] = torch.tensor(pos, device=device, dtype=torch.long)
+  if args.objective == "dpo":
+    step = trl_dpo_step(args, model, tokens, cfg.vocab_size, device)
   else:
-    ids = torch.randint(0, cfg.vocab_size, (1, tokens + 1), device=device)
-
-  def step():
-    with torch.autocast(device, dtype=torch.bfloat16):
-      out = model(input_ids=ids[:, :-1], labels=ids[:, :-1], **extra)
-    out.loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if device == "cuda":
-      torch.cuda.synchronize()
-    return float(out.loss.detach())
-
+    step = _torch_sft_step(args, model, tokens, cfg.vocab_size, device)
   if device == "cuda":
     torch.cuda.reset_peak_memory_stats()
   start = time.perf_counter()
-  loss = step()
+  loss = first_loss = step()
   first = time.perf_counter() - start
   times = []
   for _ in range(args.steps):
@@ -297,15 +349,105 @@ def torch_row(args, tokens: int) -> dict:
   versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
   if args.lora:
     versions += f", peft {__import__('peft').__version__}"
+  if args.objective == "dpo":
+    versions += f", trl {__import__('trl').__version__}"
   return dict(
-    impl="torch+transformers" + ("+peft" if args.lora else ""),
+    impl=peer_name(args),
     attention=runs,
     versions=versions,
+    first_loss=round(first_loss, 6),
     loss=round(loss, 4),
     first_step_s=round(first, 2),
     step_s=_median(times),
     peak_bytes=peak,
   )
+
+
+def peer_name(args) -> str:
+  return ("trl" if args.objective == "dpo" else "torch") + "+transformers" + ("+peft" if args.lora else "")
+
+
+def _torch_sft_step(args, model, tokens, vocab, device):
+  """The peer's AdamW step on next-token cross-entropy (a function of no arguments)."""
+  import torch
+
+  params = [p for p in model.parameters() if p.requires_grad]
+  opt = torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")
+  extra = {}
+  if args.packed:
+    ids_np, _, pos = documents(tokens, vocab)
+    ids = torch.tensor(ids_np, device=device, dtype=torch.long)
+    extra["position_ids"] = torch.tensor(pos, device=device, dtype=torch.long)
+  else:
+    ids = torch.randint(0, vocab, (1, tokens + 1), device=device)
+
+  def step():
+    with torch.autocast(device, dtype=torch.bfloat16):
+      out = model(input_ids=ids[:, :-1], labels=ids[:, :-1], **extra)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if device == "cuda":
+      torch.cuda.synchronize()
+    return float(out.loss.detach())
+
+  return step
+
+
+def trl_dpo_step(args, model, tokens, vocab, device):
+  """TRL's DPOTrainer's step on `pair`'s sequences (a function of no arguments): its
+  collator's batch, its `training_step` (policy and reference forward, sigmoid loss,
+  backward) under bf16 autocast, the gradient clipped to norm 1 and its optimizer's
+  step. TRL needs a tokenizer and a dataset to be built: a word-level one over the
+  model's vocabulary and one pair of words, never used for the timed pair."""
+  import copy
+  import tempfile
+
+  import datasets
+  import tokenizers
+  import torch
+  import transformers
+  import trl
+
+  words = {"<eos>": 0, **{f"w{i}": i for i in range(1, vocab)}}
+  core = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="<eos>"))
+  core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<eos>")
+  seqs, _ = pair(tokens, vocab, args.prompt)
+  example = dict(prompt_ids=seqs[0, : args.prompt].tolist())
+  example |= dict(chosen_ids=seqs[0, args.prompt :].tolist(), rejected_ids=seqs[1, args.prompt :].tolist())
+  with tempfile.TemporaryDirectory() as out:
+    config = trl.DPOConfig(
+      output_dir=out,
+      per_device_train_batch_size=1,
+      max_length=None,
+      learning_rate=1e-5,
+      max_grad_norm=1.0,
+      gradient_checkpointing=True,  # as the other peers (TRL turns it off unless asked)
+      bf16=False,  # the step's autocast is set here, as for the other peers
+      report_to="none",
+      use_cpu=device == "cpu",
+    )
+    data = datasets.Dataset.from_list([dict(prompt="w1", chosen=" w2", rejected=" w3")])
+    ref = None if args.lora else copy.deepcopy(model).eval()
+    trainer = trl.DPOTrainer(model, ref, args=config, train_dataset=data, processing_class=tok)
+  trainer.create_optimizer_and_scheduler(num_training_steps=100)
+  trainer.current_gradient_accumulation_steps = 1  # what `Trainer.train` sets before its steps
+  inputs = trainer._prepare_inputs(trainer.data_collator([example]))
+  policy = trainer.model
+
+  def step():
+    with torch.autocast(device, dtype=torch.bfloat16):
+      loss = trainer.training_step(policy, inputs)
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    if device == "cuda":
+      torch.cuda.synchronize()
+    return float(loss)
+
+  return step
 
 
 def worker(args) -> None:
@@ -315,13 +457,16 @@ def worker(args) -> None:
   print(json.dumps(row), flush=True)
 
 
-def torch_available() -> str | None:
-  """Why the PyTorch peer cannot run here, or None."""
+def torch_available(*more: str) -> str | None:
+  """Why the PyTorch peer (with the modules `more` too) cannot run here, or None."""
+  import importlib
+
+  names = ("torch", "transformers", *more)
   try:
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
+    for name in names:
+      importlib.import_module(name)
   except ImportError as e:
-    return f"PyTorch + transformers not importable here ({e})"
+    return f"{' + '.join(names)} not importable here ({e})"
   return None
 
 
@@ -339,6 +484,7 @@ def run_row(args, spec: str) -> dict:
   ]
   cmd += ["--lengths", "2", "--kernel", args.kernel] + (["--tiny"] if args.tiny else [])
   cmd += (["--packed"] if args.packed else []) + ["--lora", str(args.lora)]
+  cmd += ["--objective", args.objective, "--prompt", str(args.prompt)]
   return run_worker(cmd, args.timeout)
 
 
@@ -379,10 +525,12 @@ def main(argv=None) -> dict:
   versions = f"jax {jax.__version__}, jax_ring {__import__('jax_ring').__version__}"
   print(f"{device.device_kind}: bf16 matmul {matmul / 1e12:.1f} TFLOP/s; {versions}", flush=True)
   remats = ["attention", "full"] if args.remat == "auto" else [args.remat]
-  peer_problem = torch_available() if args.torch else None
+  needs = ("trl", "datasets") if args.objective == "dpo" else ("peft",) if args.lora else ()
+  peer_problem = torch_available(*needs) if args.torch else None
   rows = []
   report = dict(
     model=args.model,
+    objective=args.objective,
     packed=args.packed,
     lora=args.lora,
     device=device.device_kind,
@@ -396,7 +544,7 @@ def main(argv=None) -> dict:
     keeps every row it finished."""
     if "step_s" in row:
       row["tokens_per_s"] = row["tokens"] / row["step_s"]
-      flops = flops_per_step(cfg, row["tokens"], lora=bool(args.lora))
+      flops = flops_per_step(cfg, row["tokens"], lora=bool(args.lora), dpo=args.objective == "dpo")
       row["mfu"] = flops / row["step_s"] / matmul
       row["mfu_spec"] = flops / row["step_s"] / SPEC_PEAK
     for key in ("step_s", "tokens_per_s", "mfu", "mfu_spec", "peak_bytes"):
@@ -417,7 +565,7 @@ def main(argv=None) -> dict:
     if args.remat == "auto" and ok:
       min(ok, key=lambda r: r["step_s"])["best"] = True
     if args.torch:
-      peer = dict(impl="torch+transformers" + ("+peft" if args.lora else ""), tokens=tokens)
+      peer = dict(impl=peer_name(args), tokens=tokens)
       peer |= dict(error=peer_problem) if peer_problem else run_row(args, f"torch:{tokens}")
       rows.append(peer)
       record(peer)

@@ -10,6 +10,12 @@
 #   bash scripts/bench/run_gpu.sh [OUT]
 #   PARTS="check packed gemma lora" bash scripts/bench/run_gpu.sh [OUT]
 #   PARTS="rollout" bash scripts/bench/run_gpu.sh [OUT]
+#   PARTS="dpo" bash scripts/bench/run_gpu.sh [OUT]
+#
+# Packages the machine lacks (the DPO peer's trl, datasets, accelerate; peft) come as
+# wheels in WHEELS (default wheels/, which git ignores: carry it), put on the path
+# without their dependencies: fill it where a registry answers with
+#   pip download --no-deps -d wheels trl datasets accelerate peft dill multiprocess xxhash
 #
 # PARTS (default: probe check train time_h128 time_h64 train_long) picks the parts; each
 # set above fits one command of under 10 minutes on an H200. The default parts took
@@ -21,6 +27,11 @@ OUT="${1:-results/gpu}"
 mkdir -p "$OUT"
 [ -e jax_ring/models ] || ln -s ../models jax_ring/models
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+WHEELS="${WHEELS:-wheels}"
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  "${PYTHON:-python3}" -m pip install --quiet --no-index --no-deps --target "$OUT/.wheels" "$WHEELS"/*.whl
+  export PYTHONPATH="$PYTHONPATH:$(cd "$OUT" && pwd)/.wheels"
+fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # each part's peak, not a preallocated 75%
 py="${PYTHON:-python3}"
 PARTS="${PARTS:-probe check train time_h128 time_h64 train_long}"
@@ -77,3 +88,7 @@ part 150 lora $py scripts/bench/bench_train_gpu.py --remat attention --steps 1 -
 #    Llama-3.2-1B, against transformers' generate on the same GPU.
 part 240 rollout "$py" scripts/bench/bench_rollout.py --model llama-3.2-1b --prompt 512 --completions 8 \
   --new-tokens 4096 --repeats 1 --torch --timeout 110 --json "$OUT/rollout.json"
+# 7. Preference tuning: one DPO step of Llama-3.2-1B on a pair of 2 x 16,384 tokens (a
+#    prompt of 512 shared), the reference's forward in the step, against TRL's DPOTrainer.
+part 200 dpo "$py" scripts/bench/bench_train_gpu.py --model llama-3.2-1b --objective dpo --prompt 512 \
+  --lengths 32768 --remat attention --steps 2 --torch --timeout 90 --json "$OUT/dpo.json"
