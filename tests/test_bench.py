@@ -173,6 +173,15 @@ def test_train_gpu_benchmark_counts_the_flops_of_the_step():
   assert bench_train_gpu.flops_per_step(models.config("llama-3.2-1b"), t) == expected
 
 
+def test_train_gpu_benchmark_peer_only_runs_no_jax_row():
+  """`--peer-only` (run_gpu.sh's peft rows at lengths where jax_ring's run elsewhere):
+  the peer's rows alone, --torch implied."""
+  import bench_train_gpu
+
+  report = bench_train_gpu.main(["--tiny", "--peer-only", "--lengths=16", "--lora=4", "--steps=1"])
+  assert [(r["impl"], r["tokens"]) for r in report["rows"]] == [("torch+transformers+peft", 16)]
+
+
 def test_train_gpu_benchmarks_dpo_pair_is_two_sequences_sharing_the_prompt():
   """`--objective dpo`'s row: chosen then rejected, each T / 2 tokens, segments 1 and 2,
   positions from 0 in each, the same first `prompt` tokens, targets weighted on the
@@ -234,9 +243,11 @@ def test_train_gpu_benchmark_writes_its_rows(tmp_path):
   import subprocess
   import sys
 
+  import bench_train_gpu
+
   out = tmp_path / "rows.json"
   cmd = [sys.executable, "scripts/bench/bench_train_gpu.py", "--tiny", "--lengths=32", "--steps=1", "--torch"]
-  cmd.append("--timeout=300")  # each row's process, SIGKILLed past it
+  cmd += ["--timeout=300", "--profile"]  # each row's process, SIGKILLed past it
   root = Path(__file__).resolve().parents[1]
   done = subprocess.run([*cmd, f"--json={out}"], capture_output=True, text=True, timeout=600, cwd=root)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -251,6 +262,13 @@ def test_train_gpu_benchmark_writes_its_rows(tmp_path):
     assert set(row) >= {"impl", "tokens", "step_s", "tokens_per_s", "mfu", "peak_bytes"}
     assert row["tokens"] == 32 and row["step_s"] > 0 and row["mfu"] > 0
     assert row["tokens_per_s"] == 32 / row["step_s"]
+    # --profile: every part of the step found in the trace by its source names, the
+    # parts' busy time at least the span's busy time (the union of the operations).
+    prof = row["profile"]
+    assert list(prof["parts_ms"]) == list(bench_train_gpu.PROFILE_PARTS)
+    assert all(ms > 0 for ms in prof["parts_ms"].values()), prof
+    assert 0 <= prof["gaps_ms"] < prof["span_ms"] and prof["unmatched_ms"] == 0
+    assert sum(prof["parts_ms"].values()) >= prof["span_ms"] - prof["gaps_ms"] - 1e-3
   assert sum(bool(r.get("best")) for r in rows) == 1
   try:
     import torch  # noqa: F401

@@ -288,18 +288,19 @@ def loss(
   if axes is None:  # the table whole on every device
     table = model.head_weights()
   transposed = axes is not None and model.head is not None
-  return chunked_cross_entropy(
-    h,
-    table,
-    targets,
-    weights,
-    chunk=chunk,
-    **placement(model),
-    table_axes=axes,
-    transposed=transposed,
-    groups=groups,
-    group_ids=group_ids,
-  )
+  with jax.named_scope("jax_ring.loss_head"):  # the head and its softmax, named for profiles
+    return chunked_cross_entropy(
+      h,
+      table,
+      targets,
+      weights,
+      chunk=chunk,
+      **placement(model),
+      table_axes=axes,
+      transposed=transposed,
+      groups=groups,
+      group_ids=group_ids,
+    )
 
 
 def token_logps(
@@ -713,9 +714,10 @@ def _step(graphdef, tx, objective, chunk, plan, params, rest, opt_state, tokens,
       return objective(model, tokens, targets, weights, chunk=chunk, **(rows or {}))
 
   (loss_value, stats), grads = jax.value_and_grad(value, has_aux=True)(params)
-  updates, opt_state = tx.update(grads, opt_state, params)
-  stats = dict(stats, grad_norm=optax.tree.norm(grads))
-  return optax.apply_updates(params, updates), opt_state, loss_value, stats
+  with jax.named_scope("jax_ring.optimizer"):  # named for profiles (bench_train_gpu.py --profile)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    stats = dict(stats, grad_norm=optax.tree.norm(grads))
+    return optax.apply_updates(params, updates), opt_state, loss_value, stats
 
 
 def evaluate_objective(graphdef, objective, chunk, plan, params, rest, tokens, targets, weights, rows=None):

@@ -34,6 +34,15 @@ the model (or the peft adapter TRL adds), under the same bf16 autocast. MFU then
 the policy's forward and backward over two documents of T / 2 and the reference's forward.
 Each row also gives the first step's loss (DPO's: log 2, the policy being its reference).
 
+`--profile`: one more step of each jax_ring row under `jax.profiler.trace`, its device
+time summed by what each operation does, from the compiled step's HLO and its source
+names: the attention forward and backward (the ring's scopes; a backward op is traced
+under `transpose(...)`), other matmuls (the projections and MLPs), the loss (the head
+and its softmax, `step.loss`'s scope), the optimizer (AdamW's update and the gradient
+norm), the rest ("other"), and the gaps: the step's span on the device less the union
+of its operations' intervals (time with no operation running). Events that name no
+operation of the step (a kernel named otherwise) are summed as "unmatched".
+
 `--json PATH` writes {"rows": [{"impl", "tokens", "step_s", "tokens_per_s", "mfu",
 "peak_bytes", ...}], "device", "versions", "matmul_flops"}; `--tiny` shrinks the model to
 2 small layers and a vocabulary of 512, for a run on a CPU (peak memory is then null).
@@ -42,9 +51,13 @@ Each row also gives the first step's loss (DPO's: log 2, the policy being its re
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import glob
+import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,6 +82,9 @@ def parse_args(argv=None):
     "--torch", action="store_true", help="also PyTorch + transformers' step, where importable (default: off)"
   )
   p.add_argument(
+    "--peer-only", action="store_true", help="the PyTorch peer's rows alone, --torch implied (default: off)"
+  )
+  p.add_argument(
     "--packed",
     action="store_true",
     help="rows of documents of mixed lengths, each with its own positions (default: one document a row)",
@@ -89,6 +105,9 @@ def parse_args(argv=None):
   p.add_argument(
     "--prompt", type=int, default=512, help="DPO: the prompt tokens the pair shares (default: %(default)s)"
   )
+  p.add_argument(
+    "--profile", action="store_true", help="one more step under the profiler, summed by part (default: off)"
+  )
   p.add_argument("--steps", type=int, default=3, help="timed steps after the first (default: %(default)s)")
   p.add_argument(
     "--kernel",
@@ -105,6 +124,7 @@ def parse_args(argv=None):
   p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON (default: none)")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "jax:REMAT:T" or "torch:T"
   args = p.parse_args(argv)
+  args.torch = args.torch or args.peer_only
   try:
     args.lengths = [int(x) for x in args.lengths.split(",")]
   except ValueError:
@@ -279,7 +299,10 @@ def jax_row(args, remat: str, tokens: int) -> dict:
     loss = step()
     times.append(time.perf_counter() - start)
   stats = jax.devices()[0].memory_stats() or {}
-  return dict(
+  more = {}
+  if args.profile:
+    more["profile"] = profile_step(step, trainer.compiled(*batch, **rows).as_text())
+  return more | dict(
     impl="jax_ring",
     remat=remat,
     kernel=args.kernel,
@@ -288,6 +311,83 @@ def jax_row(args, remat: str, tokens: int) -> dict:
     first_step_s=round(first, 2),
     step_s=_median(times),
     peak_bytes=stats.get("peak_bytes_in_use"),
+  )
+
+
+PROFILE_PARTS = ("attention forward", "attention backward", "matmuls", "loss", "optimizer", "other")
+_ATTENTION = ("ring_attention", "forward_ring", "backward_ring", "dilated_attention")
+_OP = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = [^\n]*?op_name="([^"]*)"', re.M)
+
+
+def step_parts(hlo: str) -> dict[str, str]:
+  """HLO instruction name -> its part of the step (`PROFILE_PARTS`), from its kind
+  (`bench_profile.categorize`: a dot, alone or fused, is a matmul) and its source name."""
+  from bench_profile import categorize
+
+  names = dict(_OP.findall(hlo))
+  parts = {}
+  for inst, kind in categorize(hlo).items():
+    name = names.get(inst, "")
+    if any(a in name for a in _ATTENTION):
+      backward = "backward_ring" in name or "transpose(" in name
+      parts[inst] = "attention backward" if backward else "attention forward"
+    elif "jax_ring.optimizer" in name:
+      parts[inst] = "optimizer"
+    elif "jax_ring.loss_head" in name:
+      parts[inst] = "loss"
+    else:
+      parts[inst] = "matmuls" if kind == "matmul" else "other"
+  return parts
+
+
+def profile_step(run, hlo: str) -> dict:
+  """One `run()` under the profiler: milliseconds per part (`step_parts`), the span
+  from the first operation's start to the last one's end, the gaps (the span less the
+  union of the operations' intervals) and what no operation of the step names. On a
+  GPU only the device's events count (its kernels, by their `hlo_op`)."""
+  import tempfile
+
+  import jax
+
+  parts = step_parts(hlo)
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      run()
+    (path,) = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
+    with gzip.open(path) as f:
+      trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  named = [e for e in events if e.get("ph") == "M" and e.get("name") == "process_name"]
+  devices = {e["pid"] for e in named if "/device:" in e.get("args", {}).get("name", "")}
+  busy: dict[str, float] = collections.defaultdict(float)
+  spans, unmatched = [], 0.0
+  for e in events:
+    if e.get("ph") != "X" or (devices and e.get("pid") not in devices):
+      continue
+    part = parts.get((e.get("args") or {}).get("hlo_op") or e.get("name"))
+    start, dur = float(e.get("ts", 0.0)), float(e.get("dur", 0.0))
+    if part is None:
+      unmatched += dur if devices else 0.0  # on a CPU, host events of every kind
+      continue
+    busy[part] += dur
+    spans.append((start, start + dur))
+  if not spans:
+    raise SystemExit("bench_train_gpu.py --profile: the trace holds no operation of the step")
+  spans.sort()
+  union, (lo, hi) = 0.0, spans[0]
+  for a, b in spans[1:]:
+    if a > hi:
+      union, lo, hi = union + hi - lo, a, b
+    else:
+      hi = max(hi, b)
+  union += hi - lo
+  span = max(b for _, b in spans) - spans[0][0]
+  ms = lambda us: round(us / 1e3, 3)
+  return dict(
+    span_ms=ms(span),
+    gaps_ms=ms(span - union),
+    parts_ms={p: ms(busy.get(p, 0.0)) for p in PROFILE_PARTS},
+    unmatched_ms=ms(unmatched),
   )
 
 
@@ -484,7 +584,9 @@ def run_row(args, spec: str) -> dict:
   ]
   cmd += ["--lengths", "2", "--kernel", args.kernel] + (["--tiny"] if args.tiny else [])
   cmd += (["--packed"] if args.packed else []) + ["--lora", str(args.lora)]
-  cmd += ["--objective", args.objective, "--prompt", str(args.prompt)]
+  cmd += ["--objective", args.objective, "--prompt", str(args.prompt)] + (
+    ["--profile"] if args.profile else []
+  )
   return run_worker(cmd, args.timeout)
 
 
@@ -556,7 +658,7 @@ def main(argv=None) -> dict:
 
   for tokens in args.lengths:
     found = []
-    for remat in remats:
+    for remat in [] if args.peer_only else remats:
       row = dict(impl="jax_ring", remat=remat, tokens=tokens) | run_row(args, f"jax:{remat}:{tokens}")
       found.append(row)
       rows.append(row)
@@ -570,10 +672,22 @@ def main(argv=None) -> dict:
       rows.append(peer)
       record(peer)
   _print_table(rows)
+  for r in rows:
+    if "profile" in r:
+      _print_profile(r)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(report, f, indent=1)
   return report
+
+
+def _print_profile(row) -> None:
+  """The profile of one row: each part's milliseconds and share of the step's span."""
+  prof = row["profile"]
+  span = prof["span_ms"] or 1.0
+  print(f"profile of jax_ring's step ({row.get('remat')}, {row['tokens']} tokens): span {span:.1f} ms")
+  for name, ms in [*prof["parts_ms"].items(), ("gaps", prof["gaps_ms"]), ("unmatched", prof["unmatched_ms"])]:
+    print(f"  {name:<20} {ms:>10.1f} ms {ms / span:>7.1%}")
 
 
 def _print_table(rows) -> None:

@@ -8,9 +8,8 @@
 # models/).
 #
 #   bash scripts/bench/run_gpu.sh [OUT]
-#   PARTS="check packed gemma lora" bash scripts/bench/run_gpu.sh [OUT]
-#   PARTS="rollout" bash scripts/bench/run_gpu.sh [OUT]
-#   PARTS="dpo" bash scripts/bench/run_gpu.sh [OUT]
+#   PARTS="check packed gemma lora_short" bash scripts/bench/run_gpu.sh [OUT]
+#   PARTS="profile lora dpo rollout" bash scripts/bench/run_gpu.sh [OUT]
 #
 # Packages the machine lacks (the DPO peer's trl, datasets, accelerate; peft) come as
 # wheels in WHEELS (default wheels/, which git ignores: carry it), put on the path
@@ -19,8 +18,9 @@
 #
 # PARTS (default: probe check train time_h128 time_h64 train_long) picks the parts; each
 # set above fits one command of under 10 minutes on an H200. The default parts took
-# about 330 s there (2026-11-27), "check packed gemma lora" about 420 s (2026-11-28),
-# most of it compiling training steps and building the 8B model.
+# about 330 s there (2026-11-27), "check packed gemma lora_short" about 420 s (2026-11-28),
+# most of it compiling training steps and building the 8B model. The parts of
+# "profile lora dpo rollout" are limited to 550 s in all (not yet run on a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:-results/gpu}"
@@ -81,14 +81,24 @@ part 150 train_long "$py" scripts/bench/bench_train_gpu.py --model llama-3.2-1b 
 T="$py scripts/bench/bench_train_gpu.py --remat attention --steps 2 --torch"
 part 110 packed $T --model llama-3.2-1b --packed --lengths 32768 --timeout 60 --json "$OUT/packed.json"
 part 200 gemma $T --model gemma-3-1b --lengths 16384,32768 --timeout 70 --json "$OUT/gemma.json"
-part 170 lora $T --model llama-3.1-8b --lora 16 --lengths 32768 --timeout 110 --json "$OUT/lora.json"
-part 150 lora $py scripts/bench/bench_train_gpu.py --remat attention --steps 1 --model llama-3.1-8b --lora 16 \
+part 170 lora_short $T --model llama-3.1-8b --lora 16 --lengths 32768 --timeout 110 --json "$OUT/lora.json"
+part 150 lora_short $py scripts/bench/bench_train_gpu.py --remat attention --steps 1 --model llama-3.1-8b --lora 16 \
   --lengths 65536 --timeout 140 --json "$OUT/lora_long.json"
 # 6. Rollouts (GRPO's sampling): G = 8 completions of 4,096 tokens from one prompt of
 #    Llama-3.2-1B, against transformers' generate on the same GPU.
-part 240 rollout "$py" scripts/bench/bench_rollout.py --model llama-3.2-1b --prompt 512 --completions 8 \
-  --new-tokens 4096 --repeats 1 --torch --timeout 110 --json "$OUT/rollout.json"
+part 150 rollout "$py" scripts/bench/bench_rollout.py --model llama-3.2-1b --prompt 512 --completions 8 \
+  --new-tokens 4096 --repeats 1 --torch --timeout 70 --json "$OUT/rollout.json"
 # 7. Preference tuning: one DPO step of Llama-3.2-1B on a pair of 2 x 16,384 tokens (a
 #    prompt of 512 shared), the reference's forward in the step, against TRL's DPOTrainer.
-part 200 dpo "$py" scripts/bench/bench_train_gpu.py --model llama-3.2-1b --objective dpo --prompt 512 \
-  --lengths 32768 --remat attention --steps 2 --torch --timeout 90 --json "$OUT/dpo.json"
+part 110 dpo "$py" scripts/bench/bench_train_gpu.py --model llama-3.2-1b --objective dpo --prompt 512 \
+  --lengths 32768 --remat attention --steps 2 --torch --timeout 50 --json "$OUT/dpo.json"
+# 8. The one-row step of Llama-3.2-1B at 32K with a profile of one more step (each
+#    part's device time, the gaps between kernels), beside PyTorch + transformers.
+part 100 profile "$py" scripts/bench/bench_train_gpu.py --model llama-3.2-1b --lengths 32768 --remat attention \
+  --steps 2 --profile --torch --timeout 45 --json "$OUT/profile.json"
+# 9. Adapters at long context: Llama-3.1-8B's rank-16 adapter step at 131,072 tokens
+#    (every block recomputed), and PyTorch + peft's at 65,536 and 131,072 (or its error).
+part 100 lora "$py" scripts/bench/bench_train_gpu.py --model llama-3.1-8b --lora 16 --lengths 131072 \
+  --remat full --steps 1 --timeout 90 --json "$OUT/lora_131k.json"
+part 90 lora "$py" scripts/bench/bench_train_gpu.py --model llama-3.1-8b --lora 16 --lengths 65536,131072 \
+  --steps 1 --peer-only --timeout 40 --json "$OUT/lora_peft.json"
