@@ -211,6 +211,11 @@ def parse_args(argv=None):
   )
   p.add_argument("--cache-dir", default=None, help="tokenized data cache (default: ~/.cache/jax_ring/data)")
   p.add_argument(
+    "--every-pass",
+    action="store_true",
+    help="every ring pass, not only those the rows' longest document needs (the same losses)",
+  )
+  p.add_argument(
     "--save-every", type=int, default=0, help="orbax state every this many steps (0: at the end)"
   )
   p.add_argument("--seed", type=int, default=0, help="seed of the data")
@@ -546,6 +551,7 @@ def main(argv=None):
     seed=args.seed,
     save_every=args.save_every,
     eval_every=args.eval_every,
+    document_bound=not args.every_pass,
   )
   run = dict(
     path=args.path,

@@ -278,6 +278,22 @@ def test_train_gpu_benchmark_writes_its_rows(tmp_path):
     assert "not importable" in rows[2]["error"] and rows[2]["step_s"] is None
 
 
+@pytest.mark.slow  # 20-30 s: two finetune.py processes
+def test_finetune_documents_benchmark_runs_bounded_and_every_pass(tmp_path):
+  """bench_finetune_documents.py at a tiny size: finetune.py bounded by the longest
+  document packed (1,024 tokens: 1,022 bytes with BOS and EOS) and with every pass, the
+  same losses, the table in its section."""
+  import bench_finetune_documents
+
+  out = tmp_path / "bench.md"
+  args = ["--length=2048", "--devices=4", "--mix=1k", "--steps=2", "--layers=1", f"--out={out}"]
+  found = bench_finetune_documents.main(args)
+  assert found["bound"] == 1024 and found["loss_diff"] < 1e-5
+  assert set(found["step_s"]) == {"bounded", "every pass"} and min(found["step_s"].values()) > 0
+  text = out.read_text()
+  assert "<!-- bench.py finetune documents -->" in text and "| every pass |" in text
+
+
 def test_rollout_benchmark_writes_its_rows(tmp_path):
   """The GPU rollout benchmark on this CPU at its tiny size: jax_ring's row in a process
   of its own, every completion its full length (G x N new tokens), and the PyTorch

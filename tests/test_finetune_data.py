@@ -293,6 +293,12 @@ def test_finetune_on_chats_writes_metrics_and_events_and_evaluates(folder, tmp_p
     (r["step"], round(r["eval_loss"], 4)) for r in evals
   ]
   assert (out / "checkpoint" / "config.json").is_file()
+  # --every-pass: no bound, every ring pass, the same losses.
+  every = script.main(
+    _args(folder, data, tmp_path / "every", "--steps", "2", "--eval-fraction", "0.25", "--every-pass")
+  )
+  assert every["data"]["document_bound"] is None and every["config"]["document_bound"] is False
+  np.testing.assert_allclose([s["loss"] for s in every["steps"]], [r["loss"] for r in steps[:2]], rtol=1e-6)
 
 
 def test_bad_data_exits_naming_the_line_before_writing(folder, tmp_path):

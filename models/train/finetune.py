@@ -113,6 +113,9 @@ class FinetuneConfig:
   seed: int = 0
   save_every: int = 0  # orbax state for resuming every this many steps (0: at the end only)
   eval_every: int = 0  # evaluation loss every this many steps (0: at the end only, where there is eval data)
+  # The ring's passes bounded by the packed rows' longest document (`_bound_documents`);
+  # False: every pass (the same losses; for measuring what the bound saves).
+  document_bound: bool = True
 
 
 class StepBatches:
@@ -411,7 +414,7 @@ def _finetune(
   tx = make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
   schedule = make_schedule(config.lr, config.warmup, config.steps)
   adapters = lora.lora_settings(model) is not None
-  bound = _bound_documents(model, data, eval_data)
+  bound = _bound_documents(model, data, eval_data) if config.document_bound else None
   trainer = Trainer(
     model,
     tx,
