@@ -14,8 +14,8 @@ steps, and the table gives the median of each run's step seconds after its first
 two runs. `--remat full` by default: with finetune.py's own default ("attention"), rows
 of 16,384 tokens of the tail mix on 8 simulated devices stopped in XLA:CPU's collective
 rendezvous ("Unexpected number of participants: collective permute ... 9 vs. 8"), where
-"full" and "none", or the same step without the trainer's memory-minimizing schedule,
-ran (2026-12-07).
+"full" and "none", or the same step without the trainer's memory-minimizing schedule
+or without FSDP, ran (2026-12-07).
 
     python scripts/bench/bench_finetune_documents.py --length 16384 --out docs/benchmarks.md
 """
