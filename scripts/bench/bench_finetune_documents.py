@@ -171,7 +171,8 @@ def main(argv=None):
     f"the losses' largest difference between the runs: {diff:.1e}.",
   ]
   publish(lines, args.out, "finetune documents", echo=True)
-  return dict(step_s=step_s, bound=bound, loss_diff=diff)
+  every_bound = runs["every pass"]["report"]["data"]["document_bound"]
+  return dict(step_s=step_s, bound=bound, every_bound=every_bound, loss_diff=diff)
 
 
 if __name__ == "__main__":
