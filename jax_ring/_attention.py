@@ -271,6 +271,14 @@ def _ring_shard(
     k_pos = jnp.where(k_pos < valid_lengths[1], k_pos, -1)
   q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, q_pos, k_pos)
   reach = None if custom or s != t else _documents.reach(bound, window, is_causal)
+  if reach is not None and _documents.schedule(layout, *reach, t, ring_size) == schedule(
+    layout, window, is_causal, t, ring_size, False
+  ):
+    # The bound skips no pass (the longest document may span the whole ring): the call
+    # is the unbounded one, exact for any ids, without the check below. With the check's
+    # gather and sort in it, Llama's FSDP step (remat "attention", XLA:CPU's
+    # memory-minimizing schedule) failed in XLA:CPU's rendezvous of a ring permute.
+    reach = None
   # Rows whose documents break the bound: their output is NaN, not a wrong number.
   beyond = None if reach is None else _documents.rows_beyond(q_seg, q_pos, axis_name, bound)
   use = kernel.kernel

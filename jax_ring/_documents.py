@@ -14,7 +14,8 @@ back. Where the passes each way add up to the whole ring, the ring is left as it
 The bound is a promise about data. A row that breaks it (two tokens of one id n or more
 apart) would lose keys that the skipped passes hold; instead its output is NaN, that
 row's only (`rows_beyond`), and a call on concrete ids raises before anything runs
-(`check_concrete`).
+(`check_concrete`). A bound that skips no pass is the unbounded call, without that
+check: nothing is lost, whatever the ids.
 """
 
 from __future__ import annotations

@@ -192,6 +192,33 @@ def test_a_row_that_breaks_the_bound_is_nan_and_the_others_exact():
     call(q, k, v, jnp.asarray(seg))
 
 
+def test_a_bound_that_skips_no_pass_is_the_unbounded_call():
+  """A bound whose passes add up to the whole ring (here 8 devices of 64 tokens, zig-zag
+  chunks of 32: a bound of 200 needs 7 passes each way) changes nothing: the compiled
+  program is the unbounded one, with no gather of the ids to check them (that check,
+  compiled into Llama's FSDP step, once broke XLA:CPU's rendezvous of a ring permute),
+  and a row with a longer document gets the reference's numbers, not NaN."""
+  mesh = make_mesh((8,), ("seq",))
+  q, k, v = qkv(2, 512, 4, 2, 16)
+  seg = documents(2, 512, 60)
+  seg[1, 100:400] = 99  # a 300-token document: longer than the bound
+  assert _documents.schedule("zigzag", 199, 0, 64, 8) == (7, 0)
+
+  def program(bound):
+    call = lambda q, k, v, seg: ring_attention(
+      q, k, v, mesh=mesh, is_causal=True, segment_ids=seg, layout="zigzag", document_bound=bound
+    )
+    return jax.jit(call), jax.jit(call).lower(q, k, v, jnp.asarray(seg)).compile()
+
+  call, bounded = program(200)
+  unbounded = program(None)[1]
+  assert "all-gather" not in bounded.as_text()
+  assert hlo.collective_bytes(bounded) == hlo.collective_bytes(unbounded)
+  out = call(q, k, v, jnp.asarray(seg))
+  expected = reference_attention(q, k, v, is_causal=True, segment_ids=jnp.asarray(seg))
+  assert rel_err(out, expected) < TOL
+
+
 def test_the_bound_asks_for_an_int_ids_and_self_attention():
   mesh = make_mesh((2,), ("seq",))
   q, k, v = qkv(1, 32, 2, 2, 8)

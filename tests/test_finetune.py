@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
 
 import jax
@@ -1004,3 +1005,54 @@ def test_an_option_this_xla_lacks_is_left_out_with_a_warning():
   assert "xla_no_such_option_here" in options  # the caller's dict is left as it was
   with pytest.raises(jax.errors.JaxRuntimeError):
     train_step.compile_with(lowered, {"xla_cpu_scheduler_type": "NO_SUCH_SCHEDULER"})
+
+
+# One FSDP step of a 2-block Llama (remat "attention", the CPU's memory-minimizing
+# schedule) on a row of 16,384 tokens on 8 devices, at XLA's default flags (the failure
+# below needed them), with a bound that skips no pass; prints the losses of two steps.
+_BOUND_STEP = """
+import dataclasses, os
+from jax_ring.models.runtime import simulate_devices
+simulate_devices(8)
+import jax, numpy as np
+from jax_ring import models
+from jax_ring import nn as ring_nn
+from jax_ring.models.train import step as train_step
+t = 16384
+mesh = jax.make_mesh((8,), ("seq",), devices=jax.devices()[:8])
+config = dataclasses.replace(
+  models.config("llama-3.2-1b"), num_layers=2, dim=256, num_heads=4, num_kv_heads=1, head_dim=64,
+  mlp_hidden=512, vocab_size=512,
+)
+model = models.build(config, mesh=mesh, remat="attention", fsdp=True)
+ring_nn.set_document_bound(model, int(os.environ["BOUND"]))
+trainer = train_step.Trainer(model, train_step.make_tx(1e-4, 1, 10, 0.0, 1.0))
+seg, pos, at = np.zeros(t, np.int32), np.zeros(t, np.int32), 0
+for i, n in enumerate([8192] + [1000] * 8):
+  seg[at : at + n], pos[at : at + n], at = i + 1, np.arange(n), at + n
+ids = np.random.default_rng(0).integers(0, 512, (1, t + 1)).astype(np.int32)
+weights = np.ones((1, t), np.float32)
+batch = train_step.place_batch(trainer.model(), ids[:, :-1], ids[:, 1:], weights, seg[None], pos[None])
+for _ in range(2):
+  print(float(trainer.step(*batch[:3], segment_ids=batch[3], positions=batch[4])[0]))
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_step_with_a_bound_that_skips_no_pass_runs_on_8_cpu_devices():
+  """With `document_bound` 8,192 on rows of 16,384 over 8 devices, the bound skips no
+  pass; the step once stopped in XLA:CPU's rendezvous of a ring permute ("Unexpected
+  number of participants", or a hang) where the bound's check was compiled in. Now it
+  takes two steps, in a process of its own (an XLA:CPU check failure aborts it), killed
+  (SIGKILL) past its limit. That such a bound changes nothing else is
+  test_documents.py's `test_a_bound_that_skips_no_pass_is_the_unbounded_call`."""
+  import subprocess
+  import sys
+
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["BOUND"] = "8192"
+  command = [sys.executable, "-c", _BOUND_STEP]
+  done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+  assert done.returncode == 0, done.stderr[-3000:]
+  losses = [float(x) for x in done.stdout.split()]
+  assert len(losses) == 2 and math.isfinite(losses[0]) and losses[1] < losses[0], losses
