@@ -270,15 +270,16 @@ def _ring_shard(
     q_pos = jnp.where(q_pos < valid_lengths[0], q_pos, -1)
     k_pos = jnp.where(k_pos < valid_lengths[1], k_pos, -1)
   q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, q_pos, k_pos)
+  back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
   reach = None if custom or s != t else _documents.reach(bound, window, is_causal)
-  if reach is not None and _documents.schedule(layout, *reach, t, ring_size) == schedule(
-    layout, window, is_causal, t, ring_size, False
-  ):
+  if reach is not None and _documents.schedule(layout, *reach, t, ring_size) == (back, fwd):
     # The bound skips no pass (the longest document may span the whole ring): the call
     # is the unbounded one, exact for any ids, without the check below. With the check's
     # gather and sort in it, Llama's FSDP step (remat "attention", XLA:CPU's
     # memory-minimizing schedule) failed in XLA:CPU's rendezvous of a ring permute.
     reach = None
+  if reach is not None:
+    back, fwd = _documents.schedule(layout, *reach, t, ring_size)
   # Rows whose documents break the bound: their output is NaN, not a wrong number.
   beyond = None if reach is None else _documents.rows_beyond(q_seg, q_pos, axis_name, bound)
   use = kernel.kernel
@@ -334,9 +335,6 @@ def _ring_shard(
     key, value = (pad_seq(x, padded_s - s) for x in (key, value))
     k_pos = jnp.pad(k_pos, (0, padded_s - s), constant_values=-1)
     kv_seg = None if kv_seg is None else pad_seq(kv_seg, padded_s - s, -1)
-  back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
-  if reach is not None:
-    back, fwd = _documents.schedule(layout, *reach, t, ring_size)
   kernel_name = "cudnn" if use == "cudnn" else "pallas" if use_pallas else "xla"
   groups = block_sizes.head_groups(key.shape[2], max(padded_t, padded_s), kernel=kernel_name)
   rows = b * query.shape[2] // groups

@@ -11,11 +11,10 @@ percentile near 16K, capped at `--cap` (seed 0); "1k", documents of 1,024. finet
 packs them into rows of `--length` (best-fit decreasing); each run takes `--steps`
 steps, and the table gives the median of each run's step seconds after its first
 (compiling) step, from metrics.jsonl, and the losses' largest difference between the
-two runs. `--remat full` by default: with finetune.py's own default ("attention"), rows
-of 16,384 tokens of the tail mix on 8 simulated devices stopped in XLA:CPU's collective
-rendezvous ("Unexpected number of participants: collective permute ... 9 vs. 8"), where
-"full" and "none", or the same step without the trainer's memory-minimizing schedule
-or without FSDP, ran (2026-12-07).
+two runs. `--remat full` by default, the setting of the recorded numbers: with finetune.py's own
+default ("attention"), rows of 16,384 tokens of the tail mix on 8 simulated devices then
+stopped in XLA:CPU's collective rendezvous (a bound that skips no pass still compiled
+its check; no longer, see the training guide).
 
     python scripts/bench/bench_finetune_documents.py --length 16384 --out docs/benchmarks.md
 """
