@@ -268,7 +268,9 @@ def test_train_gpu_benchmark_writes_its_rows(tmp_path):
     assert list(prof["parts_ms"]) == list(bench_train_gpu.PROFILE_PARTS)
     assert all(ms > 0 for ms in prof["parts_ms"].values()), prof
     assert 0 <= prof["gaps_ms"] < prof["span_ms"] and prof["unmatched_ms"] == 0
-    assert sum(prof["parts_ms"].values()) >= prof["span_ms"] - prof["gaps_ms"] - 1e-3
+    # Each of the len(parts) + 2 numbers is rounded to the microsecond (half of 1e-3 ms each).
+    slack = 0.5e-3 * (len(prof["parts_ms"]) + 2)
+    assert sum(prof["parts_ms"].values()) >= prof["span_ms"] - prof["gaps_ms"] - slack
   assert sum(bool(r.get("best")) for r in rows) == 1
   try:
     import torch  # noqa: F401
