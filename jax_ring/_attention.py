@@ -86,7 +86,7 @@ def ring_attention_shard(
   dropout_rng=None,
   score_mod=None,
   dropout_broadcast: bool = False,
-  document_bound: int | None = None,
+  document_bound: int | str | None = None,
   _valid_lengths: tuple[int, int] | None = None,
   _offsets: tuple | None = None,
   _seed=None,
@@ -271,6 +271,11 @@ def _ring_shard(
     k_pos = jnp.where(k_pos < valid_lengths[1], k_pos, -1)
   q_seg, kv_seg = _validation.apply_lengths(q_seg, kv_seg, q_len, kv_len, q_pos, k_pos)
   back, fwd = schedule(layout, window, is_causal, t, ring_size, custom or s != t)
+  runtime = []  # "auto": the schedules the ids pick from while running
+  if bound == "auto":
+    bound = None
+    if not custom and s == t and is_causal and window is None and q_seg is not None:
+      runtime = _documents.runtime_schedules(layout, t, ring_size)
   reach = None if custom or s != t else _documents.reach(bound, window, is_causal)
   if reach is not None and _documents.schedule(layout, *reach, t, ring_size) == (back, fwd):
     # The bound skips no pass (the longest document may span the whole ring): the call
@@ -282,6 +287,9 @@ def _ring_shard(
     back, fwd = _documents.schedule(layout, *reach, t, ring_size)
   # Rows whose documents break the bound: their output is NaN, not a wrong number.
   beyond = None if reach is None else _documents.rows_beyond(q_seg, q_pos, axis_name, bound)
+  pick = None
+  if runtime:
+    pick = _documents.runtime_pick(q_seg, q_pos, axis_name, [r for r, _ in runtime[:-1]])
   use = kernel.kernel
   auto = kernel.auto
   if use == "cudnn":
@@ -360,8 +368,9 @@ def _ring_shard(
     kernel=kernel_name,
     mods=mods,
     quadrants=quadrants is not None,
+    schedules=tuple(found for _, found in runtime) or None,
   )
-  out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg, args)
+  out, lse = ring(cfg, query, key, value, q_pos, k_pos, q_seg, kv_seg, args, pick)
   out, lse = out[:, :t], lse[:, :t]
   if beyond is not None:
     out = jnp.where(beyond[:, None, None, None], jnp.nan, out)
@@ -402,7 +411,7 @@ class GlobalConfig:
   kernel: str = "auto"
   mods: ScoreMods = NO_MODS
   laid_out: bool = False  # token_order="layout": inputs and output already in `layout`
-  document_bound: int | None = None
+  document_bound: int | str | None = None
 
   @property
   def seq_spec(self):
@@ -615,7 +624,7 @@ def ring_attention(
   token_order: str = "natural",
   mask=None,
   bias=None,
-  document_bound: int | None = None,
+  document_bound: int | str | None = None,
 ):
   """Exact softmax attention with the sequence sharded over `seq_axis` of `mesh`.
 
@@ -706,7 +715,14 @@ def ring_attention(
       zig-zag layouts, about 2 * (n - 1) / (T / p) of the p - 1 when causal;
       `jax_ring._documents`). Needs `segment_ids` and S == T. A row that breaks it
       gets NaN output (that row only), never a wrong number; concrete ids are checked
-      before anything runs (a ValueError naming the row). None (default): every pass.
+      before anything runs (a ValueError naming the row). "auto": the bound is read
+      from the ids while running (causal, no window, the contiguous or zig-zag
+      layout): the call compiles the passes of documents within 1, 2, 4, ... of the
+      layout's chunks (a shard contiguous, half a shard zig-zag) and of the whole
+      ring, and every device runs the fewest that hold the batch's longest document
+      (a gather of the ids picks; ids that fall along a row take the whole ring), so
+      one program serves batches whose documents differ, exact for any ids; elsewhere
+      every pass runs. None (default): every pass.
     mask, bias: not accepted (a ValueError that names what to use instead): a dense
       [B, N, T, S] matrix is what ring attention never builds. The masks it usually
       carries are `is_causal`, `local_window_size`, `segment_ids` and the lengths.
@@ -762,7 +778,7 @@ def ring_attention(
   layout = layouts.resolve(layout, is_causal, shard_len=-(-t // mesh.shape[seq_axis]))
   laid_out = _check_token_order(token_order, layout, t, s, mesh.shape[seq_axis], nu)
   document_bound = _validation.check_document_bound(document_bound, segment_ids, t, s)
-  if document_bound is not None:  # ids in the layout's order go back to natural order for the check
+  if document_bound not in (None, "auto"):  # ids in the layout's order go back to natural order for the check
     inverse = np.argsort(layouts.permutation(layout, t, mesh.shape[seq_axis])) if laid_out else None
     _documents.check_concrete(q_seg, document_bound, order=inverse)
   policy = get_policy(policy, mesh.devices.flat[0])

@@ -16,6 +16,14 @@ apart) would lose keys that the skipped passes hold; instead its output is NaN, 
 row's only (`rows_beyond`), and a call on concrete ids raises before anything runs
 (`check_concrete`). A bound that skips no pass is the unbounded call, without that
 check: nothing is lost, whatever the ids.
+
+"auto" reads the bound from the ids while running (`runtime_schedules`, `runtime_pick`):
+the causal call compiles the passes of a few bounds (1, 2, 4, ... of the layout's chunks,
+and the whole ring) as the branches of one switch, and a gather of every device's ids
+gives each device the same index, the fewest passes that hold the batch's longest
+document. Every device runs the same branch, so every transfer has its partner. Ids that
+fall along a row (an id may then come back after another) take the whole ring, so no ids
+can lose a key.
 """
 
 from __future__ import annotations
@@ -121,3 +129,80 @@ def rows_beyond(seg, pos, axis_name, bound: int):
   first = lax.cummax(jnp.where(starts, index, 0), axis=1)
   span = pos - jnp.take_along_axis(pos, first, axis=1)
   return jnp.any((key != top) & (span >= bound), axis=1)
+
+
+# `document_bound="auto"`: the bound read from the ids while running. The call compiles
+# the passes of a few bounds (`runtime_schedules`: one chunk of the layout, two, four, ...
+# and the whole ring), and every device runs the same one (`runtime_pick`).
+
+
+def runtime_schedules(layout: str, shard_len: int, ring_size: int) -> list[tuple[int | None, tuple]]:
+  """[(reach, (steps_back, steps_fwd)), ...], fewest passes first: the causal schedules a
+  run-time bound picks from, each with the longest reach it serves (a query's distance
+  back to its document's first token; `schedule` at that reach), the last the whole
+  ring (reach None: any). The reaches are 1, 2, 4, ... of the layout's chunks (a shard
+  contiguous, half a shard zig-zag). Empty where there is nothing to pick: one device,
+  the striped layout (one token of each p on each device), or a chunk's first bound
+  already the whole ring."""
+  p = ring_size
+  full = (p - 1, 0)
+  name = layouts.resolve(layout, False)
+  unit = shard_len if name == "contiguous" else shard_len // 2
+  if p == 1 or name == "striped" or unit < 1:
+    return []
+  out, chunks = [], 1
+  while (found := schedule(name, chunks * unit, 0, shard_len, p)) != full:
+    out.append((chunks * unit, found))
+    chunks *= 2
+  return [*out, (None, full)] if out else []
+
+
+def runtime_pick(seg, pos, axis_name, reaches):
+  """int32 scalar, the same on every device of the ring: the index of the first of
+  `reaches` (ascending) that covers this batch's documents, `len(reaches)` (the whole
+  ring) where none does or where a row's ids decrease (its documents may then not be
+  runs, and only the whole ring is sure to hold their keys); the largest over the
+  program's other manual mesh axes (data-parallel rings pick alike). Inside shard_map: `seg`
+  [B, t] this device's ids, negative on padding; `pos` [t] their global positions,
+  negative on padding. A document's reach is its last token's distance from its first;
+  ids that rise along each row make each id one run (padding between two tokens of an
+  id counts in its reach)."""
+  seg = lax.all_gather(seg, axis_name, axis=1, tiled=True)
+  pos = lax.all_gather(pos, axis_name, axis=0, tiled=True)
+  b, total = seg.shape
+  where = jnp.where(pos >= 0, pos, total)  # padding lands past the end and is dropped
+  ids = jnp.full((b, total), -1, seg.dtype).at[:, where].set(seg, mode="drop")  # natural order
+  valid = ids >= 0
+  ids = jnp.where(valid, ids, -1)
+  # The largest id before each token: a rising row's tokens of one id start where it is passed.
+  before = jnp.concatenate([jnp.full((b, 1), -1, ids.dtype), lax.cummax(ids, axis=1)[:, :-1]], axis=1)
+  falls = jnp.any(valid & (ids < before))
+  index = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (b, total))
+  first = lax.cummax(jnp.where(valid & (ids > before), index, -1), axis=1)
+  reach = jnp.max(jnp.where(valid, index - first, 0))
+  pick = jnp.sum(reach > jnp.asarray(reaches, jnp.int32)).astype(jnp.int32)
+  pick = jnp.where(falls, jnp.int32(len(reaches)), pick)
+  # The other manual axes (a batch split over data-parallel rings, heads, Ulysses): the
+  # largest pick of all, so that every device of the program runs the same branch.
+  ring = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+  others = tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes if a not in ring)
+  return lax.pmax(pick, others) if others else pick
+
+
+def picked_schedule(ids, layout: str, shard_len: int, ring_size: int) -> tuple[int, int] | None:
+  """The schedule `runtime_pick` chooses for concrete ids (int [..., T] in natural
+  order, negative on padding), on the host; None where "auto" picks nothing (no
+  schedules to pick from: every pass runs)."""
+  schedules = runtime_schedules(layout, shard_len, ring_size)
+  if not schedules:
+    return None
+  reach = 0
+  for line in np.asarray(ids).reshape(-1, np.shape(ids)[-1]):
+    at = np.flatnonzero(line >= 0)
+    values = line[at]
+    if np.any(np.diff(values) < 0):
+      return schedules[-1][1]
+    for value in np.unique(values):
+      where = at[values == value]
+      reach = max(reach, int(where[-1] - where[0]))
+  return next(found for limit, found in schedules if limit is None or reach <= limit)

@@ -94,6 +94,10 @@ class RingConfig:
   # tiles over listed blocks of the queries (`_diagonal_blocks`). Set from
   # `_tiles.quadrant_tiles`.
   quadrants: bool = False
+  # `document_bound="auto"`: the (steps_back, steps_fwd) schedules that the ids pick from
+  # while running (`_documents.runtime_schedules`), every device the same one
+  # (`ring`'s `pick`); steps_back and steps_fwd are then the whole ring's, the last.
+  schedules: tuple[tuple[int, int], ...] | None = None
 
   @property
   def home_shift(self) -> int:
@@ -1151,8 +1155,17 @@ def _heads(x, j, width: int):
   return lax.dynamic_slice_in_dim(x, j * width, width, axis=2)
 
 
+def _scheduled(cfg: RingConfig, pick, run):
+  """run(cfg), or with `cfg.schedules`, run with the schedule `pick` names (an int32
+  scalar the same on every device: the branch's collectives are matched on all)."""
+  if cfg.schedules is None:
+    return run(cfg)
+  configs = [dataclasses.replace(cfg, steps_back=b, steps_fwd=f, schedules=None) for b, f in cfg.schedules]
+  return lax.switch(pick, [functools.partial(run, c) for c in configs])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def ring(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args: ScoreArgs | None = None):
+def ring(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args: ScoreArgs | None = None, pick=None):
   """Ring attention of this device's q [B, T, N, H] against every device's k, v
   [B, S, K, H], positions [T] / [S] and segment ids [B, T] / [B, S] (or None).
 
@@ -1160,8 +1173,9 @@ def ring(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args: ScoreArgs |
   accumulation dtype, -inf where a query sees no key). Both are differentiable: the
   cotangent of lse enters the backward as a shift of delta. `args`: the score
   modifiers' arrays (`cfg.mods`) for these query heads; of them, the ALiBi slopes
-  get a gradient (summed over the ring's devices unless they vary over it)."""
-  outputs, _ = _ring_fwd(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg, args)
+  get a gradient (summed over the ring's devices unless they vary over it). `pick`:
+  with `cfg.schedules`, which of them runs (`_documents.runtime_pick`)."""
+  outputs, _ = _ring_fwd(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg, args, pick)
   return outputs
 
 
@@ -1176,9 +1190,10 @@ class _Residuals(NamedTuple):
   q_seg: jax.Array | None
   k_seg: jax.Array | None
   args: ScoreArgs | None
+  pick: jax.Array | None
 
 
-def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args=None):
+def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args=None, pick=None):
   # Head groups run one after another, so the ring's buffers (blocked copies, K/V in
   # flight, accumulators) hold one group's heads at a time.
   groups, wq, wk = _head_groups(cfg, q, k)
@@ -1198,7 +1213,7 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args=None):
       k_seg,
       group_args(args, j * wq, wq),
     )
-    o, l = expose_floored(*ring_forward_state(cfg, x))
+    o, l = expose_floored(*_scheduled(cfg, pick, lambda c: ring_forward_state(c, x)))
     o = unblock_q(o).reshape(b, t, wq, q.shape[3])
     l = unblock_rows(l).reshape(b, t, wq)
     put = lambda a, new: lax.dynamic_update_slice_in_dim(a, new.astype(a.dtype), j * wq, axis=2)
@@ -1217,7 +1232,7 @@ def _ring_fwd(cfg: RingConfig, q, k, v, q_pos, k_pos, q_seg, k_seg, args=None):
   kept = checkpoint_name(kept, "jax_ring.attention_out")
   lse = checkpoint_name(lse, "jax_ring.attention_lse")
   out = kept.astype(pol.out_dtype(q.dtype))
-  return (out, lse), _Residuals(q, k, v, kept, lse, q_pos, k_pos, q_seg, k_seg, args)
+  return (out, lse), _Residuals(q, k, v, kept, lse, q_pos, k_pos, q_seg, k_seg, args, pick)
 
 
 def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
@@ -1237,7 +1252,8 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
     out = None
     if cfg.kernel == "cudnn":
       out = block_q(_heads(res.out, j, wq).astype(pol.compute_dtype).reshape(b, -1, kh, grp, h), bq)
-    gq, gk, gv = ring_backward_state(cfg, x, do, rows(res.lse), rows(delta_all), out)
+    backward = lambda c: ring_backward_state(c, x, do, rows(res.lse), rows(delta_all), out)
+    gq, gk, gv = _scheduled(cfg, res.pick, backward)
     new = [unblock_q(gq[..., :h] if cfg.mods.alibi else gq).reshape(q.shape), unblock_kv(gk), unblock_kv(gv)]
     widths = [wq, wk, wk]
     if cfg.mods.alibi:  # the rows' shares of d loss / d slope, summed over the rows
@@ -1261,7 +1277,7 @@ def _ring_bwd(cfg: RingConfig, res: _Residuals, g):
     if cfg.axis_name not in jax.typeof(res.args.slopes).manual_axis_type.varying:
       d_slopes = lax.psum(d_slopes, cfg.axis_name)
     d_args = ScoreArgs(d_slopes.astype(res.args.slopes.dtype), None, None, None)
-  return dq, dk, dv, None, None, None, None, d_args
+  return dq, dk, dv, None, None, None, None, d_args, None
 
 
 ring.defvjp(_ring_fwd, _ring_bwd)

@@ -165,23 +165,30 @@ def check_segment_ids(segment_ids, batch: int, length: int, name: str = "segment
     raise ValueError(f"{name}.shape={tuple(segment_ids.shape)} must be (batch, seq)={(batch, length)}")
 
 
-def check_document_bound(bound, segment_ids, t: int, s: int) -> int | None:
-  """`document_bound` as an int >= 1, or None; it needs the documents it bounds
-  (segment ids) and self-attention (S == T)."""
+def check_document_bound(bound, segment_ids, t: int, s: int) -> int | str | None:
+  """`document_bound` as an int >= 1, "auto" (the bound read from the ids at run time),
+  or None; it needs the documents it bounds (segment ids) and self-attention (S == T)."""
   if bound is None:
     return None
-  if isinstance(bound, bool) or not isinstance(bound, (int, np.integer)):
-    raise TypeError(f"document_bound={bound!r} must be an int (the longest document's tokens) or None")
-  if bound < 1:
+  if isinstance(bound, str):
+    if bound != "auto":
+      raise ValueError(
+        f"document_bound={bound!r} must be an int (the longest document's tokens), 'auto' or None"
+      )
+  elif isinstance(bound, bool) or not isinstance(bound, (int, np.integer)):
+    raise TypeError(
+      f"document_bound={bound!r} must be an int (the longest document's tokens), 'auto' or None"
+    )
+  elif bound < 1:
     raise ValueError(f"document_bound={bound} must be at least 1 (the longest document's tokens)")
   if segment_ids is None:
     raise ValueError(
-      f"document_bound={bound} needs segment_ids: the documents it bounds are runs of one id "
+      f"document_bound={bound!r} needs segment_ids: the documents it bounds are runs of one id "
       "(without ids the whole row is one document)"
     )
   if s != t:
-    raise ValueError(f"document_bound={bound} needs self-attention (S == T); got T={t}, S={s}")
-  return int(bound)
+    raise ValueError(f"document_bound={bound!r} needs self-attention (S == T); got T={t}, S={s}")
+  return bound if bound == "auto" else int(bound)
 
 
 def normalize_window(local_window_size) -> tuple[int, int] | None:

@@ -18,7 +18,7 @@ def work_report(
   local_window_size=None,
   block_sizes: BlockSizes | None = None,
   segment_ids=None,
-  document_bound: int | None = None,
+  document_bound: int | str | None = None,
   order=None,
 ) -> np.ndarray:
   """Score blocks computed per ring step and device: int array [steps, num_devices].
@@ -31,7 +31,8 @@ def work_report(
   `segment_ids` (int [seq_len], one packed row in natural order, negative on padding):
   a pair counts only where a query and a key of one document meet, as the call skips
   the others; `document_bound` (with them): the passes `ring_attention(...,
-  document_bound=)` makes, the others 0. Without ids, blocks are counted as the masks
+  document_bound=)` makes, the others 0 ("auto": the passes the call picks for these
+  ids while running, causal without a window). Without ids, blocks are counted as the masks
   above leave them. `order` (int [seq_len], a permutation such as
   `layouts.documents` gives): device d holds positions order[d*c:(d+1)*c] instead of
   the layout's, and every pass runs (as `ring_attention_shard(..., positions=)` makes
@@ -70,9 +71,16 @@ def work_report(
     pos = np.where(pos < seq_len, pos, -1)
     local, bq, bk = local_blocks(shard, block_sizes, devices=p, layout=layout)
     back, fwd = schedule(layout, window, is_causal, shard, p, False)
-    reach = _documents.reach(
-      _validation.check_document_bound(document_bound, segment_ids, seq_len, seq_len), window, is_causal
-    )
+    bound = _validation.check_document_bound(document_bound, segment_ids, seq_len, seq_len)
+    if bound == "auto":  # the schedule the ids pick while running (causal, no window)
+      runtime = (
+        None
+        if not is_causal or window is not None
+        else _documents.picked_schedule(np.asarray(segment_ids), layout, shard, p)
+      )
+      back, fwd = (back, fwd) if runtime is None else runtime
+      bound = None
+    reach = _documents.reach(bound, window, is_causal)
     if reach is not None:
       back, fwd = _documents.schedule(layout, *reach, shard, p)
   pos = np.pad(pos, ((0, 0), (0, local - shard)), constant_values=-1)

@@ -220,7 +220,7 @@ def compile_attention(
   backward: bool = True,
   kernel: str = "auto",
   is_causal: bool = True,
-  document_bound: int | None = None,
+  document_bound: int | str | None = None,
   **shape,
 ):
   """The compiled forward (+backward) of `ring_attention` on `mesh` for inputs of

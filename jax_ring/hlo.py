@@ -486,6 +486,31 @@ def collective_bytes(compiled) -> dict[str, int]:
 
   `compiled`: a `jax.stages.Compiled` or its `as_text()`. Raises ValueError for a
   loop with collectives whose trip count XLA did not record."""
+  cost, _, entry = _collective_costs(compiled)
+  return dict(cost(entry))
+
+
+def branch_collective_bytes(compiled) -> list[list[dict[str, int]]]:
+  """For each conditional of the program whose branches hold collectives, in program
+  order: each branch's `collective_bytes` (what one run of that branch moves). A call
+  with `document_bound="auto"` picks one of its schedules this way while running."""
+  cost, comps, _ = _collective_costs(compiled)
+  out = []
+  for lines in comps.values():
+    for line in lines:
+      if _OP.search(line) or _WHILE.search(line) or not (m := _BRANCHES.search(line)):
+        continue
+      names = m.group(1).split(",") if m.group(1) else [m.group(2), m.group(3)]
+      branches = [dict(cost(n.strip().lstrip("%"))) for n in names]
+      if any(branches):
+        out.append(branches)
+  return out
+
+
+def _collective_costs(compiled):
+  """(cost, computations, entry): cost(name) is the (op, bytes) pairs one run of
+  computation `name` moves, loops counted by their trip counts and a conditional by
+  its costliest branch."""
   hlo = compiled if isinstance(compiled, str) else compiled.as_text()
   comps, entry = _computations(hlo)
   shapes = _shapes(comps)
@@ -522,7 +547,7 @@ def collective_bytes(compiled) -> dict[str, int]:
           add(cost(called))
     return tuple(found.items())
 
-  return dict(cost(entry))
+  return cost, comps, entry
 
 
 def loop_free_collectives(compiled) -> list[tuple[str, int]]:

@@ -664,12 +664,13 @@ def _one_device_mesh():
   return jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
 
 
-def set_document_bound(model, bound: int | None) -> int:
+def set_document_bound(model, bound: int | str | None) -> int:
   """Gives every ring-kind `RingAttention` of `model` the longest document its packed
   rows hold, `bound` tokens (`ring_attention`'s `document_bound`: the ring makes only
   the passes that can bring keys of a query's own document; a row breaking it gets
-  NaN). Calls without segment ids run every pass; padding must have a negative id (as
-  the training step's rows give it), or it counts as a document. None: no bound. Read
+  NaN), or "auto" (the bound read from each batch's ids while running). Calls without
+  segment ids run every pass; padding must have a negative id (as the training step's
+  rows give it), or it counts as a document. None: no bound. Read
   when a call is traced: set it before building a `Trainer` or jitting a call. Returns
   the number of layers set."""
   bound = _validation.check_document_bound(bound, True, 1, 1)

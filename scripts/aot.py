@@ -86,6 +86,11 @@ from launch import HelpFormatter  # noqa: E402  (the launcher's: no jax imported
 from jax_ring import aot, choose_kernel, policy_for  # noqa: E402
 
 
+def _bound(text: str):
+  """--document-bound: an int, or "auto"."""
+  return text if text == "auto" else int(text)
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
   p.add_argument(
@@ -104,9 +109,11 @@ def parse_args(argv=None):
   p.add_argument("--forward-only", action="store_true", help="compile the forward pass alone")
   p.add_argument(
     "--document-bound",
-    type=int,
+    type=_bound,
     default=None,
-    help="packed rows whose documents are at most N tokens: segment ids in, ring_attention(document_bound=N)",
+    help="packed rows whose documents are at most N tokens: segment ids in, "
+    "ring_attention(document_bound=N); 'auto': the bound read from the ids while running, "
+    "each branch's transfers reported",
   )
   p.add_argument("--make-mesh", action="store_true", help="jax.make_mesh's device order, not ring_mesh's")
   p.add_argument(
@@ -294,7 +301,7 @@ def main(argv=None):
   if args.document_bound is not None and args.model:
     print("aot.py: --document-bound compiles ring attention alone: drop --model", file=sys.stderr)
     return 2
-  if args.document_bound is not None and args.document_bound < 1:
+  if args.document_bound not in (None, "auto") and args.document_bound < 1:
     print(f"aot.py: --document-bound {args.document_bound}: must be at least 1", file=sys.stderr)
     return 2
   target = aot.target(args.target)
@@ -351,6 +358,10 @@ def main(argv=None):
   compiled = kept.get(args.seq_len) or compile_for(mesh, args, args.seq_len)
   result["seq_len"] = args.seq_len
   result |= aot.report(compiled)
+  if args.document_bound == "auto":  # one branch per schedule the ids may pick, forward and backward
+    from jax_ring import hlo
+
+    result["branch_collective_bytes"] = hlo.branch_collective_bytes(compiled)
   result["attention_hidden"] = aot.attention_hidden(result)
   result["transfers_hidden"] = aot.transfers_hidden(result)
   if isinstance(args.model, str):

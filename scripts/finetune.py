@@ -216,6 +216,12 @@ def parse_args(argv=None):
     help="every ring pass, not only those the rows' longest document needs (the same losses)",
   )
   p.add_argument(
+    "--bound-per-batch",
+    action="store_true",
+    help="the passes each batch's own longest document needs, read from its ids while running "
+    "(document_bound='auto'; the same losses)",
+  )
+  p.add_argument(
     "--save-every", type=int, default=0, help="orbax state every this many steps (0: at the end)"
   )
   p.add_argument("--seed", type=int, default=0, help="seed of the data")
@@ -551,7 +557,7 @@ def main(argv=None):
     seed=args.seed,
     save_every=args.save_every,
     eval_every=args.eval_every,
-    document_bound=not args.every_pass,
+    document_bound=False if args.every_pass else "auto" if args.bound_per_batch else True,
   )
   run = dict(
     path=args.path,

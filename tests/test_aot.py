@@ -150,7 +150,8 @@ def test_document_bound_compiles_the_packed_rows_ring_with_fewer_passes():
   """`aot.py --document-bound 1024` on 8 x H100 at 16,384 tokens (zig-zag chunks of
   1,024: one pass each way, not 7): the ids travel in, and the program's
   collective-permute bytes (the relayouts and passes, forward and backward) fall below
-  half the unbounded program's; the bound needs ring attention alone."""
+  half the unbounded program's; `--document-bound auto` reports each branch's bytes;
+  the bound needs ring attention alone."""
   shape = [
     "--target=h100x8",
     "--kernel=xla",
@@ -164,6 +165,14 @@ def test_document_bound_compiles_the_packed_rows_ring_with_fewer_passes():
   assert bounded["document_bound"] == 1024
   assert bounded["collective_bytes"]["collective-permute"] < every / 2, (bounded["collective_bytes"], every)
   assert "all-gather" in bounded["collective_bytes"]  # the check's ids, gathered over the ring
+  # "auto": the forward and the backward each a switch over one chunk each way, two, and
+  # the whole ring; its costliest branch moves what every pass does, and the ids that
+  # travel with the K/V (4 bytes a token beside K's and V's 1,024).
+  auto = aot(*shape, "--document-bound=auto")
+  branches = [[b["collective-permute"] for b in found] for found in auto["branch_collective_bytes"]]
+  assert len(branches) == 2 and all(len(b) == 3 and b == sorted(set(b)) for b in branches), branches
+  assert every < auto["collective_bytes"]["collective-permute"] < every * 1.005
+  assert sum(b[0] for b in branches) < sum(b[-1] for b in branches) / 2, branches
   done = _process(PYTHON, ["scripts/aot.py", "--model", "--train", "--document-bound=1024"])
   assert done.returncode == 2 and "--document-bound compiles ring attention alone" in done.stderr
 

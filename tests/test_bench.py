@@ -139,6 +139,27 @@ def test_documents_benchmark_shares_each_row_against_its_ideal(tmp_path):
   assert all(float(r[k]) > 0 for r in rows for k in (4, 5, 7, 8, 10, 11, 13, 14)), rows
 
 
+def test_document_batches_benchmark_runs_each_row_with_its_own_passes(tmp_path):
+  """Rows whose documents differ, one program a way: zig-zag chunks of 256 tokens on 4
+  devices, so "auto" runs one pass each way on a row whose documents reach at most 256
+  tokens back and every pass on the others (the row of one 2,048-token document
+  included); the data's bound is that document, every pass."""
+  import bench_document_batches
+
+  out = tmp_path / "bench.md"
+  argv = ["--length=2048", "--devices=4", "--rows=3", "--rounds=1", "--long-length=2048", "--median=24"]
+  result = bench_document_batches.main([*argv, f"--out={out}"])
+  rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line[:3] in ("| 0", "| 1", "| 2")]
+  assert len(rows) == 3 and result["longest"] == 2048 and result["rows"][0] == [2048]
+  passes = [cells[4].strip() for cells in rows]
+  assert passes == ["1 and 1" if max(n) - 1 <= 256 else "every" for n in result["rows"]]
+  assert passes == ["every", "1 and 1", "every"]
+  for cells, lengths in zip(rows, result["rows"]):
+    assert sum(lengths) == 2048 and int(cells[1]) == len(lengths)
+    assert float(cells[3]) == round(sum(n * n for n in lengths) / 2048**2, 3)
+    assert all(float(cells[k].strip().rstrip("x")) > 0 for k in (5, 6, 7, 8)), cells
+
+
 def test_dilated_benchmark_rates_against_the_ring(tmp_path):
   import bench_dilated
 
@@ -280,18 +301,18 @@ def test_train_gpu_benchmark_writes_its_rows(tmp_path):
     assert "not importable" in rows[2]["error"] and rows[2]["step_s"] is None
 
 
-@pytest.mark.slow  # 20-30 s: two finetune.py processes
+@pytest.mark.slow  # 30-45 s: three finetune.py processes
 def test_finetune_documents_benchmark_runs_bounded_and_every_pass(tmp_path):
   """bench_finetune_documents.py at a tiny size: finetune.py bounded by the longest
-  document packed (1,024 tokens: 1,022 bytes with BOS and EOS) and with every pass, the
-  same losses, the table in its section."""
+  document packed (1,024 tokens: 1,022 bytes with BOS and EOS), by each batch's own
+  (`--bound-per-batch`) and with every pass, the same losses, the table in its section."""
   import bench_finetune_documents
 
   out = tmp_path / "bench.md"
   args = ["--length=2048", "--devices=4", "--mix=1k", "--steps=2", "--layers=1", f"--out={out}"]
   found = bench_finetune_documents.main(args)
   assert found["bound"] == 1024 and found["every_bound"] is None and found["loss_diff"] < 1e-5
-  assert set(found["step_s"]) == {"bounded", "every pass"} and min(found["step_s"].values()) > 0
+  assert set(found["step_s"]) == {"bounded", "per batch", "every pass"} and min(found["step_s"].values()) > 0
   text = out.read_text()
   assert "<!-- bench.py finetune documents -->" in text and "| every pass |" in text
 

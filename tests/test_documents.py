@@ -9,11 +9,14 @@ devices' scores are even, its tiles against zig-zag's from `work_report`, and th
 laid out by it, its positions given to `ring_attention_shard`, against float64 on 1,
 2, 3, 4 and 8 devices and with the Pallas kernel."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import compare_with_reference, make_mesh, qkv, rel_err
+from jax.sharding import NamedSharding
 
 import jax_ring
 from jax_ring import _cudnn, _documents, _ring, hlo, layouts, reference_attention, ring_attention
@@ -230,6 +233,10 @@ def test_the_bound_asks_for_an_int_ids_and_self_attention():
     call(segment_ids=seg, document_bound=8.0)
   with pytest.raises(ValueError, match=r"document_bound=0 must be at least 1"):
     call(segment_ids=seg, document_bound=0)
+  with pytest.raises(ValueError, match=r"document_bound='longest' must be an int .*, 'auto' or None"):
+    call(segment_ids=seg, document_bound="longest")
+  with pytest.raises(ValueError, match=r"document_bound='auto' needs segment_ids"):
+    call(document_bound="auto")
   with pytest.raises(ValueError, match=r"document_bound=8 needs segment_ids"):
     call(document_bound=8)
   k2, v2 = qkv(1, 16, 2, 2, 8)[1:]
@@ -262,8 +269,220 @@ def test_work_report_counts_each_documents_tiles_and_the_bounds_passes():
   assert whole.sum() == bounded.sum() == pairs
   back, fwd = _documents.schedule("zigzag", 23, 0, 32, 8)
   assert (back, fwd) == (2, 2) and not bounded[back + fwd + 1 :].any()
+  # "auto": the passes the call picks for these ids (one chunk each way, two), or the
+  # whole ring where the ids fall.
+  assert report(aligned, "auto").tolist() == report(aligned, 16).tolist()
+  assert report(crossing, "auto").tolist() == bounded.tolist()
+  falling = crossing[::-1].copy()
+  assert report(falling, "auto").tolist() == report(falling).tolist()
   with pytest.raises(ValueError, match=r"document_bound=8 needs segment_ids"):
     jax_ring.work_report(layout="zigzag", num_devices=8, seq_len=256, is_causal=True, document_bound=8)
+
+
+# `document_bound="auto"`: the bound read from the ids while running.
+
+
+def _pick_expected(ids: np.ndarray, layout: str, p: int, shard: int) -> int:
+  """The index of the first of the call's schedules whose passes hold every key a
+  query of these rows sees (`needed_offsets` over every position pair at the rows'
+  longest reach), or the last (the whole ring) where a row's ids fall."""
+  schedules = _documents.runtime_schedules(layout, shard, p)
+  reach = 0
+  for line in ids:
+    valid = line[line >= 0]
+    if np.any(valid[1:] < valid[:-1]):
+      return len(schedules) - 1
+    for value in set(valid.tolist()):
+      where = np.flatnonzero(line == value)
+      reach = max(reach, int(where[-1] - where[0]))
+  needed = needed_offsets(layout, p, shard, reach, 0)
+  for i, (_, (back, fwd)) in enumerate(schedules):
+    if needed <= set(range(back + 1)) | {p - j for j in range(1, fwd + 1)}:
+      return i
+  raise AssertionError("the whole ring holds every key")
+
+
+def test_the_ids_pick_the_fewest_passes_that_hold_their_documents_on_every_device():
+  """8 devices, zig-zag chunks of 16: the schedules are one chunk each way, two, and
+  the whole ring; every device picks the same one, the first whose passes hold every
+  visible key (checked over every position pair): the batch's longest document
+  decides, padding inside a document counts in its reach, and falling ids take the
+  whole ring."""
+  p, shard = 8, 32
+  schedules = _documents.runtime_schedules("zigzag", shard, p)
+  assert schedules == [(16, (1, 1)), (32, (2, 2)), (None, (7, 0))]
+  assert _documents.runtime_schedules("contiguous", shard, p) == [
+    (32, (1, 0)),
+    (64, (2, 0)),
+    (128, (4, 0)),
+    (None, (7, 0)),
+  ]
+  assert _documents.runtime_schedules("striped", shard, p) == []
+  assert _documents.runtime_schedules("zigzag", 64, 2) == []
+  mesh = make_mesh((p,), ("seq",))
+  reaches = [r for r, _ in schedules[:-1]]
+
+  def pick(seg):
+    index = jax.lax.axis_index("seq")
+    return _documents.runtime_pick(seg, layouts.shard_positions("zigzag", index, shard, p), "seq", reaches)[
+      None
+    ]
+
+  spec = jax.sharding.PartitionSpec
+  picked = jax.jit(jax.shard_map(pick, mesh=mesh, in_specs=spec(None, "seq"), out_specs=spec("seq")))
+  row = lambda *lengths: np.concatenate([np.full(n, i) for i, n in enumerate(lengths)] + [[-1] * 256])[:256]
+  short = np.stack([row(*[16] * 16), row(*[17] * 15)]).astype(np.int32)  # reach 16: one chunk
+  longer = np.stack([row(*[16] * 16), row(*[10] * 10, 30, *[10] * 10)]).astype(np.int32)  # reach 29
+  gap = row(*[16] * 12, 8, 10, 5, 5, 16, 16, 4)  # ids 13 and 15 are one document, 14 padding
+  gap = np.stack([np.where(gap == 14, -1, np.where(gap == 15, 13, gap)), short[1]]).astype(
+    np.int32
+  )  # reach 19
+  whole = np.stack([row(*[16] * 4, 50, *[16] * 10), row(*[16] * 16)]).astype(np.int32)  # reach 49
+  falling = np.repeat(np.arange(16)[::-1], 16)[None].repeat(2, 0).astype(np.int32)
+  cases = {
+    "short": (short, 0),
+    "longer": (longer, 1),
+    "gap": (gap, 1),
+    "whole": (whole, 2),
+    "falling": (falling, 2),
+  }
+  for name, (ids, want) in cases.items():
+    assert _pick_expected(ids, "zigzag", p, shard) == want, name
+    placed = jax.device_put(
+      layouts.to_layout(jnp.asarray(ids), "zigzag", p), NamedSharding(mesh, spec(None, "seq"))
+    )
+    got = np.asarray(picked(placed))
+    assert got.tolist() == [want] * p, (name, got)
+    assert _documents.picked_schedule(ids, "zigzag", shard, p) == schedules[want][1], name
+
+
+AUTO_CASES = [
+  (1, "zigzag"),
+  (2, "contiguous"),
+  (3, "contiguous"),
+  (4, "striped"),
+  (4, "zigzag"),
+  (8, "zigzag"),
+  (8, "contiguous"),
+]
+
+
+def test_data_parallel_rings_pick_alike_and_stay_exact():
+  """A 2 x 4 mesh, the batch split over "data": a ring whose rows hold short documents
+  and one whose rows hold a long one pick the same (the larger) schedule, so every
+  device runs the same branch; both rows exact against float64."""
+  mesh = make_mesh((2, 4), ("data", "seq"))
+  short = documents(1, 128, 12, seed=3)
+  long = documents(1, 128, 12, seed=4)
+  long[0, 10:90] = 500
+  ids = np.concatenate([short, long])
+  schedules = _documents.runtime_schedules("zigzag", 32, 4)
+  reaches = [r for r, _ in schedules[:-1]]
+  spec = jax.sharding.PartitionSpec
+
+  def pick(seg):
+    index = jax.lax.axis_index("seq")
+    return _documents.runtime_pick(seg, layouts.shard_positions("zigzag", index, 32, 4), "seq", reaches)[
+      None, None
+    ]
+
+  picked = jax.jit(
+    jax.shard_map(pick, mesh=mesh, in_specs=spec("data", "seq"), out_specs=spec("data", "seq"))
+  )
+  placed = jax.device_put(
+    layouts.to_layout(jnp.asarray(ids), "zigzag", 4), NamedSharding(mesh, spec("data", "seq"))
+  )
+  assert np.asarray(picked(placed)).tolist() == [[1] * 4] * 2
+  args = qkv(2, 128, 4, 2, 16, seed=3)
+  _auto_equals_float64(mesh, "zigzag", [ids], args, TOL, batch_axis="data")
+
+
+def _auto_equals_float64(mesh, layout, batches, args, tol, **options):
+  """One compiled causal call with `document_bound="auto"`, the ids an argument: for
+  each batch of ids, its output and every gradient against the float64 reference."""
+  cot = jax.random.normal(jax.random.PRNGKey(5), args[0].shape, jnp.float32).astype(args[0].dtype)
+
+  def run(call, args, seg, cot):
+    out, vjp = jax.vjp(lambda q, k, v: call(q, k, v, seg), *args)
+    return out, vjp(cot)
+
+  ring = lambda q, k, v, seg: ring_attention(
+    q, k, v, mesh=mesh, layout=layout, is_causal=True, segment_ids=seg, document_bound="auto", **options
+  )
+  reference = lambda q, k, v, seg: reference_attention(q, k, v, is_causal=True, segment_ids=seg)
+  program = jax.jit(functools.partial(run, ring))
+  expected = jax.jit(functools.partial(run, reference))
+  args64 = tuple(a.astype(jnp.float64) for a in args)
+  for ids in batches:
+    seg = jnp.asarray(ids)
+    (out, grads), (ref, ref_grads) = program(args, seg, cot), expected(args64, seg, cot.astype(jnp.float64))
+    assert rel_err(out, ref) < tol
+    for name, g, r in zip("qkv", grads, ref_grads):
+      assert rel_err(g, r) < tol, name
+  assert program._cache_size() == 1  # one program for every batch: the ids pick while running
+
+
+@pytest.mark.parametrize("devices, layout", AUTO_CASES, ids=[f"{d}-{lay}" for d, lay in AUTO_CASES])
+def test_auto_bound_equals_float64_whichever_passes_the_ids_pick(devices, layout):
+  """Causal, one program: a batch of documents of up to 12 tokens (where there are
+  schedules to pick from, the fewest passes) and one with a 120-token document (the
+  whole ring), outputs and every gradient against float64."""
+  mesh = make_mesh((devices,), ("seq",))
+  short = documents(2, T, 12, seed=devices)
+  long = documents(2, T, 12, seed=devices + 1)
+  long[1, 20:140] = 500
+  args = qkv(2, T, 4, 2, 16, seed=devices)
+  _auto_equals_float64(mesh, layout, [short, long], args, TOL, block_sizes=SMALL_BLOCKS)
+
+
+@pytest.mark.parametrize("kernel", ["pallas", "cudnn"])
+def test_auto_bound_with_the_kernels_equals_float64(kernel, request):
+  """Zig-zag on 4 devices (schedules: one chunk each way, or the whole ring): the Pallas
+  kernel (interpreted) and cuDNN's stand-in with GPUs' backward scheme, both batches."""
+  if kernel == "cudnn":
+    request.getfixturevalue("stand_in")
+  mesh = make_mesh((4,), ("seq",))
+  assert _documents.runtime_schedules("zigzag", 32, 4) == [(16, (1, 1)), (None, (3, 0))]
+  short = documents(2, 128, 12, seed=7)
+  long = short.copy()
+  long[0, 30:100] = 500
+  args = qkv(2, 128, 4, 2, 16, seed=7)
+  if kernel == "cudnn":
+    args = tuple(x.astype(jnp.bfloat16) for x in args)
+  tol = 2e-2 if kernel == "cudnn" else TOL
+  _auto_equals_float64(mesh, "zigzag", [short, long], args, tol, kernel=kernel)
+
+
+def test_the_auto_program_holds_each_schedules_passes_as_a_branch():
+  """8 devices, zig-zag, inputs in the layout's order: the compiled forward and backward
+  each pick one of three branches, whose ring transfers are those of the bounds of one
+  and two chunks and of the whole ring (`hlo.branch_collective_bytes` against the
+  programs compiled with those bounds); only a gather of the ids is added."""
+  mesh = make_mesh((8,), ("seq",))
+  q, k, v = qkv(1, 256, 4, 2, 16)
+  seg = jnp.asarray(documents(1, 256, 16))
+  to = lambda x: layouts.to_layout(x, "zigzag", 8)
+  q, k, v, seg = to(q), to(k), to(v), to(seg)
+
+  def compiled(bound):
+    call = lambda q, k, v, seg: ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      is_causal=True,
+      layout="zigzag",
+      segment_ids=seg,
+      token_order="layout",
+      document_bound=bound,
+    )
+    return jax.jit(call).lower(q, k, v, seg).compile()
+
+  permuted = lambda bound: hlo.collective_bytes(compiled(bound))["collective-permute"]
+  branches = hlo.branch_collective_bytes(compiled("auto"))
+  assert len(branches) == 1 and len(branches[0]) == 3, branches
+  assert [b["collective-permute"] for b in branches[0]] == [permuted(16), permuted(32), permuted(None)]
+  assert permuted(16) * 7 == permuted(None) * 2
 
 
 # The per-document layout (`layouts.documents`): work balanced per document.

@@ -1025,7 +1025,7 @@ config = dataclasses.replace(
   mlp_hidden=512, vocab_size=512,
 )
 model = models.build(config, mesh=mesh, remat="attention", fsdp=True)
-ring_nn.set_document_bound(model, int(os.environ["BOUND"]))
+ring_nn.set_document_bound(model, (lambda b: b if b == "auto" else int(b))(os.environ["BOUND"]))
 trainer = train_step.Trainer(model, train_step.make_tx(1e-4, 1, 10, 0.0, 1.0))
 seg, pos, at = np.zeros(t, np.int32), np.zeros(t, np.int32), 0
 for i, n in enumerate([8192] + [1000] * 8):
@@ -1039,18 +1039,20 @@ for _ in range(2):
 
 
 @pytest.mark.slow
-def test_fsdp_step_with_a_bound_that_skips_no_pass_runs_on_8_cpu_devices():
+@pytest.mark.parametrize("bound", ["8192", "auto"])
+def test_fsdp_step_with_a_bound_that_skips_no_pass_runs_on_8_cpu_devices(bound):
   """With `document_bound` 8,192 on rows of 16,384 over 8 devices, the bound skips no
   pass; the step once stopped in XLA:CPU's rendezvous of a ring permute ("Unexpected
   number of participants", or a hang) where the bound's check was compiled in. Now it
   takes two steps, in a process of its own (an XLA:CPU check failure aborts it), killed
   (SIGKILL) past its limit. That such a bound changes nothing else is
-  test_documents.py's `test_a_bound_that_skips_no_pass_is_the_unbounded_call`."""
+  test_documents.py's `test_a_bound_that_skips_no_pass_is_the_unbounded_call`. "auto"
+  (its gather of the ids and its switch compiled into the same step) takes them too."""
   import subprocess
   import sys
 
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["BOUND"] = "8192"
+  env["BOUND"] = bound
   command = [sys.executable, "-c", _BOUND_STEP]
   done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
   assert done.returncode == 0, done.stderr[-3000:]

@@ -299,6 +299,12 @@ def test_finetune_on_chats_writes_metrics_and_events_and_evaluates(folder, tmp_p
   )
   assert every["data"]["document_bound"] is None and every["config"]["document_bound"] is False
   np.testing.assert_allclose([s["loss"] for s in every["steps"]], [r["loss"] for r in steps[:2]], rtol=1e-6)
+  # --bound-per-batch: each batch's passes read from its ids while running, the same losses.
+  auto = script.main(
+    _args(folder, data, tmp_path / "auto", "--steps", "2", "--eval-fraction", "0.25", "--bound-per-batch")
+  )
+  assert auto["data"]["document_bound"] == "auto" == auto["config"]["document_bound"]
+  np.testing.assert_allclose([s["loss"] for s in auto["steps"]], [r["loss"] for r in steps[:2]], rtol=1e-6)
 
 
 def test_bad_data_exits_naming_the_line_before_writing(folder, tmp_path):

@@ -114,8 +114,9 @@ class FinetuneConfig:
   save_every: int = 0  # orbax state for resuming every this many steps (0: at the end only)
   eval_every: int = 0  # evaluation loss every this many steps (0: at the end only, where there is eval data)
   # The ring's passes bounded by the packed rows' longest document (`_bound_documents`);
-  # False: every pass (the same losses; for measuring what the bound saves).
-  document_bound: bool = True
+  # "auto": each batch's own longest, read from its ids while running
+  # (`document_bound="auto"`); False: every pass (the same losses, whichever is chosen).
+  document_bound: bool | str = True
 
 
 class StepBatches:
@@ -414,7 +415,7 @@ def _finetune(
   tx = make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
   schedule = make_schedule(config.lr, config.warmup, config.steps)
   adapters = lora.lora_settings(model) is not None
-  bound = _bound_documents(model, data, eval_data) if config.document_bound else None
+  bound = _bound_documents(model, data, eval_data, auto=config.document_bound == "auto") if config.document_bound else None
   trainer = Trainer(
     model,
     tx,
@@ -563,15 +564,16 @@ def _finetune(
   return report
 
 
-def _bound_documents(model, *loaders) -> int | None:
+def _bound_documents(model, *loaders, auto: bool = False) -> int | str | None:
   """The longest document of the packed rows (`pipeline.Loader.longest_document`, over
   the training and evaluation rows), given to the model's ring as the bound of its passes
-  (`jax_ring.nn.set_document_bound`): exact, since no row holds a longer one. None where
-  the rows are not packed documents or the model runs no ring."""
+  (`jax_ring.nn.set_document_bound`): exact, since no row holds a longer one; with
+  `auto`, "auto" (each batch's passes read from its ids while running). None where the
+  rows are not packed documents or the model runs no ring."""
   longest = [getattr(loader, "longest_document", None) for loader in loaders if loader is not None]
   if not longest or None in longest:
     return None
-  bound = max(longest)
+  bound = "auto" if auto else max(longest)
   return bound if ring_nn.set_document_bound(model, bound) else None
 
 
