@@ -415,7 +415,9 @@ def _finetune(
   tx = make_tx(config.lr, config.warmup, config.steps, config.weight_decay, config.clip)
   schedule = make_schedule(config.lr, config.warmup, config.steps)
   adapters = lora.lora_settings(model) is not None
-  bound = _bound_documents(model, data, eval_data, auto=config.document_bound == "auto") if config.document_bound else None
+  bound = None
+  if config.document_bound:
+    bound = _bound_documents(model, data, eval_data, auto=config.document_bound == "auto")
   trainer = Trainer(
     model,
     tx,
