@@ -137,6 +137,7 @@ def test_documents_benchmark_shares_each_row_against_its_ideal(tmp_path):
   assert sorted(lengths) == [16, 16, 16, 16, 64, 128, 256, 512, 1024]
   assert float(rows[1][3]) == round(sum(n * n for n in lengths) / 2048**2, 3)
   assert all(float(r[k]) > 0 for r in rows for k in (4, 5, 7, 8, 10, 11, 13, 14)), rows
+  assert "the rows' layout: auto." in out.read_text()
 
 
 def test_document_batches_benchmark_runs_each_row_with_its_own_passes(tmp_path):

@@ -18,7 +18,8 @@ given to `ring_attention_shard` as data (`positions=`), and the per-document lay
 (`layouts.documents`: the row already in its order, as a model keeps it, its positions
 given the same way); `--ways` picks some of them (the others' cells are "-"). A second
 table counts each device's scores under zig-zag and the per-document layout. `--tiles N`
-sets every program's tiles to N x N.
+sets every program's tiles to N x N; `--layout` the ring's layout for the rows' every-pass
+and bounded programs (the one document of T keeps "auto", zig-zag).
 
     python scripts/bench/bench_documents.py --length 32768 --out docs/benchmarks.md
 """
@@ -48,6 +49,12 @@ def parse_args(argv=None):
     "--ways",
     default=",".join(WAYS),
     help="comma-separated ways to run each row: every (pass), bounded, zigzag-data, per-document",
+  )
+  p.add_argument(
+    "--layout",
+    default="auto",
+    choices=("auto", "contiguous", "zigzag"),
+    help="the ring's layout for the rows' every-pass and bounded programs (the one document keeps 'auto')",
   )
   p.add_argument("--out", default=None, help="Markdown file for the table (its 'documents' section)")
   args = p.parse_args(argv)
@@ -122,11 +129,10 @@ def main(argv=None):
   programs = {}
   tiles = None if args.tiles is None else BlockSizes(block_q=args.tiles, block_kv=args.tiles)
 
-  def add(name, seg, bound):
+  def add(name, seg, bound, layout="auto"):
     seg = None if seg is None else jax.device_put(jnp.asarray(seg[None]), sharding)
-    attend = lambda q, k, v: ring_attention(
-      q, k, v, mesh=mesh, is_causal=True, segment_ids=seg, document_bound=bound, block_sizes=tiles
-    )
+    options = dict(segment_ids=seg, document_bound=bound, block_sizes=tiles, layout=layout)
+    attend = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=True, **options)
     fn = jax.jit(fwd_bwd(attend))
     programs[name] = fn.lower(q, k, v, g).compile()
 
@@ -162,9 +168,9 @@ def main(argv=None):
     seg = segment_row(lengths, t)
     shares[row] = (len(lengths), max(lengths), sum(n * n for n in lengths) / (t * t))
     if "every" in args.ways:
-      add(f"{row} every", seg, None)
+      add(f"{row} every", seg, None, args.layout)
     if "bounded" in args.ways:
-      add(f"{row} bounded", seg, max(lengths))
+      add(f"{row} bounded", seg, max(lengths), args.layout)
     if "zigzag-data" in args.ways:
       add_ordered(f"{row} zigzag-data", seg, layouts.permutation("zigzag", t, p))
     if "per-document" in args.ways:
@@ -179,7 +185,7 @@ def main(argv=None):
   lines += [
     f"T = {t:,} tokens, causal, float32, 4/2 heads of 64, forward and backward; one causal document "
     f"of T: {whole:.2f} s (median of {args.rounds} interleaved rounds); tiles: "
-    f"{'automatic' if tiles is None else f'{args.tiles} x {args.tiles}'}.",
+    f"{'automatic' if tiles is None else f'{args.tiles} x {args.tiles}'}; the rows' layout: {args.layout}.",
     "",
     "| row | documents | longest | ideal share | every pass: s | share | over ideal "
     "| document_bound: s | share | over ideal | zig-zag as positions: s | share | over ideal "
