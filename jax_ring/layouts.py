@@ -24,6 +24,7 @@ token_order="layout")`, which then moves nothing but the ring's K/V
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax.numpy as jnp
@@ -244,10 +245,218 @@ def documents(segment_ids, num_shards: int, *, min_piece: int = SPREAD_PIECE) ->
   )
 
 
-def _plan(ids: np.ndarray, p: int, min_piece: int, spread_misfits: bool):
+def zigzag_documents(
+  segment_ids, num_shards: int, *, min_piece: int = SPREAD_PIECE, tile: int | None = None
+) -> np.ndarray:
+  """`documents`' placement for a ring that runs the zig-zag layout, as a reordering of
+  the row itself: order (int [T]) such that the row x[:, order], given to the ring as an
+  ordinary row in the zig-zag layout, puts on each device the tokens `documents` gives
+  it. Unlike `documents`' permutation, it needs no positions given to the ring, so each
+  row of a batch can have its own: what a packer records per row (`models.Loader(...,
+  row_layout="documents")`).
+
+  Why it is exact: the ring's masks compare the slots' positions and ids. A document's
+  tokens keep their natural order along the reordered row, so a query sees exactly its
+  document's earlier keys, wherever the pieces lie (the rotary positions travel with the
+  tokens). Device d holds chunks d and 2p - 1 - d of the row; `documents`' pieces are
+  written there so that each document's pieces follow each other in chunk order: a
+  zig-zagged document's pieces i and 2p - 1 - i go to chunks i and 2p - 1 - i of device
+  i, parts cut over several devices to increasing chunks, and documents that stay on
+  one device anywhere in it. Where `documents`' two plans cannot be written so (a half
+  over full, parts whose devices come in no increasing chunk order), the row keeps its
+  natural order: the plain zig-zag layout. `np.argsort(order)` undoes it; a document's
+  tokens are then spread over up to its span, so a bound on documents' lengths is read
+  from the reordered ids (`spans`)."""
+  ids = np.asarray(segment_ids)
+  if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"segment_ids of shape {ids.shape} and dtype {ids.dtype} must be one row: int [T]")
+  if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
+    raise ValueError(f"num_shards={num_shards!r} must be a positive int")
+  if not isinstance(min_piece, int) or isinstance(min_piece, bool) or min_piece < 1:
+    raise ValueError(f"min_piece={min_piece!r} must be a positive int")
+  n, p = ids.shape[0], num_shards
+  if n == 0 or n % (2 * p):
+    raise ValueError(f"segment_ids of length {n} must be a positive multiple of 2 * num_shards = {2 * p}")
+  natural = np.arange(n, dtype=np.int32)
+  if p == 1:
+    return natural
+  if tile is None:
+    from jax_ring._tiles import BlockSizes, local_blocks
+
+    _, tile, _ = local_blocks(n // p, BlockSizes(), devices=p, layout="zigzag")
+  # The ring computes whole tiles: pieces of spread documents share theirs, so a plan even
+  # in scores can load a device with more tiles than zig-zag. Kept: the order whose
+  # busiest device computes the fewest tiles; the row as it is unless a plan's is fewer.
+  busiest = lambda order: _tiles_per_device(ids[order], p, tile).max()
+  best = (natural, busiest(natural))
+  # Zig-zagged documents' odd tokens all in the first chunks can leave no room there for
+  # documents cut over devices: the odd tokens go last too.
+  for spread, odd_last, whole_only in itertools.product((False, True), repeat=3):
+    order = _write_zigzag(ids, _plan(ids, p, min_piece, spread, odd_last, whole_only)[0], p)
+    if order is not None and busiest(order) < best[1]:
+      best = (order, busiest(order))
+  return best[0]
+
+
+def _tiles_per_device(ids: np.ndarray, p: int, tile: int) -> np.ndarray:
+  """Score tiles (tile x tile) each device of the zig-zag ring computes for the row
+  `ids` (in the row's order), counted as `work_report` counts them over every pass (a
+  tile counts when some query in it sees some key: one id, the key not after the query),
+  from each tile's first and last slot of every id."""
+  n = ids.shape[0]
+  where = positions("zigzag", p, n // p)
+  if (n // p) % tile:
+    tile = math.gcd(tile, n // p)
+  spans = []  # per tile (device-major): {id: (first slot, last slot)}
+  for d in range(p):
+    for at in range(0, n // p, tile):
+      slots = where[d, at : at + tile]
+      mine = {}
+      for slot, x in zip(slots.tolist(), ids[slots].tolist()):
+        if x >= 0:
+          first, _ = mine.get(x, (slot, slot))
+          mine[x] = (first, slot)
+      spans.append(mine)
+  per = (n // p) // tile
+  out = np.zeros(p, np.int64)
+  for q, qs in enumerate(spans):
+    if qs:
+      out[q // per] += sum(
+        any(x in ks and ks[x][0] <= last for x, (_, last) in qs.items()) for ks in spans if ks
+      )
+  return out
+
+
+def _write_zigzag(ids: np.ndarray, held, p: int):
+  """The reordered row (natural index of each slot) that puts `held[d]`'s tokens on
+  device d of the zig-zag ring with every document's pieces in chunk order; None where
+  they do not fit so. A zig-zagged document's piece k goes to chunk k. A document cut
+  over devices in another order keeps each device's count of its tokens, put in one of
+  the device's chunks with room (or both, first filled first), and its tokens are
+  handed out in chunk order: its devices then hold other parts of it than `held` says."""
+  n = ids.shape[0]
+  half = n // (2 * p)
+  starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+  run = np.cumsum(np.isin(np.arange(n), starts)) - 1  # each position's run (document)
+  pieces = {}  # run -> [(start, end, device)]
+  for d, ranges in enumerate(held):
+    for a, b in ranges:
+      if a < b:
+        pieces.setdefault(int(run[a]), []).append((a, b, d))
+  used = np.zeros(2 * p, np.int64)  # tokens of spread documents in each chunk
+  chunks = [[] for _ in range(2 * p)]  # the spread documents' pieces of each chunk
+  free = [{} for _ in range(p)]  # the device's other documents: run -> pieces
+  zigzag = list(range(p)) + list(range(p))[::-1]
+  cut = []
+  for r, parts in sorted(pieces.items()):
+    parts = sorted(parts)
+    devices = [d for _, _, d in parts]
+    if ids[starts[r]] < 0 or len(set(devices)) == 1:
+      for a, b, d in parts:
+        free[d].setdefault(r, []).append(np.arange(a, b))
+    elif devices == zigzag:
+      for k, (a, b, _) in enumerate(parts):
+        chunks[k].append(np.arange(a, b))
+        used[k] += b - a
+    else:
+      cut.append(parts)
+  if used.max() > half:
+    return None
+  for parts in cut:
+    count = {}
+    for a, b, d in parts:
+      count[d] = count.get(d, 0) + b - a
+    place = []  # (chunk, device, tokens)
+    for d, m in count.items():
+      low, high = d, 2 * p - 1 - d
+      room = [c for c in (low, high) if used[c] + m <= half]
+      if room:
+        mine = [(min(room, key=lambda c: (used[c], c)), m)]
+      else:
+        head = int(half - used[low])
+        if used[high] + m - head > half:
+          return None
+        mine = [(low, head), (high, m - head)]
+      for c, k in mine:
+        used[c] += k
+      place += mine
+    at = parts[0][0]
+    for c, m in sorted(place):
+      chunks[c].append(np.arange(at, at + m))
+      at += m
+  order = np.empty(n, np.int32)
+  where = positions("zigzag", p, 2 * half)  # [p, c]: the row's slot of each device's place
+  for d in range(p):
+    # Each chunk's spread pieces (one a document at most) first and longest first, so that
+    # pieces of whole tiles start on a tile's edge.
+    low = sorted(chunks[d], key=lambda x: (-x.size, x[0]))
+    high = sorted(chunks[2 * p - 1 - d], key=lambda x: (-x.size, x[0]))
+    # The device's other documents, each (its pieces here in order) whole in one half
+    # where it fits, longest first into the roomier half; the rest cut between the two
+    # (head at the end of the first), so that few documents span the device's two chunks.
+    units = sorted((np.concatenate(u) for u in free[d].values()), key=lambda u: (-u.size, u[0]))
+    room = [half - int(used[d]), half - int(used[2 * p - 1 - d])]
+    halves, split = ([], []), []
+    for u in units:
+      side = int(room[1] > room[0])
+      if u.size <= room[side]:
+        halves[side].append(u)
+        room[side] -= u.size
+      else:
+        split.append(u)
+    heads, tails = [], []
+    for u in split:
+      head = min(room[0], u.size)
+      heads.append(u[:head])
+      tails.append(u[head:])
+      room[0] -= head
+    tokens = low + halves[0] + heads + high + tails + halves[1]
+    mine = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
+    if mine.size != where[d].size:
+      return None
+    order[where[d]] = mine
+  return order if _keeps_document_order(ids, order) else None
+
+
+def _keeps_document_order(ids: np.ndarray, order: np.ndarray) -> bool:
+  """Every (non-negative) id's tokens in their natural order along the reordered row."""
+  moved = ids[order]
+  real = np.flatnonzero(moved >= 0)
+  by_id = real[np.argsort(moved[real], kind="stable")]  # slots grouped by id, ascending
+  same = moved[by_id][1:] == moved[by_id][:-1]
+  return bool(np.all(np.diff(order[by_id])[same] > 0))
+
+
+def spans(segment_ids) -> int:
+  """The widest span of one (non-negative) id along the rows (int [..., T]): from its
+  first slot to its last, inclusive; the bound on documents' lengths that reordered rows
+  (`zigzag_documents`) keep. 0 where no id is non-negative."""
+  ids = np.asarray(segment_ids)
+  widest = 0
+  for line in ids.reshape(-1, ids.shape[-1]):
+    at = np.flatnonzero(line >= 0)
+    if at.size:
+      values = line[at]
+      first = {int(v): int(i) for v, i in zip(values[::-1], at[::-1])}
+      last = {int(v): int(i) for v, i in zip(values, at)}
+      widest = max(widest, max(last[v] - first[v] + 1 for v in last))
+  return widest
+
+
+def _plan(
+  ids: np.ndarray,
+  p: int,
+  min_piece: int,
+  spread_misfits: bool,
+  odd_last: bool = False,
+  whole_only: bool = False,
+):
   """(ranges each device holds, scores each computes) of `documents`'s placement; a
   document that fits no device whole within SLACK is zig-zagged over every device
-  (`spread_misfits`, where every device has room) or cut into consecutive parts."""
+  (`spread_misfits`, where every device has room) or cut into consecutive parts. A
+  zig-zagged document's odd tokens lengthen a device's first piece, or its second
+  (`odd_last`). `whole_only`: no document is spread for its length or its work, only where
+  it fits no device whole."""
   n = ids.shape[0]
   starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
   ends = np.r_[starts[1:], n]
@@ -280,7 +489,8 @@ def _plan(ids: np.ndarray, p: int, min_piece: int, spread_misfits: bool):
     fits = np.flatnonzero(room >= length)
     whole = fits.size and (padding or work[fits].min() + cost(0, length) <= (1 + SLACK) * share)
     if padding or not (
-      length >= 2 * p * min_piece or cost(0, length) > share or (spread_misfits and not whole)
+      (not whole_only and (length >= 2 * p * min_piece or cost(0, length) > share))
+      or (spread_misfits and not whole)
     ):
       if whole:
         give(int(fits[np.argmin(work[fits])]), start, 0, length, padding)
@@ -293,7 +503,10 @@ def _plan(ids: np.ndarray, p: int, min_piece: int, spread_misfits: bool):
       for _ in range(length % (2 * p)):  # odd tokens to the most room left
         d = int(np.argmax(room - 2 * sizes[0] - extra))
         extra[d] += 1
-      sizes[:p] += extra
+      if odd_last:
+        sizes[p:] += extra[::-1]
+      else:
+        sizes[:p] += extra
       at = np.r_[0, np.cumsum(sizes)]
       for piece in range(2 * p):
         give(piece if piece < p else 2 * p - 1 - piece, start, int(at[piece]), int(at[piece + 1]), False)

@@ -222,6 +222,13 @@ def parse_args(argv=None):
     "(document_bound='auto'; the same losses)",
   )
   p.add_argument(
+    "--row-layout",
+    default="natural",
+    choices=("natural", "documents"),
+    help="'documents': each packed row reordered so that the zig-zag ring gives every device the same "
+    "causal work (jax_ring.layouts.zigzag_documents; the same losses)",
+  )
+  p.add_argument(
     "--save-every", type=int, default=0, help="orbax state every this many steps (0: at the end)"
   )
   p.add_argument("--seed", type=int, default=0, help="seed of the data")
@@ -295,6 +302,8 @@ def load_data(args, tokenizer):
       )
     pad = tokenizer.pad_id or 0
     settings = dict(long=args.long, pad_id=pad, truncation=args.truncation_mode)
+    if args.row_layout != "natural":
+      settings.update(row_layout=args.row_layout, shards=args.ring)
     loader = pipeline.Loader(examples, args.length, args.batch, seed=args.seed, **settings)
     evaluator = None
     if held is not None:
@@ -543,6 +552,12 @@ def main(argv=None):
       text = f.read()
   data = eval_data = None
   args.context = model.config.context_length
+  args.ring = len(devices)  # the ring's devices, which a row layout balances
+  if args.row_layout == "documents" and devices[0].platform == "gpu":
+    raise SystemExit(
+      "finetune.py: --row-layout documents: on GPUs the ring runs cuDNN, whose calls take each document "
+      "as one run of tokens, which reordered rows split (they would be NaN); leave --row-layout natural"
+    )
   if args.data is not None:
     data, eval_data = load_data(args, tokenizer)
   config = finetune.FinetuneConfig(
@@ -570,6 +585,7 @@ def main(argv=None):
     data=args.data,
     format=None if data is None else data.examples.format,
     long=args.long,
+    row_layout=args.row_layout,
     eval_data=args.eval_data,
     eval_fraction=args.eval_fraction,
     lora=models.lora.adapter_record(model),

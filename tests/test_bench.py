@@ -127,16 +127,19 @@ def test_documents_benchmark_shares_each_row_against_its_ideal(tmp_path):
   cells = [
     line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith(("| 1k", "| mixed"))
   ]
-  rows = [r for r in cells if len(r) == 16]  # the times; then each device's scores
+  rows = [r for r in cells if len(r) == 19]  # the times; then each device's scores, and tiles
   balance = {r[0].strip(): (float(r[1]), float(r[2])) for r in cells if len(r) == 3}
-  assert [r[0].strip() for r in rows] == ["1k", "mixed"] and set(balance) == {"1k", "mixed"}
+  number = lambda cell: int(cell.replace(",", ""))
+  tiles = {r[0].strip(): (number(r[2]), number(r[6])) for r in cells if len(r) == 10}
+  assert [r[0].strip() for r in rows] == ["1k", "mixed"] and set(balance) == set(tiles) == {"1k", "mixed"}
+  assert all(0 < moved <= plain for plain, moved in tiles.values()), tiles  # reordered: never busier
   assert balance["mixed"][0] >= 1.4 and balance["mixed"][1] <= 1.05  # zig-zag's busiest, the layout's
   # Two documents of 1,024 in 2,048 tokens: their causal work is half one document's.
   assert rows[0][1:4] == [" 2 ", " 1,024 ", " 0.500 "]
   lengths = bench_documents.row_lengths("mixed", 2048)
   assert sorted(lengths) == [16, 16, 16, 16, 64, 128, 256, 512, 1024]
   assert float(rows[1][3]) == round(sum(n * n for n in lengths) / 2048**2, 3)
-  assert all(float(r[k]) > 0 for r in rows for k in (4, 5, 7, 8, 10, 11, 13, 14)), rows
+  assert all(float(r[k]) > 0 for r in rows for k in (4, 5, 7, 8, 10, 11, 13, 14, 16, 17)), rows
   assert "the rows' layout: auto." in out.read_text()
 
 

@@ -614,3 +614,112 @@ def test_the_documents_layout_and_work_report_name_bad_arguments():
     jax_ring.work_report(order=np.zeros(64, np.int32), num_devices=2, seq_len=64)
   with pytest.raises(ValueError, match=r"layout= \(a name\) or order= \(a permutation\), one of them"):
     jax_ring.work_report(layout="zigzag", order=np.arange(64), num_devices=2, seq_len=64)
+
+
+# Rows reordered for the zig-zag ring (`layouts.zigzag_documents`): the packer's per-row
+# choice, an ordinary row to the ring.
+
+
+def _in_document_order(ids: np.ndarray, order: np.ndarray) -> bool:
+  """Every document's tokens in natural order along the reordered row (by brute force)."""
+  moved = ids[order]
+  return all(np.all(np.diff(order[moved == x]) > 0) for x in np.unique(moved[moved >= 0]))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_reordered_rows_keep_each_documents_order_and_even_the_zigzag_tiles(p):
+  """`work_report`'s tiles (32 x 32) of each device, the reordered row given as an
+  ordinary zig-zag row: the busiest device never above the row as it is, and on the
+  mixed row (which zig-zag leaves 1.3x the mean or more) within 5% of the mean. Every
+  position once, every document's tokens in their natural order along the row; a row
+  that zig-zag already evens stays as it is; `spans` is the widest document's extent."""
+  rows = [_mixed_row(scale=8), documents(1, 7680, 1000, seed=p)[0]]
+  blocks = jax_ring.BlockSizes(block_q=32, block_kv=32)
+  for ids in (row for row in rows if row.size % (2 * p) == 0):
+    order = layouts.zigzag_documents(ids, p, min_piece=16, tile=32)
+    assert sorted(order.tolist()) == list(range(ids.size))
+    assert _in_document_order(ids, order)
+    options = dict(layout="zigzag", num_devices=p, seq_len=ids.size, is_causal=True, block_sizes=blocks)
+    plain = jax_ring.work_report(segment_ids=ids, **options).sum(axis=0)
+    moved = jax_ring.work_report(segment_ids=ids[order], **options).sum(axis=0)
+    assert moved.max() <= plain.max(), (p, plain.tolist(), moved.tolist())
+    if ids is rows[0]:
+      assert plain.max() >= 1.3 * plain.mean(), (p, plain.tolist())
+      assert moved.max() <= 1.05 * moved.mean(), (p, moved.tolist())
+    ends = [np.flatnonzero(ids[order] == x)[[0, -1]] for x in np.unique(ids[ids >= 0])]
+    assert layouts.spans(ids[order][None]) == max(b - a + 1 for a, b in ends)
+  even = np.repeat(np.arange(24), 32).astype(np.int32)
+  assert np.array_equal(layouts.zigzag_documents(even, 4), np.arange(even.size))
+  assert layouts.spans(even) == 32 and layouts.spans(np.full((2, 8), -1)) == 0
+
+
+def _skewed_rows(t: int) -> np.ndarray:
+  """Two rows of t tokens whose long documents zig-zag spreads unevenly: t/2, t/4, t/8
+  and t/8; and t/8, t/2, t/4 and padding."""
+  first = np.repeat(np.arange(4), [t // 2, t // 4, t // 8, t // 8])
+  second = np.repeat(np.array([0, 1, 2, -1]), [t // 8, t // 2, t // 4, t // 8])
+  return np.stack([first, second]).astype(np.int32)
+
+
+def _reordered_ring(mesh, ids, **options):
+  """ring_attention on each row reordered by its own `zigzag_documents` order, bounded
+  by the reordered rows' widest span, the output put back in natural order."""
+  p = mesh.shape["seq"]
+  order = np.stack([layouts.zigzag_documents(row, p, min_piece=4, tile=2) for row in ids])
+  if p > 1:  # every row moved: the reordering is what is checked
+    assert all(not np.array_equal(o, np.arange(o.size)) for o in order), p
+  moved = np.take_along_axis(ids, order, axis=1)
+  back = jnp.asarray(np.argsort(order, axis=1))[:, :, None, None]
+  take = lambda x, o: jnp.take_along_axis(x, o, axis=1)
+  forward = jnp.asarray(order)[:, :, None, None]
+  seg = jnp.asarray(moved)
+  bound = layouts.spans(moved)
+  return lambda q, k, v: take(
+    ring_attention(
+      take(q, forward),
+      take(k, forward),
+      take(v, forward),
+      mesh=mesh,
+      is_causal=True,
+      layout="zigzag",
+      segment_ids=seg,
+      document_bound=bound,
+      **options,
+    ),
+    back,
+  )
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_reordered_rows_equal_float64(p):
+  """Two rows that zig-zag leaves uneven, each reordered by its own order, through the
+  zig-zag ring as ordinary rows, bounded by their spans: outputs and every gradient
+  against the float64 reference of the natural rows."""
+  mesh = make_mesh((p,), ("seq",))
+  ids = _skewed_rows(T)
+  args = qkv(2, T, 4, 2, 16, seed=p)
+  fn = _reordered_ring(mesh, ids, block_sizes=SMALL_BLOCKS)
+  ref = lambda q, k, v: reference_attention(q, k, v, is_causal=True, segment_ids=jnp.asarray(ids))
+  compare_with_reference(fn, ref, args, TOL)
+
+
+def test_reordered_rows_with_the_pallas_kernel_equal_float64():
+  """4 devices, the Pallas kernel (interpreted) on reordered rows."""
+  mesh = make_mesh((4,), ("seq",))
+  ids = _skewed_rows(128)
+  args = qkv(2, 128, 4, 2, 16, seed=9)
+  fn = _reordered_ring(mesh, ids, kernel="pallas")
+  ref = lambda q, k, v: reference_attention(q, k, v, is_causal=True, segment_ids=jnp.asarray(ids))
+  compare_with_reference(fn, ref, args, TOL)
+
+
+def test_zigzag_documents_names_bad_arguments():
+  ids = np.zeros(64, np.int32)
+  with pytest.raises(ValueError, match=r"segment_ids of shape \(2, 32\) .* must be one row"):
+    layouts.zigzag_documents(ids.reshape(2, 32), 2)
+  with pytest.raises(ValueError, match=r"length 64 must be a positive multiple of 2 \* num_shards = 24"):
+    layouts.zigzag_documents(ids, 12)
+  with pytest.raises(ValueError, match=r"num_shards=0 must be a positive int"):
+    layouts.zigzag_documents(ids, 0)
+  with pytest.raises(ValueError, match=r"min_piece=0 must be a positive int"):
+    layouts.zigzag_documents(ids, 2, min_piece=0)

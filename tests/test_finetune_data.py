@@ -305,6 +305,16 @@ def test_finetune_on_chats_writes_metrics_and_events_and_evaluates(folder, tmp_p
   )
   assert auto["data"]["document_bound"] == "auto" == auto["config"]["document_bound"]
   np.testing.assert_allclose([s["loss"] for s in auto["steps"]], [r["loss"] for r in steps[:2]], rtol=1e-6)
+  # --row-layout documents: each row reordered for the zig-zag ring, bounded by its
+  # documents' spans along the reordered rows, the same losses (summed in another order).
+  moved = script.main(
+    _args(
+      folder, data, tmp_path / "moved", "--steps", "2", "--eval-fraction", "0.25", "--row-layout", "documents"
+    )
+  )
+  assert moved["config"]["row_layout"] == "documents"
+  assert report["data"]["document_bound"] <= moved["data"]["document_bound"] <= 256
+  np.testing.assert_allclose([s["loss"] for s in moved["steps"]], [r["loss"] for r in steps[:2]], rtol=1e-5)
 
 
 def test_bad_data_exits_naming_the_line_before_writing(folder, tmp_path):
@@ -646,6 +656,39 @@ def test_the_loader_shuffles_by_its_seed_keeps_a_last_partial_batch_and_names_ea
   arrays, where = next(packed)
   names = [packed.examples.where[p.example] for row in packed.rows[:2] for p in row]
   assert where == names and len(where) == 4
+
+
+def test_documents_row_layout_reorders_each_row_keeping_each_documents_tokens_targets_and_weights():
+  """`Loader(row_layout="documents", shards=4)`: each row a reordering of the natural
+  row's (token, target, weight, id, position) slots, every document's slots in their
+  natural order, some rows moved; `longest_document` the widest span of one document
+  along the reordered rows (the bound the ring keeps); the setting in `settings` (what a
+  resume checks); bad settings named."""
+  masks = [[0] * 3 + [1] * (n - 3) for n in (6400, 960, 640, 128, 4800, 2400, 800, 192, 96)]
+  ex = _examples(masks)
+  natural = pipeline.Loader(ex, 8192, 2, shuffle=False)
+  moved = pipeline.Loader(ex, 8192, 2, shuffle=False, row_layout="documents", shards=4)
+  names = ("tokens", "targets", "weights", "segment_ids", "positions")
+  reordered = 0
+  spans = []
+  for (a, _), (b, _) in zip(natural.in_order(), moved.in_order()):
+    for row in range(a["tokens"].shape[0]):
+      slots = lambda x, row=row: list(zip(*(x[n][row].tolist() for n in names)))
+      assert sorted(slots(a)) == sorted(slots(b))
+      reordered += slots(a) != slots(b)
+      seg = b["segment_ids"][row]
+      for x in set(seg[seg >= 0].tolist()):
+        assert [s for s in slots(a) if s[3] == x] == [s for s in slots(b) if s[3] == x]
+        at = np.flatnonzero(seg == x)
+        spans.append(at[-1] - at[0] + 1)
+  assert reordered and moved.longest_document == max(spans) > natural.longest_document
+  assert moved.settings == {"row_layout": "documents", "shards": 4} and natural.settings == {}
+  with pytest.raises(ValueError, match=r"row_layout='zigzag': expected 'natural' or 'documents'"):
+    pipeline.Loader(ex, 8192, 2, row_layout="zigzag")
+  with pytest.raises(ValueError, match=r"shards=0 must be a positive int"):
+    pipeline.Loader(ex, 8192, 2, shards=0)
+  with pytest.raises(ValueError, match=r"length=8196 must be a multiple of 2 \* shards = 8"):
+    pipeline.Loader(ex, 8196, 2, row_layout="documents", shards=4)
 
 
 def test_split_off_holds_out_one_at_least_and_rows_learn_past_their_first_token():

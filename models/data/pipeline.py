@@ -245,9 +245,17 @@ def batch_arrays(rows) -> dict:
     segment_ids=segments,
     positions=np.asarray(rows["positions"], np.int32),
   )
+  if "order" in rows:  # rows reordered (`Loader(row_layout="documents")`): each token with its target
+    order = np.asarray(rows["order"], np.int64)
+    out = {k: np.take_along_axis(v, order, axis=1) for k, v in out.items()}
   if "reference" in rows:
     out["reference"] = np.asarray(rows["reference"], np.float32)
   return out
+
+
+def _ids(row) -> np.ndarray:
+  """A filled row's segment ids as the ring reads them: padding -1."""
+  return np.where(row["segment_ids"] == 0, -1, row["segment_ids"]).astype(np.int32)
 
 
 class Loader:
@@ -257,7 +265,17 @@ class Loader:
   sources ("file:line") in the batch. `state()` / `restore(state)`: grain's iterator
   state (a small JSON-able dict), so that a resumed run continues at exactly the next row.
   `shuffle=False`: the rows in order, once (evaluation). Rows with no token to learn
-  (all their loss weights 0) are left out (`idle_rows` counts them)."""
+  (all their loss weights 0) are left out (`idle_rows` counts them).
+
+  `row_layout="documents"` with `shards` (the ring's devices): each row reordered on the
+  host so that the zig-zag ring gives every device the same causal score work
+  (`jax_ring.layouts.zigzag_documents`, made from the row's ids each time the row is
+  read: the same order every time). The row's "order" (int32 [T], the natural index of
+  each slot) is recorded with its other arrays, and `batch_arrays` applies it to every
+  [B, T] array after the targets and weights are made, so each token keeps its target,
+  weight and rotary position, and a step's losses are the natural rows' (summed in
+  another order). `longest_document` is then the widest span of one document along the
+  reordered rows (`layouts.spans`), the bound the ring's passes keep."""
 
   def __init__(
     self,
@@ -270,11 +288,25 @@ class Loader:
     pad_id=0,
     shuffle=True,
     truncation="keep_end",
+    row_layout="natural",
+    shards=1,
   ):
     import grain
 
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
       raise ValueError(f"batch={batch!r} must be a positive int (rows a step)")
+    if row_layout not in ("natural", "documents"):
+      raise ValueError(f"row_layout={row_layout!r}: expected 'natural' or 'documents'")
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+      raise ValueError(f"shards={shards!r} must be a positive int (the ring's devices)")
+    if row_layout == "documents" and length % (2 * shards):
+      raise ValueError(
+        f"row_layout='documents': length={length} must be a multiple of 2 * shards = {2 * shards} "
+        "(the zig-zag ring's chunks)"
+      )
+    self.row_layout, self.shards = row_layout, shards
+    # What makes the rows besides the data (`finetune.data_record`): absent for natural rows.
+    self.settings = {} if row_layout == "natural" else dict(row_layout=row_layout, shards=shards)
     self.examples, self.length, self.pad_id, self.batch = examples, length, int(pad_id or 0), batch
     self.packed = examples.pairs()  # (ids, mask) of each example as the rows take it (pairs cut to fit)
     self.docs = examples.docs
@@ -314,6 +346,14 @@ class Loader:
     self.longest_document = max((int(n) for row in self.rows for p in row for n in sizes(p)), default=0)
     if not self.rows:
       raise ValueError(f"no rows: all {len(examples)} examples were dropped (long={long!r}, length={length})")
+    if row_layout == "documents":  # each row's order made once here, for the bound
+      from jax_ring import layouts
+
+      def span(i):
+        row = self._fill(i)
+        return layouts.spans(_ids(row)[self._order(row)])
+
+      self.longest_document = max(span(i) for i in range(len(self.rows)))
     ds = grain.MapDataset.range(len(self.rows))
     if shuffle:
       # Epochs enough for any run (grain's endless repeat overflows its length when batched by 1).
@@ -321,8 +361,18 @@ class Loader:
     self.dataset = ds.map(self._row).batch(batch, drop_remainder=False)
     self._iter = iter(self.dataset)
 
+  def _fill(self, i):
+    return packing.fill(self.rows[i], self.packed, self.length, pad_id=self.pad_id, docs=self.docs)
+
+  def _order(self, row) -> np.ndarray:
+    from jax_ring import layouts
+
+    return layouts.zigzag_documents(_ids(row), self.shards)
+
   def _row(self, i):
-    row = packing.fill(self.rows[i], self.packed, self.length, pad_id=self.pad_id, docs=self.docs)
+    row = self._fill(i)
+    if self.row_layout == "documents":
+      row["order"] = self._order(row)
     row = dict(row, row=np.int64(i))
     if self.reference is not None:  # each document's reference log-probability, in its segment's slot
       values = [v for p in self.rows[i] for v in self.reference[p.example]]

@@ -13,11 +13,17 @@ document's of T in the same rounds. Rows (`--rows`, each its own seed-fixed orde
 - "tail": lengths drawn from a heavy-tailed mix (log-normal, median 1,024, 99th
   percentile near 16K, capped at T; seed 0) until the row is full.
 
-Four ways each: every pass, `document_bound=` (the longest document), zig-zag's order
-given to `ring_attention_shard` as data (`positions=`), and the per-document layout
+Five ways each: every pass, `document_bound=` (the longest document), zig-zag's order
+given to `ring_attention_shard` as data (`positions=`), the per-document layout
 (`layouts.documents`: the row already in its order, as a model keeps it, its positions
-given the same way); `--ways` picks some of them (the others' cells are "-"). A second
-table counts each device's scores under zig-zag and the per-document layout. `--tiles N`
+given the same way), and the row reordered as the packer records it
+(`layouts.zigzag_documents`, `models.Loader(..., row_layout="documents")`: an ordinary
+row to `ring_attention` in the zig-zag layout, bounded by its widest document's span,
+`layouts.spans`); `--ways` picks some of them (the others' cells are "-"). A second
+table counts each device's scores under zig-zag and the per-document layout; a third
+(with "reordered") each device's score tiles as `work_report` counts them, the row as it
+is and reordered: on simulated devices that share a few cores the time follows the sum
+of the devices' work, where devices that run at once wait for the busiest. `--tiles N`
 sets every program's tiles to N x N; `--layout` the ring's layout for the rows' every-pass
 and bounded programs (the one document of T keeps "auto", zig-zag).
 
@@ -48,7 +54,7 @@ def parse_args(argv=None):
   p.add_argument(
     "--ways",
     default=",".join(WAYS),
-    help="comma-separated ways to run each row: every (pass), bounded, zigzag-data, per-document",
+    help="comma-separated ways to run each row: every (pass), bounded, zigzag-data, per-document, reordered",
   )
   p.add_argument(
     "--layout",
@@ -64,7 +70,7 @@ def parse_args(argv=None):
   return args
 
 
-WAYS = ("every", "bounded", "zigzag-data", "per-document")
+WAYS = ("every", "bounded", "zigzag-data", "per-document", "reordered")
 
 
 def row_lengths(name: str, t: int):
@@ -119,7 +125,7 @@ def main(argv=None):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jax_ring import BlockSizes, layouts, ring_attention, ring_attention_shard
+  from jax_ring import BlockSizes, layouts, ring_attention, ring_attention_shard, work_report
 
   t, p = args.length, args.devices
   mesh = jax.make_mesh((p,), ("seq",), devices=jax.devices()[:p])
@@ -161,6 +167,8 @@ def main(argv=None):
     )
 
   balance = {}
+  tile_counts = {}  # row -> (tiles of each device as it is, reordered)
+  counted = dict(layout="zigzag", num_devices=p, seq_len=t, is_causal=True)
   add("one document", None, None)
   shares = {}
   for row in args.rows.split(","):
@@ -175,6 +183,11 @@ def main(argv=None):
       add_ordered(f"{row} zigzag-data", seg, layouts.permutation("zigzag", t, p))
     if "per-document" in args.ways:
       add_balanced(f"{row} per-document", seg)
+    if "reordered" in args.ways:
+      moved = seg[layouts.zigzag_documents(seg, p)]
+      add(f"{row} reordered", moved, layouts.spans(moved), "zigzag")
+      count = lambda ids: work_report(segment_ids=ids, block_sizes=tiles, **counted).sum(axis=0)
+      tile_counts[row] = (count(seg), count(moved))
   times = {name: [] for name in programs}
   for _ in range(args.rounds):
     for name, fn in programs.items():
@@ -189,8 +202,8 @@ def main(argv=None):
     "",
     "| row | documents | longest | ideal share | every pass: s | share | over ideal "
     "| document_bound: s | share | over ideal | zig-zag as positions: s | share | over ideal "
-    "| per-document layout: s | share | over ideal |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| per-document layout: s | share | over ideal | reordered rows: s | share | over ideal |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row, (count, longest, ideal) in shares.items():
     cells = [f"| {row} | {count} | {longest:,} | {ideal:.3f} |"]
@@ -212,6 +225,24 @@ def main(argv=None):
     ]
   for row, (zigzag, balanced, mean) in balance.items():
     lines.append(f"| {row} | {zigzag / mean:.3f} | {balanced / mean:.3f} |")
+  if tile_counts:
+    whole_tiles = work_report(block_sizes=tiles, **counted).sum(axis=0).max()
+    lines += [
+      "",
+      "Score tiles of the busiest device (`work_report`, zig-zag, every pass), over one causal "
+      f"document's busiest ({whole_tiles:,}): what sets a step's time where the devices run at once.",
+      "",
+      "| row | ideal share | as it is: tiles | share | over ideal | busiest / mean "
+      "| reordered: tiles | share | over ideal | busiest / mean |",
+      "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+  for row, counts in tile_counts.items():
+    ideal = shares[row][2]
+    cells = [f"| {row} | {ideal:.3f} |"]
+    for c in counts:
+      share = c.max() / whole_tiles
+      cells.append(f" {c.max():,} | {share:.3f} | {share / ideal:.2f}x | {c.max() / c.mean():.2f} |")
+    lines.append("".join(cells))
   publish(lines, args.out, "documents", echo=True)
 
 
