@@ -248,25 +248,29 @@ def documents(segment_ids, num_shards: int, *, min_piece: int = SPREAD_PIECE) ->
 def zigzag_documents(
   segment_ids, num_shards: int, *, min_piece: int = SPREAD_PIECE, tile: int | None = None
 ) -> np.ndarray:
-  """`documents`' placement for a ring that runs the zig-zag layout, as a reordering of
-  the row itself: order (int [T]) such that the row x[:, order], given to the ring as an
-  ordinary row in the zig-zag layout, puts on each device the tokens `documents` gives
-  it. Unlike `documents`' permutation, it needs no positions given to the ring, so each
-  row of a batch can have its own: what a packer records per row (`models.Loader(...,
-  row_layout="documents")`).
+  """A packed row's documents balanced over the zig-zag ring by rewriting the row itself:
+  order (int [T]) such that the row x[:, order], given to the ring as an ordinary row in
+  the zig-zag layout (device d holds chunks d and 2p - 1 - d), spreads the score tiles
+  (`tile` x `tile`; default: the ring's automatic tiles at this shard length) more evenly
+  than the row as it is. Unlike `documents`' permutation it needs no positions given to
+  the ring, so each row of a batch can have its own: what a packer records per row
+  (`models.data.pipeline.Loader(..., row_layout="documents")`).
 
-  Why it is exact: the ring's masks compare the slots' positions and ids. A document's
-  tokens keep their natural order along the reordered row, so a query sees exactly its
-  document's earlier keys, wherever the pieces lie (the rotary positions travel with the
-  tokens). Device d holds chunks d and 2p - 1 - d of the row; `documents`' pieces are
-  written there so that each document's pieces follow each other in chunk order: a
-  zig-zagged document's pieces i and 2p - 1 - i go to chunks i and 2p - 1 - i of device
-  i, parts cut over several devices to increasing chunks, and documents that stay on
-  one device anywhere in it. Where `documents`' two plans cannot be written so (a half
-  over full, parts whose devices come in no increasing chunk order), the row keeps its
-  natural order: the plain zig-zag layout. `np.argsort(order)` undoes it; a document's
-  tokens are then spread over up to its span, so a bound on documents' lengths is read
-  from the reordered ids (`spans`)."""
+  Exact: the ring's masks compare the slots' positions and ids, and every document's
+  tokens keep their natural order along the rewritten row, so a query sees exactly its
+  document's earlier keys wherever they lie (the rotary positions travel with the
+  tokens). Two kinds of order are tried:
+  - the documents whole, in another order (`_whole_documents`, a seeded hill climb over
+    swaps): no tile is shared more than before, and each document still spans its own
+    length, so a bound on documents' lengths holds as it was;
+  - `documents`' plans written into the chunks (`_write_zigzag`): a zig-zagged document's
+    piece k in chunk k, a document cut over devices in chunk order, each chunk's pieces
+    longest first so that pieces of whole tiles start on a tile's edge.
+  Kept: the order whose busiest device computes the fewest tiles (`_tiles_per_device`,
+  counted as `work_report` counts them); the row as it is unless one computes fewer.
+  `np.argsort(order)` undoes it. A document cut into pieces spans more of the row than
+  its length: `spans` reads the bound the rewritten rows keep.
+  """
   ids = np.asarray(segment_ids)
   if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
     raise ValueError(f"segment_ids of shape {ids.shape} and dtype {ids.dtype} must be one row: int [T]")
@@ -289,6 +293,9 @@ def zigzag_documents(
   # busiest device computes the fewest tiles; the row as it is unless a plan's is fewer.
   busiest = lambda order: _tiles_per_device(ids[order], p, tile).max()
   best = (natural, busiest(natural))
+  whole = _whole_documents(ids, p)
+  if busiest(whole) < best[1]:
+    best = (whole, busiest(whole))
   # Zig-zagged documents' odd tokens all in the first chunks can leave no room there for
   # documents cut over devices: the odd tokens go last too.
   for spread, odd_last, whole_only in itertools.product((False, True), repeat=3):
@@ -296,6 +303,39 @@ def zigzag_documents(
     if order is not None and busiest(order) < best[1]:
       best = (order, busiest(order))
   return best[0]
+
+
+def _whole_documents(ids: np.ndarray, p: int, tries: int = 300) -> np.ndarray:
+  """The row's documents (runs of one id, padding too) whole and in another order, so
+  that the zig-zag ring's devices compute about the same scores: a hill climb over
+  swaps of two documents (`tries` of them, seeded: the same order every time), keeping a
+  swap that lowers the busiest device's scores (then their sum of squares). Whole
+  documents share no more tiles than the row as it is, and each still spans its own
+  length, so the bound on documents' lengths is unchanged."""
+  n = ids.shape[0]
+  starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+  ends = np.r_[starts[1:], n]
+  cost = np.where(ids >= 0, np.arange(n) - np.repeat(starts, ends - starts) + 1, 0).astype(np.float64)
+  device = np.empty(n, np.int64)  # each slot's device under zig-zag
+  device[permutation("zigzag", n, p)] = np.repeat(np.arange(p), n // p)
+  build = lambda seq: np.concatenate([np.arange(starts[i], ends[i]) for i in seq])
+
+  def score(seq):
+    work = np.bincount(device, weights=cost[build(seq)], minlength=p)
+    return work.max(), float(np.sum(work**2))
+
+  seq = list(range(starts.size))
+  best = score(seq)
+  rng = np.random.default_rng(0)
+  for _ in range(tries if starts.size > 1 else 0):
+    i, j = (int(x) for x in rng.integers(starts.size, size=2))
+    seq[i], seq[j] = seq[j], seq[i]
+    now = score(seq)
+    if now < best:
+      best = now
+    else:
+      seq[i], seq[j] = seq[j], seq[i]
+  return build(seq).astype(np.int32)
 
 
 def _tiles_per_device(ids: np.ndarray, p: int, tile: int) -> np.ndarray:
