@@ -291,7 +291,7 @@ def zigzag_documents(
   # The ring computes whole tiles: pieces of spread documents share theirs, so a plan even
   # in scores can load a device with more tiles than zig-zag. Kept: the order whose
   # busiest device computes the fewest tiles; the row as it is unless a plan's is fewer.
-  busiest = lambda order: _tiles_per_device(ids[order], p, tile).max()
+  busiest = lambda order: _tiles_per_device(first_seen(ids[order]), p, tile).max()
   best = (natural, busiest(natural))
   whole = _whole_documents(ids, p)
   if busiest(whole) < best[1]:
@@ -340,30 +340,39 @@ def _whole_documents(ids: np.ndarray, p: int, tries: int = 300) -> np.ndarray:
 
 def _tiles_per_device(ids: np.ndarray, p: int, tile: int) -> np.ndarray:
   """Score tiles (tile x tile) each device of the zig-zag ring computes for the row
-  `ids` (in the row's order), counted as `work_report` counts them over every pass (a
-  tile counts when some query in it sees some key: one id, the key not after the query),
-  from each tile's first and last slot of every id."""
+  `ids` (in the row's order) over every pass, as the kernel decides (`_kernel.tile_class`):
+  a tile runs unless its keys all come after its queries, its queries are all padding,
+  or its queries' and keys' id ranges (smallest to largest, padding's -1 included) are
+  apart. Ids that do not rise along the row thus cost tiles whose ranges overlap with
+  no id shared; `first_seen` renumbers a rewritten row's ids in the order they appear."""
   n = ids.shape[0]
-  where = positions("zigzag", p, n // p)
   if (n // p) % tile:
     tile = math.gcd(tile, n // p)
-  spans = []  # per tile (device-major): {id: (first slot, last slot)}
-  for d in range(p):
-    for at in range(0, n // p, tile):
-      slots = where[d, at : at + tile]
-      mine = {}
-      for slot, x in zip(slots.tolist(), ids[slots].tolist()):
-        if x >= 0:
-          first, _ = mine.get(x, (slot, slot))
-          mine[x] = (first, slot)
-      spans.append(mine)
-  per = (n // p) // tile
-  out = np.zeros(p, np.int64)
-  for q, qs in enumerate(spans):
-    if qs:
-      out[q // per] += sum(
-        any(x in ks and ks[x][0] <= last for x, (_, last) in qs.items()) for ks in spans if ks
-      )
+  where = positions("zigzag", p, n // p).reshape(-1, tile)  # [tiles, tile], device-major
+  seg = ids[where]
+  lo, hi = where.min(axis=1), where.max(axis=1)
+  slo, shi = seg.min(axis=1), seg.max(axis=1)
+  runs = (
+    (lo[None, :] <= hi[:, None])  # [query tile, key tile]: some key not after some query
+    & (shi[:, None] >= 0)
+    & ~((shi[:, None] < slo[None, :]) | (shi[None, :] < slo[:, None]))
+  )
+  return runs.sum(axis=1).reshape(p, -1).sum(axis=1)
+
+
+def first_seen(segment_ids) -> np.ndarray:
+  """Ids renumbered 0, 1, ... in the order they first appear along the last axis
+  (negative ids, padding, stay -1): the same documents, and ids that rise along a row of
+  whole documents in any order, which the kernels' tile test (by each tile's range of
+  ids) needs to skip what no document reaches."""
+  ids = np.asarray(segment_ids)
+  out = np.full(ids.shape, -1, np.int32)
+  for index in np.ndindex(ids.shape[:-1]):
+    line = ids[index]
+    real = np.flatnonzero(line >= 0)
+    _, first, inverse = np.unique(line[real], return_index=True, return_inverse=True)
+    rank = np.argsort(np.argsort(first))
+    out[index][real] = rank[inverse]
   return out
 
 

@@ -632,7 +632,8 @@ def test_reordered_rows_keep_each_documents_order_and_even_the_zigzag_tiles(p):
   ordinary zig-zag row: the busiest device never above the row as it is, and on the
   mixed row (which zig-zag leaves 1.3x the mean or more) within 5% of the mean. Every
   position once, every document's tokens in their natural order along the row; a row
-  that zig-zag already evens stays as it is; `spans` is the widest document's extent."""
+  that zig-zag already evens stays as it is; `spans` is the widest document's extent;
+  `first_seen` renumbers ids as they appear."""
   rows = [_mixed_row(scale=8), documents(1, 7680, 1000, seed=p)[0]]
   blocks = jax_ring.BlockSizes(block_q=32, block_kv=32)
   for ids in (row for row in rows if row.size % (2 * p) == 0):
@@ -641,7 +642,7 @@ def test_reordered_rows_keep_each_documents_order_and_even_the_zigzag_tiles(p):
     assert _in_document_order(ids, order)
     options = dict(layout="zigzag", num_devices=p, seq_len=ids.size, is_causal=True, block_sizes=blocks)
     plain = jax_ring.work_report(segment_ids=ids, **options).sum(axis=0)
-    moved = jax_ring.work_report(segment_ids=ids[order], **options).sum(axis=0)
+    moved = jax_ring.work_report(segment_ids=layouts.first_seen(ids[order]), **options).sum(axis=0)
     assert moved.max() <= plain.max(), (p, plain.tolist(), moved.tolist())
     if ids is rows[0]:
       assert plain.max() >= 1.3 * plain.mean(), (p, plain.tolist())
@@ -650,6 +651,8 @@ def test_reordered_rows_keep_each_documents_order_and_even_the_zigzag_tiles(p):
     assert layouts.spans(ids[order][None]) == max(b - a + 1 for a, b in ends)
   even = np.repeat(np.arange(24), 32).astype(np.int32)
   assert np.array_equal(layouts.zigzag_documents(even, 4), np.arange(even.size))
+  renumbered = layouts.first_seen(np.array([[7, 7, -1, 3, 9, 3], [-2, 4, 4, 0, 0, 4]]))
+  assert renumbered.tolist() == [[0, 0, -1, 1, 2, 1], [-1, 0, 0, 1, 1, 0]]
   assert layouts.spans(even) == 32 and layouts.spans(np.full((2, 8), -1)) == 0
 
 
@@ -668,7 +671,7 @@ def _reordered_ring(mesh, ids, **options):
   order = np.stack([layouts.zigzag_documents(row, p, min_piece=4, tile=2) for row in ids])
   if p > 1:  # every row moved: the reordering is what is checked
     assert all(not np.array_equal(o, np.arange(o.size)) for o in order), p
-  moved = np.take_along_axis(ids, order, axis=1)
+  moved = layouts.first_seen(np.take_along_axis(ids, order, axis=1))
   back = jnp.asarray(np.argsort(order, axis=1))[:, :, None, None]
   take = lambda x, o: jnp.take_along_axis(x, o, axis=1)
   forward = jnp.asarray(order)[:, :, None, None]

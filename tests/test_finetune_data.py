@@ -658,6 +658,18 @@ def test_the_loader_shuffles_by_its_seed_keeps_a_last_partial_batch_and_names_ea
   assert where == names and len(where) == 4
 
 
+def _slots(arrays, row):
+  """(token, target, weight, position) of each slot of a batch's row."""
+  return list(zip(*(arrays[n][row].tolist() for n in ("tokens", "targets", "weights", "positions"))))
+
+
+def _documents(arrays, row):
+  """Each document's slots in the row's order, the documents sorted."""
+  ids = arrays["segment_ids"][row]
+  slots = _slots(arrays, row)
+  return sorted([s for s, i in zip(slots, ids) if i == d] for d in set(ids.tolist()) if d >= 0)
+
+
 def test_documents_row_layout_reorders_each_row_keeping_each_documents_tokens_targets_and_weights():
   """`Loader(row_layout="documents", shards=4)`: each row a reordering of the natural
   row's (token, target, weight, id, position) slots, every document's slots in their
@@ -668,21 +680,24 @@ def test_documents_row_layout_reorders_each_row_keeping_each_documents_tokens_ta
   ex = _examples(masks)
   natural = pipeline.Loader(ex, 8192, 2, shuffle=False)
   moved = pipeline.Loader(ex, 8192, 2, shuffle=False, row_layout="documents", shards=4)
-  names = ("tokens", "targets", "weights", "segment_ids", "positions")
   reordered = 0
   spans = []
   for (a, _), (b, _) in zip(natural.in_order(), moved.in_order()):
     for row in range(a["tokens"].shape[0]):
-      slots = lambda x, row=row: list(zip(*(x[n][row].tolist() for n in names)))
-      assert sorted(slots(a)) == sorted(slots(b))
-      reordered += slots(a) != slots(b)
+      assert sorted(_slots(a, row)) == sorted(_slots(b, row))
+      reordered += _slots(a, row) != _slots(b, row)
+      assert _documents(a, row) == _documents(b, row)  # each in its natural order
       seg = b["segment_ids"][row]
-      for x in set(seg[seg >= 0].tolist()):
-        assert [s for s in slots(a) if s[3] == x] == [s for s in slots(b) if s[3] == x]
-        at = np.flatnonzero(seg == x)
-        spans.append(at[-1] - at[0] + 1)
+      firsts = [np.flatnonzero(seg == x)[0] for x in sorted(set(seg[seg >= 0].tolist()))]
+      assert firsts == sorted(firsts)  # ids renumbered as they appear: they rise along the row
+      spans += [np.ptp(np.flatnonzero(seg == x)) + 1 for x in set(seg[seg >= 0].tolist())]
   assert reordered and moved.longest_document == max(spans) >= natural.longest_document
   assert moved.settings == {"row_layout": "documents", "shards": 4} and natural.settings == {}
+  pairs = pipeline.Examples(
+    ex.ids[:2], ex.masks[:2], ex.where[:2], "preference", [], docs=[[3000, 3400], [900, 60]]
+  )
+  with pytest.raises(ValueError, match=r"row_layout='documents' reorders and renumbers .* preference row"):
+    pipeline.Loader(pairs, 8192, 2, long="drop", row_layout="documents", shards=4)
   with pytest.raises(ValueError, match=r"row_layout='zigzag': expected 'natural' or 'documents'"):
     pipeline.Loader(ex, 8192, 2, row_layout="zigzag")
   with pytest.raises(ValueError, match=r"shards=0 must be a positive int"):

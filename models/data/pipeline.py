@@ -246,8 +246,14 @@ def batch_arrays(rows) -> dict:
     positions=np.asarray(rows["positions"], np.int32),
   )
   if "order" in rows:  # rows reordered (`Loader(row_layout="documents")`): each token with its target
+    from jax_ring import layouts
+
     order = np.asarray(rows["order"], np.int64)
     out = {k: np.take_along_axis(v, order, axis=1) for k, v in out.items()}
+    # Ids renumbered in the order they now appear (1, 2, ...), so that they rise along
+    # the row as the kernels' tile test by id ranges needs.
+    seen = layouts.first_seen(out["segment_ids"])
+    out["segment_ids"] = np.where(seen >= 0, seen + 1, -1).astype(np.int32)
   if "reference" in rows:
     out["reference"] = np.asarray(rows["reference"], np.float32)
   return out
@@ -268,14 +274,16 @@ class Loader:
   (all their loss weights 0) are left out (`idle_rows` counts them).
 
   `row_layout="documents"` with `shards` (the ring's devices): each row reordered on the
-  host so that the zig-zag ring gives every device the same causal score work
+  host so that the zig-zag ring's busiest device computes fewer score tiles
   (`jax_ring.layouts.zigzag_documents`, made from the row's ids each time the row is
   read: the same order every time). The row's "order" (int32 [T], the natural index of
   each slot) is recorded with its other arrays, and `batch_arrays` applies it to every
   [B, T] array after the targets and weights are made, so each token keeps its target,
   weight and rotary position, and a step's losses are the natural rows' (summed in
-  another order). `longest_document` is then the widest span of one document along the
-  reordered rows (`layouts.spans`), the bound the ring's passes keep."""
+  another order); the ids are then renumbered in the order they appear
+  (`layouts.first_seen`). Not for preference pairs, whose ids carry their pairing.
+  `longest_document` is then the widest span of one document along the reordered rows
+  (`layouts.spans`), the bound the ring's passes keep."""
 
   def __init__(
     self,
@@ -303,6 +311,11 @@ class Loader:
       raise ValueError(
         f"row_layout='documents': length={length} must be a multiple of 2 * shards = {2 * shards} "
         "(the zig-zag ring's chunks)"
+      )
+    if row_layout == "documents" and examples.docs is not None:
+      raise ValueError(
+        "row_layout='documents' reorders and renumbers a row's documents, whose ids a preference row "
+        "gives meaning (segment k + 1: pair k // 2, chosen when k is even); leave row_layout 'natural'"
       )
     self.row_layout, self.shards = row_layout, shards
     # What makes the rows besides the data (`finetune.data_record`): absent for natural rows.

@@ -193,7 +193,7 @@ def main(argv=None):
     if "per-document" in args.ways:
       add_balanced(f"{row} per-document", seg)
     if "reordered" in args.ways:
-      moved = seg[layouts.zigzag_documents(seg, p)]
+      moved = layouts.first_seen(seg[layouts.zigzag_documents(seg, p)])
       add(f"{row} reordered", moved, layouts.spans(moved), "zigzag")
       count = lambda ids: work_report(segment_ids=ids, block_sizes=tiles, **counted).sum(axis=0)
       tile_counts[row] = (count(seg), count(moved))
