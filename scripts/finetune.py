@@ -225,8 +225,8 @@ def parse_args(argv=None):
     "--row-layout",
     default="natural",
     choices=("natural", "documents"),
-    help="'documents': each packed row reordered so that the zig-zag ring gives every device the same "
-    "causal work (jax_ring.layouts.zigzag_documents; the same losses)",
+    help="'documents': each packed row reordered so that the zig-zag ring's busiest device runs fewer "
+    "score tiles (jax_ring.layouts.zigzag_documents; the same losses; not for preference pairs)",
   )
   p.add_argument(
     "--save-every", type=int, default=0, help="orbax state every this many steps (0: at the end)"
