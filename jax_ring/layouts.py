@@ -228,13 +228,7 @@ def documents(segment_ids, num_shards: int, *, min_piece: int = SPREAD_PIECE) ->
   (with the laid-out ids); `np.argsort(perm)` undoes it. `jax_ring.work_report(...,
   order=perm)` counts each device's score tiles.
   """
-  ids = np.asarray(segment_ids)
-  if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-    raise ValueError(f"segment_ids of shape {ids.shape} and dtype {ids.dtype} must be one row: int [T]")
-  if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
-    raise ValueError(f"num_shards={num_shards!r} must be a positive int")
-  if not isinstance(min_piece, int) or isinstance(min_piece, bool) or min_piece < 1:
-    raise ValueError(f"min_piece={min_piece!r} must be a positive int")
+  ids = _check_row(segment_ids, num_shards, min_piece)
   n, p = ids.shape[0], num_shards
   if n == 0 or n % p:
     raise ValueError(f"segment_ids of length {n} must be a positive multiple of num_shards={p}")
@@ -243,6 +237,18 @@ def documents(segment_ids, num_shards: int, *, min_piece: int = SPREAD_PIECE) ->
   return np.concatenate([np.concatenate([np.arange(a, b) for a, b in sorted(r)]) for r in held]).astype(
     np.int32
   )
+
+
+def _check_row(segment_ids, num_shards, min_piece) -> np.ndarray:
+  """The ids of one packed row as an array; ValueError naming a bad argument."""
+  ids = np.asarray(segment_ids)
+  if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"segment_ids of shape {ids.shape} and dtype {ids.dtype} must be one row: int [T]")
+  if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
+    raise ValueError(f"num_shards={num_shards!r} must be a positive int")
+  if not isinstance(min_piece, int) or isinstance(min_piece, bool) or min_piece < 1:
+    raise ValueError(f"min_piece={min_piece!r} must be a positive int")
+  return ids
 
 
 def zigzag_documents(
@@ -267,17 +273,12 @@ def zigzag_documents(
     piece k in chunk k, a document cut over devices in chunk order, each chunk's pieces
     longest first so that pieces of whole tiles start on a tile's edge.
   Kept: the order whose busiest device computes the fewest tiles (`_tiles_per_device`,
-  counted as `work_report` counts them); the row as it is unless one computes fewer.
+  as the kernel decides them, the ids renumbered by `first_seen`); the row as it is
+  unless one computes fewer.
   `np.argsort(order)` undoes it. A document cut into pieces spans more of the row than
   its length: `spans` reads the bound the rewritten rows keep.
   """
-  ids = np.asarray(segment_ids)
-  if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-    raise ValueError(f"segment_ids of shape {ids.shape} and dtype {ids.dtype} must be one row: int [T]")
-  if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
-    raise ValueError(f"num_shards={num_shards!r} must be a positive int")
-  if not isinstance(min_piece, int) or isinstance(min_piece, bool) or min_piece < 1:
-    raise ValueError(f"min_piece={min_piece!r} must be a positive int")
+  ids = _check_row(segment_ids, num_shards, min_piece)
   n, p = ids.shape[0], num_shards
   if n == 0 or n % (2 * p):
     raise ValueError(f"segment_ids of length {n} must be a positive multiple of 2 * num_shards = {2 * p}")
