@@ -369,8 +369,13 @@ class Bounds(NamedTuple):
   lo: jax.Array  # [n] smallest position (of keys, -1 padding left out when masked)
   hi: jax.Array  # [n] largest position
   padded: jax.Array  # [n] bool: some position is -1
-  seg_lo: jax.Array | None  # [n, B] smallest id (-1 included)
-  seg_hi: jax.Array | None  # [n, B] largest id
+  # Ids < 0 (padding) are seen by no query and see no key: the range that decides whether
+  # two blocks share a document leaves them out. With them in, a block that ends a row's
+  # last document before its padding spanned every earlier id, and its tiles with every
+  # earlier block ran masked.
+  seg_lo: jax.Array | None  # [n, B] smallest id >= 0 (the dtype's max where there is none)
+  seg_hi: jax.Array | None  # [n, B] largest id (< 0 where all are padding)
+  seg_padded: jax.Array | None = None  # [n, B] bool: some id < 0
 
 
 def block_bounds(pos, seg, skip_padding: bool = False) -> Bounds:
@@ -378,8 +383,12 @@ def block_bounds(pos, seg, skip_padding: bool = False) -> Bounds:
   leading axes, reduced over the last); `skip_padding`: `lo` is over positions >= 0
   (keys, when padding is masked)."""
   valid = jnp.where(pos >= 0, pos, jnp.iinfo(pos.dtype).max) if skip_padding else pos
-  seg_lo, seg_hi = (None, None) if seg is None else (jnp.min(seg, axis=-1), jnp.max(seg, axis=-1))
-  return Bounds(jnp.min(valid, axis=-1), jnp.max(pos, axis=-1), jnp.any(pos < 0, axis=-1), seg_lo, seg_hi)
+  seg_lo = seg_hi = seg_padded = None
+  if seg is not None:
+    seg_lo = jnp.min(jnp.where(seg >= 0, seg, jnp.iinfo(seg.dtype).max), axis=-1)
+    seg_hi, seg_padded = jnp.max(seg, axis=-1), jnp.any(seg < 0, axis=-1)
+  lo, hi, padded = jnp.min(valid, axis=-1), jnp.max(pos, axis=-1), jnp.any(pos < 0, axis=-1)
+  return Bounds(lo, hi, padded, seg_lo, seg_hi, seg_padded)
 
 
 def tile_class(spec: MaskSpec, q: Bounds, k: Bounds):
@@ -403,7 +412,8 @@ def tile_class(spec: MaskSpec, q: Bounds, k: Bounds):
     # Per batch row: no valid query, or id ranges apart, hide the row; one valid id on
     # both sides shows all of it. The tile is shared by the rows: all must agree.
     apart = (q.seg_hi < 0) | (q.seg_hi < k.seg_lo) | (k.seg_hi < q.seg_lo)
-    same = (q.seg_lo == q.seg_hi) & (k.seg_lo == q.seg_lo) & (k.seg_hi == q.seg_lo) & (q.seg_lo >= 0)
+    one = (q.seg_lo == q.seg_hi) & ~q.seg_padded & ~k.seg_padded
+    same = one & (k.seg_lo == q.seg_lo) & (k.seg_hi == q.seg_lo)
     hidden = hidden | jnp.all(apart)
     whole = whole & jnp.all(same)
   return jnp.where(hidden, 0, jnp.where(whole, 2, 1)).astype(jnp.int32)

@@ -59,6 +59,7 @@ def _bounds(pos, seg, block: int, keys: bool, b: int):
   for keys), highest position, lowest segment id, highest id); ids 0 without ids."""
   lo, hi, ids = _pallas.block_bounds(pos, seg, block, keys)
   s_lo, s_hi = ids if ids is not None else (jnp.zeros((b, lo.shape[0]), jnp.int32),) * 2
+  s_lo = jnp.minimum(s_lo, jnp.iinfo(jnp.int32).max)  # a block of padding alone: int64's max
   pos_part = jnp.broadcast_to(jnp.stack([lo, hi]), (b, 2, lo.shape[0]))
   both = jnp.concatenate([pos_part, jnp.stack([s_lo, s_hi], axis=1)], axis=1)
   return both.transpose(0, 2, 1).reshape(-1).astype(jnp.int32)

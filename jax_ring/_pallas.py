@@ -225,15 +225,19 @@ def _tuning(tuning, dtype, head_dim: int, interpret) -> Tuning:
 
 
 def _key_bounds(kp, ks):
-  """(lowest valid position, highest position, (lowest, highest) segment id or None)
-  of one key block."""
-  seg = None if ks is None else (jnp.min(ks), jnp.max(ks))
-  return jnp.min(jnp.where(kp >= 0, kp, _BIG)), jnp.max(kp), seg
+  """(lowest valid position, highest position, (lowest id >= 0, highest id) or None) of
+  one key block (ids < 0, padding, left out of the lowest, as `_kernel.block_bounds`)."""
+  return jnp.min(jnp.where(kp >= 0, kp, _BIG)), jnp.max(kp), _id_range(ks)
+
+
+def _id_range(ids):
+  """(lowest id >= 0, or the dtype's max where there is none; highest id) or None."""
+  return None if ids is None else (jnp.min(jnp.where(ids >= 0, ids, jnp.iinfo(ids.dtype).max)), jnp.max(ids))
 
 
 def _query_bounds(qp, qs):
   """The same for a query block (every position counts)."""
-  return jnp.min(qp), jnp.max(qp), None if qs is None else (jnp.min(qs), jnp.max(qs))
+  return jnp.min(qp), jnp.max(qp), _id_range(qs)
 
 
 def _ids(pos_ref, seg_ref, window):

@@ -28,8 +28,9 @@ def work_report(
   then hold the keys of d + 1, d + 2, ...). A (query block, key block) pair counts
   when some query in it sees some key, which is exactly when `ring_attention` runs
   it; the others are skipped. Steps a windowed contiguous ring never runs are 0. (The
-  kernels decide a tile from its range of ids: with ids that rise along the row, as
-  packed rows and `layouts.first_seen` give them, that is the same; with ids that come
+  kernels decide a tile from its range of ids (padding left out): with ids that rise
+  along the row, as packed rows and `layouts.first_seen` give them, that is the same
+  (tests/test_documents.py checks both, on a padded row); with ids that come
   back after others, a tile whose ranges overlap runs, masked, though no pair meets.)
   `segment_ids` (int [seq_len], one packed row in natural order, negative on padding):
   a pair counts only where a query and a key of one document meet, as the call skips

@@ -343,7 +343,7 @@ def _tiles_per_device(ids: np.ndarray, p: int, tile: int) -> np.ndarray:
   """Score tiles (tile x tile) each device of the zig-zag ring computes for the row
   `ids` (in the row's order) over every pass, as the kernel decides (`_kernel.tile_class`):
   a tile runs unless its keys all come after its queries, its queries are all padding,
-  or its queries' and keys' id ranges (smallest to largest, padding's -1 included) are
+  or its queries' and keys' id ranges (smallest to largest, padding left out) are
   apart. Ids that do not rise along the row thus cost tiles whose ranges overlap with
   no id shared; `first_seen` renumbers a rewritten row's ids in the order they appear."""
   n = ids.shape[0]
@@ -352,7 +352,7 @@ def _tiles_per_device(ids: np.ndarray, p: int, tile: int) -> np.ndarray:
   where = positions("zigzag", p, n // p).reshape(-1, tile)  # [tiles, tile], device-major
   seg = ids[where]
   lo, hi = where.min(axis=1), where.max(axis=1)
-  slo, shi = seg.min(axis=1), seg.max(axis=1)
+  slo, shi = np.where(seg >= 0, seg, np.iinfo(seg.dtype).max).min(axis=1), seg.max(axis=1)
   runs = (
     (lo[None, :] <= hi[:, None])  # [query tile, key tile]: some key not after some query
     & (shi[:, None] >= 0)

@@ -19,7 +19,17 @@ from conftest import compare_with_reference, make_mesh, qkv, rel_err
 from jax.sharding import NamedSharding
 
 import jax_ring
-from jax_ring import _cudnn, _documents, _ring, hlo, layouts, reference_attention, ring_attention
+from jax_ring import (
+  _cudnn,
+  _documents,
+  _kernel,
+  _pallas,
+  _ring,
+  hlo,
+  layouts,
+  reference_attention,
+  ring_attention,
+)
 
 TOL = 1e-5
 SMALL_BLOCKS = jax_ring.BlockSizes(block_q=8, block_kv=16, kv_heads=1)
@@ -644,6 +654,11 @@ def test_reordered_rows_keep_each_documents_order_and_even_the_zigzag_tiles(p):
     plain = jax_ring.work_report(segment_ids=ids, **options).sum(axis=0)
     moved = jax_ring.work_report(segment_ids=layouts.first_seen(ids[order]), **options).sum(axis=0)
     assert moved.max() <= plain.max(), (p, plain.tolist(), moved.tolist())
+    # The kernels' own rule (by each tile's positions and range of ids), which
+    # zigzag_documents and the benchmark's 131K table count with: the same tiles where
+    # ids rise along the row.
+    assert layouts._tiles_per_device(ids, p, 32).tolist() == plain.tolist()
+    assert layouts._tiles_per_device(layouts.first_seen(ids[order]), p, 32).tolist() == moved.tolist()
     if ids is rows[0]:
       assert plain.max() >= 1.3 * plain.mean(), (p, plain.tolist())
       assert moved.max() <= 1.05 * moved.mean(), (p, moved.tolist())
@@ -651,9 +666,61 @@ def test_reordered_rows_keep_each_documents_order_and_even_the_zigzag_tiles(p):
     assert layouts.spans(ids[order][None]) == max(b - a + 1 for a, b in ends)
   even = np.repeat(np.arange(24), 32).astype(np.int32)
   assert np.array_equal(layouts.zigzag_documents(even, 4), np.arange(even.size))
+  # Ids that do not rise: the second tile's id (1) lies inside the first's range (0 to 2)
+  # with no id shared, a tile the kernel runs masked and `work_report` leaves out.
+  back = np.repeat(np.array([0, 2, 1], np.int32), [16, 16, 32])
+  one = dict(layout="zigzag", num_devices=1, seq_len=64, is_causal=True, block_sizes=blocks)
+  assert jax_ring.work_report(segment_ids=back, **one).sum() == 2
+  assert layouts._tiles_per_device(back, 1, 32).tolist() == [3]
+  assert layouts._tiles_per_device(layouts.first_seen(back), 1, 32).tolist() == [2]
   renumbered = layouts.first_seen(np.array([[7, 7, -1, 3, 9, 3], [-2, 4, 4, 0, 0, 4]]))
   assert renumbered.tolist() == [[0, 0, -1, 1, 2, 1], [-1, 0, 0, 1, 1, 0]]
   assert layouts.spans(even) == 32 and layouts.spans(np.full((2, 8), -1)) == 0
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_the_kernels_run_the_tiles_that_work_report_counts_on_a_padded_row(p):
+  """The tiles the kernels run over every pass of the zig-zag ring (the XLA kernel's
+  `_kernel.tile_class`, the Pallas kernels' `_pallas.hidden`, from the blocks' bounds)
+  on a row of rising ids that ends in padding: exactly those with a query and a key of
+  one document (`work_report`'s count), as `layouts._tiles_per_device` counts them. A
+  block's range of ids leaves padding out: with -1 in it, the block that ends the last
+  document ran a masked tile with every earlier block. A block with padding in it is
+  never run unmasked."""
+  ids = documents(1, 7680, 1000, seed=2)[0]
+  assert ids[-1] < 0 <= ids[-2]
+  tile, n = 32, ids.size
+  where = layouts.positions("zigzag", p, n // p).reshape(-1)  # device-major
+  spec = _kernel.MaskSpec(is_causal=True)
+  pos, seg = jnp.asarray(where.reshape(-1, tile)), jnp.asarray(ids[where].reshape(-1, 1, tile))
+  qb, kb = _kernel.block_bounds(pos, seg), _kernel.block_bounds(pos, seg, skip_padding=True)
+  classes = np.asarray(jax.vmap(lambda q: jax.vmap(lambda k: _kernel.tile_class(spec, q, k))(kb))(qb))
+  q_lo, q_hi, (qs_lo, qs_hi) = _pallas.block_bounds(
+    jnp.asarray(where), jnp.asarray(ids[where][None]), tile, False
+  )
+  k_lo, k_hi, (ks_lo, ks_hi) = _pallas.block_bounds(
+    jnp.asarray(where), jnp.asarray(ids[where][None]), tile, True
+  )
+  col, line = (lambda x: x[..., :, None]), (lambda x: x[..., None, :])
+  hidden = _pallas.hidden(
+    spec,
+    (col(q_lo), col(q_hi), (col(qs_lo[0]), col(qs_hi[0]))),
+    (line(k_lo), line(k_hi), (line(ks_lo[0]), line(ks_hi[0]))),
+  )
+  blocks = jax_ring.BlockSizes(block_q=tile, block_kv=tile)
+  options = dict(layout="zigzag", num_devices=p, seq_len=n, is_causal=True, block_sizes=blocks)
+  report = jax_ring.work_report(segment_ids=ids, **options).sum(axis=0).tolist()
+  per_device = lambda runs: np.asarray(runs).reshape(p, -1).sum(axis=1).tolist()
+  assert per_device(classes > 0) == report
+  assert per_device(~np.asarray(hidden)) == report
+  assert layouts._tiles_per_device(ids, p, tile).tolist() == report
+  padded = (ids[where].reshape(-1, tile) < 0).any(axis=1)
+  assert padded.any() and not (classes[padded] == 2).any() and not (classes[:, padded] == 2).any()
+  assert (classes == 2).any()
+  full = _kernel.MaskSpec()  # without causality: a key block of the last document and padding
+  classes = np.asarray(jax.vmap(lambda q: jax.vmap(lambda k: _kernel.tile_class(full, q, k))(kb))(qb))
+  assert not (classes[padded] == 2).any() and not (classes[:, padded] == 2).any()
+  assert (classes[:, padded] == 1).any()
 
 
 def _skewed_rows(t: int) -> np.ndarray:
