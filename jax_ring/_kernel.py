@@ -375,7 +375,13 @@ class Bounds(NamedTuple):
   # earlier block ran masked.
   seg_lo: jax.Array | None  # [n, B] smallest id >= 0 (the dtype's max where there is none)
   seg_hi: jax.Array | None  # [n, B] largest id (< 0 where all are padding)
-  seg_padded: jax.Array | None = None  # [n, B] bool: some id < 0
+  seg_padded: jax.Array | None  # [n, B] bool: some id < 0
+
+
+def lowest_id(seg, axis=None):
+  """The smallest id >= 0 over `axis` (padding, < 0, left out; the dtype's max where
+  there is none): the low end of a block's range of documents."""
+  return jnp.min(jnp.where(seg >= 0, seg, jnp.iinfo(seg.dtype).max), axis=axis)
 
 
 def block_bounds(pos, seg, skip_padding: bool = False) -> Bounds:
@@ -385,7 +391,7 @@ def block_bounds(pos, seg, skip_padding: bool = False) -> Bounds:
   valid = jnp.where(pos >= 0, pos, jnp.iinfo(pos.dtype).max) if skip_padding else pos
   seg_lo = seg_hi = seg_padded = None
   if seg is not None:
-    seg_lo = jnp.min(jnp.where(seg >= 0, seg, jnp.iinfo(seg.dtype).max), axis=-1)
+    seg_lo = lowest_id(seg, axis=-1)
     seg_hi, seg_padded = jnp.max(seg, axis=-1), jnp.any(seg < 0, axis=-1)
   lo, hi, padded = jnp.min(valid, axis=-1), jnp.max(pos, axis=-1), jnp.any(pos < 0, axis=-1)
   return Bounds(lo, hi, padded, seg_lo, seg_hi, seg_padded)

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import ManualAxisType
 
-from jax_ring._kernel import MaskSpec, finalize, floor_scores
+from jax_ring._kernel import MaskSpec, finalize, floor_scores, lowest_id
 from jax_ring._kernel import block_bounds as _tile_bounds
 
 # Triton wants power-of-two tiles of at least 16 rows for its dot.
@@ -231,8 +231,8 @@ def _key_bounds(kp, ks):
 
 
 def _id_range(ids):
-  """(lowest id >= 0, or the dtype's max where there is none; highest id) or None."""
-  return None if ids is None else (jnp.min(jnp.where(ids >= 0, ids, jnp.iinfo(ids.dtype).max)), jnp.max(ids))
+  """(lowest id >= 0 (`_kernel.lowest_id`), highest id) of one block, or None."""
+  return None if ids is None else (lowest_id(ids), jnp.max(ids))
 
 
 def _query_bounds(qp, qs):

@@ -63,18 +63,13 @@ jax.config.update("jax_enable_x64", True)
 
 def compile_cache_env() -> dict:
   """Environment that gives a test's child processes JAX's persistent compilation cache,
-  one folder for the run (under JAX_RING_CACHE, so it starts empty). The fine-tuning runs
+  one folder for the run (under JAX_RING_CACHE, so it starts empty): the fine-tuning runs
   that the signal tests start (the uninterrupted run, the run stopped, the run resumed)
-  compile the same step and the same small programs around it: the later ones read them
-  back. Every program is kept, however quick to compile (the small ones are most of the
-  gain). Only these children use it: tests/test_dpo.py, test_grpo.py and
-  test_finetune_data.py on two workers took 166 s with the cache in every process against
-  210 s without it, and 206 s keeping programs of a second or more alone, while the
-  guides' blocks, the demo's and fine-tuning's tests (test_docs.py, test_train.py,
-  test_finetune.py, test_lora.py) took 333 s with it against 312 s without. No size
-  limit: with one, JAX takes a lock and sums the folder at every write (the `-m "not
-  slow"` set took 251 s against 146 s). An entry read while another process writes it
-  fails to decompress; JAX then warns and compiles the program itself."""
+  compile the same step and the same small programs around it, and the later ones read
+  them back. Every program is kept, however quick to compile, and the folder has no size
+  limit; why only these children use it: docs/development.md, "Tests". An entry read
+  while another process writes it fails to decompress; JAX then warns and compiles the
+  program itself."""
   return {
     "JAX_COMPILATION_CACHE_DIR": os.path.join(os.environ["JAX_RING_CACHE"], "xla"),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
