@@ -61,22 +61,6 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 
-def compile_cache_env() -> dict:
-  """Environment that gives a test's child processes JAX's persistent compilation cache,
-  one folder for the run (under JAX_RING_CACHE, so it starts empty): the fine-tuning runs
-  that the signal tests start (the uninterrupted run, the run stopped, the run resumed)
-  compile the same step and the same small programs around it, and the later ones read
-  them back. Every program is kept, however quick to compile, and the folder has no size
-  limit; why only these children use it: docs/development.md, "Tests". An entry read
-  while another process writes it fails to decompress; JAX then warns and compiles the
-  program itself."""
-  return {
-    "JAX_COMPILATION_CACHE_DIR": os.path.join(os.environ["JAX_RING_CACHE"], "xla"),
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-  }
-
-
 def make_mesh(shape, names):
   shape = tuple(shape)
   n = int(np.prod(shape))

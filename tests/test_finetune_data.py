@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tokenizers
-from conftest import compile_cache_env
 from tokenizers import AddedToken, decoders, pre_tokenizers
 
 from jax_ring import models
@@ -365,7 +364,7 @@ def _child(args, timeout, pause=None):
   command = [sys.executable, script, *args]
   if pause is not None:
     command = [sys.executable, "-c", PACED, str(pause), script, *args]
-  env = dict(os.environ, PYTHONPATH=str(ROOT), **compile_cache_env())
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
   return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
