@@ -205,8 +205,23 @@ def _pass_forward(cfg: RingConfig, compute, kv, acc, transfers: int, shift: int)
       incoming = _send(kv, cfg, shift)  # issued before this step's compute
       return (incoming, compute(kv, acc)), None
 
-    (kv, acc), _ = lax.scan(step, (kv, acc), None, length=transfers)
+    kv, acc = _steps(step, (kv, acc), transfers)
   return compute(kv, acc)
+
+
+def _steps(step, carry, n: int):
+  """The carry after `n` ring steps `step(carry, None) -> (carry, None)`, as a loop.
+  XLA inlines a loop of one iteration, and then its GPU scheduler put none of the
+  step's compute under the step's transfer (a bound of one chunk each way on 8 x H100:
+  the K/V sends' starts and dones with only small fusions between them). Where
+  transfers run beside compute (`LATE_DKV_PLATFORMS`) a single step stays a loop: its
+  trip count passes an optimization barrier, which XLA cannot see through and
+  `hlo.trip_count` reads. Elsewhere, and for more steps, `lax.scan`."""
+  if n == 1 and mesh_platform() in LATE_DKV_PLATFORMS:
+    count = lax.optimization_barrier(jnp.int32(n))
+    return lax.fori_loop(0, count, lambda _, c: step(c, None)[0], carry)
+  carry, _ = lax.scan(step, carry, None, length=n)
+  return carry
 
 
 # Platforms whose backward sends each shard's dK/dV one step behind its K/V
@@ -284,7 +299,7 @@ def _pass_backward_with(cfg: RingConfig, compute, kv, zeros_kv, dq, transfers: i
       dq, dkv = compute(kv, dkv, dq)
       return (incoming, _send(dkv, cfg, shift), dq), None
 
-    (kv, dkv, dq), _ = lax.scan(step, (kv, dkv, dq), None, length=transfers)
+    kv, dkv, dq = _steps(step, (kv, dkv, dq), transfers)
   dq, dkv = compute(kv, dkv, dq)
   return dkv, dq
 
@@ -316,10 +331,18 @@ def _pass_backward_late(
       dq, mine = compute(kv, zeros_kv(), dq)
       return (after, jax.tree.map(jnp.add, arrived, mine), dq), None
 
-    (kv, dkv, dq), _ = lax.scan(step, (incoming, dkv, dq), None, length=transfers - 1)
-    arrived = send(dkv)
-    dq, mine = compute(kv, zeros_kv(), dq)
-    dkv = jax.tree.map(jnp.add, arrived, mine)
+    kv, dkv, dq = _steps(step, (incoming, dkv, dq), transfers - 1)
+
+    def last(carry, _):  # sends no K/V on
+      kv, dkv, dq = carry
+      arrived = send(dkv)
+      dq, mine = compute(kv, zeros_kv(), dq)
+      return (kv, jax.tree.map(jnp.add, arrived, mine), dq), None
+
+    if transfers == 1:  # the pass's one loop (`_steps`), or it would have none
+      _, dkv, dq = _steps(jax.named_scope("backward_ring_step")(last), (kv, dkv, dq), 1)
+    else:
+      (_, dkv, dq), _ = last((kv, dkv, dq), None)
   return dkv, dq
 
 

@@ -94,52 +94,147 @@ def _instruction(line: str) -> tuple[str, str] | None:
 def trip_count(line: str, comps: dict[str, list[str]]) -> int | None:
   """Iterations of the while loop on `line`: XLA's `known_trip_count` where it recorded
   one (CPU, GPU), else read from the loop's condition (TPU records none): an induction
-  variable compared "LT" with a constant, counting from the constant it starts at
-  (`lax.scan` and `fori_loop` with static bounds count from 0 by 1)."""
+  variable compared "LT" with a bound, counting from the constant it starts at
+  (`lax.scan` and `fori_loop` with static bounds count from 0 by 1). The bound is a
+  constant in the condition, or one the loop carries unchanged from its initial tuple,
+  traced back through copies, tuples, optimization barriers and enclosing loops that
+  carry it unchanged too: a ring pass of one step keeps its loop by passing its trip
+  count through an optimization barrier (`_ring._steps`), which XLA removes only after
+  it has looked for trip counts. GPU programs wrap the compare in a fusion."""
   if trips := _TRIPS.search(line):
     return int(trips.group(1))
   cond = _COND.search(line)
   if cond is None:
     return None
-  consts = {}
-  for body_line in comps.get(cond.group(1), ()):
-    if m := _CONST.match(body_line):
-      consts[m.group(1)] = int(m.group(2))
-  for body_line in comps.get(cond.group(1), ()):
+  cond_lines = comps.get(cond.group(1), ())
+  compared = _compared(cond_lines, comps)
+  if compared is None:
+    return None
+  graph = _Dataflow(comps)
+  bound = graph.constant(cond.group(1), compared[1])
+  if bound is None:
+    return None
+  return bound - (graph.initial(cond.group(1), compared[0]) or 0)
+
+
+def _compared(cond_lines: list[str], comps) -> tuple[str, str] | None:
+  """The operands (names in the condition) of its "LT" compare, itself or in the fusion
+  the condition's root calls."""
+  for body_line in cond_lines:
     if "compare(" in body_line and "direction=LT" in body_line:
       operands = re.findall(r"%([\w.\-]+)", body_line.split("compare(", 1)[1].split(")", 1)[0])
-      if len(operands) == 2 and operands[1] in consts:
-        start = 0
-        init = _INIT.search(line)
-        if init is not None:
-          start = _tuple_constant(comps, init.group(1), _gte_index(comps[cond.group(1)], operands[0]))
-        return consts[operands[1]] - start
+      return (operands[0], operands[1]) if len(operands) == 2 else None
+  for body_line in cond_lines:
+    if " fusion(" not in body_line or not (called := _CALLS.search(body_line)):
+      continue
+    inner = comps.get(called.group(1), ())
+    found = _compared(inner, comps)
+    if found is None:
+      continue
+    args = _operand_list(body_line, "fusion")
+    params = {}
+    for inner_line in inner:
+      if m := re.match(r"\s*%([\w.\-]+) = \S+ parameter\((\d+)\)", inner_line):
+        params[m.group(1)] = int(m.group(2))
+    if all(name in params and params[name] < len(args) for name in found):
+      return args[params[found[0]]], args[params[found[1]]]
   return None
 
 
-def _gte_index(lines: list[str], name: str) -> int | None:
-  for line in lines:
-    if re.match(rf"\s*(?:ROOT )?%{re.escape(name)} = .*get-tuple-element\(", line):
-      m = re.search(r"index=(\d+)", line)
-      return int(m.group(1)) if m else None
-  return None
+def _operand_list(line: str, opcode: str) -> list[str]:
+  return re.findall(r"%([\w.\-]+)", line.split(f" {opcode}(", 1)[1].split(")", 1)[0])
 
 
-def _tuple_constant(comps, tuple_name: str, index: int | None) -> int:
-  """The integer constant at `index` of the tuple instruction `tuple_name` (0 when it
-  is not a constant or cannot be found)."""
-  if index is None:
-    return 0
-  for lines in comps.values():
-    for line in lines:
-      if re.match(rf"\s*%{re.escape(tuple_name)} = ", line) and " tuple(" in line:
-        operands = re.findall(r"%([\w.\-]+)", line.split(" tuple(", 1)[1])
-        if index < len(operands):
-          for other in lines:
-            if (m := _CONST.match(other)) and m.group(1) == operands[index]:
-              return int(m.group(2))
-        return 0
-  return 0
+class _Dataflow:
+  """Where an integer scalar of a computation comes from, for `trip_count`: a constant
+  reached through copies, tuple elements, optimization barriers, and a loop's state
+  where the loop carries that element unchanged (the loop starts with it and every
+  iteration passes it on)."""
+
+  def __init__(self, comps: dict[str, list[str]]):
+    self.comps = comps
+    self.defs = {}  # (computation, name) -> line
+    self.loops = {}  # body or condition computation -> (caller computation, while line, body)
+    for comp, lines in comps.items():
+      for line in lines:
+        if ins := _instruction(line):
+          self.defs[(comp, ins[0])] = line
+        if ins and ins[1] == "while" and (body := _WHILE.search(line)) and (cond := _COND.search(line)):
+          for called in (body.group(1), cond.group(1)):
+            self.loops[called] = (comp, line, body.group(1))
+
+  def initial(self, cond: str, name: str) -> int | None:
+    """The constant that element `name` (a get-tuple-element of the state) of the loop
+    whose condition is `cond` starts at, changed by the loop or not."""
+    line = self.defs.get((cond, name), "")
+    if " get-tuple-element(" not in line or cond not in self.loops:
+      return None
+    index = int(re.search(r"index=(\d+)", line).group(1))
+    caller, while_line, _ = self.loops[cond]
+    init = _INIT.search(while_line)
+    return None if init is None else self.element(caller, init.group(1), index, 1)
+
+  def constant(self, comp: str, name: str, depth: int = 0) -> int | None:
+    line = self.defs.get((comp, name))
+    if line is None or depth > 32:
+      return None
+    if m := _CONST.match(line):
+      return int(m.group(2))
+    ins = _instruction(line)
+    if ins is None:
+      return None
+    opcode = ins[1]
+    if opcode in ("copy", "opt-barrier", "bitcast"):
+      return self.constant(comp, _operand_list(line, opcode)[0], depth + 1)
+    if opcode != "get-tuple-element":
+      return None
+    index = int(re.search(r"index=(\d+)", line).group(1))
+    source = _operand_list(line, opcode)[0]
+    return self.element(comp, source, index, depth + 1)
+
+  def element(self, comp: str, name: str, index: int, depth: int) -> int | None:
+    """The constant at `index` of the tuple `name` of `comp`."""
+    line = self.defs.get((comp, name))
+    if line is None or depth > 32:
+      return None
+    opcode = _instruction(line)[1]
+    if opcode == "tuple":
+      operands = _operand_list(line, "tuple")
+      return self.constant(comp, operands[index], depth + 1) if index < len(operands) else None
+    if opcode in ("opt-barrier", "copy"):
+      return self.element(comp, _operand_list(line, opcode)[0], index, depth + 1)
+    if opcode == "parameter" and comp in self.loops:
+      caller, while_line, body = self.loops[comp]
+      if not self._passed_on(body, index):
+        return None
+      init = _INIT.search(while_line)
+      return None if init is None else self.element(caller, init.group(1), index, depth + 1)
+    return None
+
+  def _passed_on(self, body: str, index: int) -> bool:
+    """Whether every iteration of the loop `body` hands element `index` of its state on
+    as it got it."""
+    lines = self.comps.get(body, ())
+    root = next((line for line in lines if line.lstrip().startswith("ROOT ")), None)
+    if root is None or " tuple(" not in root:
+      return False
+    operands = _operand_list(root, "tuple")
+    if index >= len(operands):
+      return False
+    name = operands[index]
+    for _ in range(8):
+      line = self.defs.get((body, name), "")
+      ins = _instruction(line)
+      if ins is None:
+        return False
+      if ins[1] == "copy":
+        name = _operand_list(line, "copy")[0]
+        continue
+      if ins[1] == "get-tuple-element" and f"index={index}" in line:
+        source = self.defs.get((body, _operand_list(line, "get-tuple-element")[0]), "")
+        return " parameter(" in source
+      return False
+    return False
 
 
 class LoopOverlap(NamedTuple):

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from jax_ring.aot import attention_hidden
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = os.environ.get("JAX_RING_AOT_PYTHON", str(ROOT / ".venv-aot" / "bin" / "python"))
 TIMEOUT = 400  # seconds per compile process; subprocess.run kills it (SIGKILL) past that
@@ -151,7 +153,8 @@ def test_document_bound_compiles_the_packed_rows_ring_with_fewer_passes():
   1,024: one pass each way, not 7): the ids travel in, and the program's
   collective-permute bytes (the relayouts and passes, forward and backward) fall below
   half the unbounded program's; `--document-bound auto` reports each branch's bytes;
-  the bound needs ring attention alone."""
+  the bound needs ring attention alone. Each pass of one transfer stays a loop
+  (`_ring._steps`), with its compute under its transfer."""
   shape = [
     "--target=h100x8",
     "--kernel=xla",
@@ -164,6 +167,9 @@ def test_document_bound_compiles_the_packed_rows_ring_with_fewer_passes():
   bounded = aot(*shape, "--document-bound=1024")
   assert bounded["document_bound"] == 1024
   assert bounded["collective_bytes"]["collective-permute"] < every / 2, (bounded["collective_bytes"], every)
+  # One transfer each way, each pass still a loop with its compute under the transfer.
+  steps = sorted(s["name"] for s in bounded["ring_steps"])
+  assert steps == ["backward ring step", "forward ring step"] and attention_hidden(bounded), bounded
   assert "all-gather" in bounded["collective_bytes"]  # the check's ids, gathered over the ring
   # "auto": the forward and the backward each a switch over one chunk each way, two, and
   # the whole ring; its costliest branch moves what every pass does, and the ids that

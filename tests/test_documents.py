@@ -182,6 +182,43 @@ def test_the_compiled_ring_moves_only_the_passes_it_makes():
   assert _documents.schedule("zigzag", 15, 0, 32, 8) == (1, 1)
 
 
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_a_pass_of_one_transfer_keeps_its_loop_where_transfers_overlap(monkeypatch, devices):
+  """Where transfers run beside compute (GPUs' and TPUs' scheme, run here on CPU), a
+  bound of one zig-zag chunk gives one transfer each way, and each such pass stays a
+  loop of one step (`_ring._steps`: inlined, XLA's GPU scheduler left its transfer
+  bare): the compiled program's forward and backward ring steps are loops (inside the
+  loop over its two head groups) whose trip count `hlo.trip_count` reads as 1 through
+  the optimization barrier, the bytes they move are counted, and outputs and gradients
+  equal float64's."""
+  monkeypatch.setattr(_ring, "LATE_DKV_PLATFORMS", _ring.LATE_DKV_PLATFORMS + ("cpu",))
+  jax.clear_caches()  # the scheme is read while tracing
+  mesh = make_mesh((devices,), ("seq",))
+  t = 32 * devices  # chunks of 16
+  seg = jnp.asarray(documents(2, t, 12, seed=devices))
+  args = qkv(2, t, 4, 2, 16, seed=devices)
+  assert _documents.schedule("zigzag", 11, 0, 32, devices) == ((1, 1) if devices > 2 else (1, 0))
+  options = dict(is_causal=True, segment_ids=seg)
+  fn = lambda q, k, v: ring_attention(
+    q, k, v, mesh=mesh, block_sizes=SMALL_BLOCKS, document_bound=12, **options
+  )
+  compare_with_reference(fn, lambda q, k, v: reference_attention(q, k, v, **options), args, TOL)
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+  comps, _ = hlo._computations(text)
+  steps = {s.body: s.name for s in hlo.ring_overlap(text) if s.name.endswith("ring step")}
+  trips = {
+    body: hlo.trip_count(line, comps)
+    for lines in comps.values()
+    for line in lines
+    if (m := hlo._WHILE.search(line)) and (body := m.group(1)) in steps
+  }
+  assert sorted(steps.values()) == ["backward ring step", "forward ring step"], steps
+  assert set(trips.values()) == {1}, trips
+  assert hlo.collective_bytes(text)["collective-permute"] > 0
+  jax.clear_caches()
+
+
 def test_a_row_that_breaks_the_bound_is_nan_and_the_others_exact():
   """Under jit the ids are traced: a row with a document longer than the bound gets NaN,
   every other row the reference's numbers; on concrete ids the call raises first,
