@@ -143,6 +143,50 @@ def test_documents_benchmark_shares_each_row_against_its_ideal(tmp_path):
   assert "the rows' layout: auto." in out.read_text()
 
 
+def test_busiest_device_benchmark_runs_each_devices_passes_as_the_ring_does(tmp_path):
+  """bench_busiest_device.py's passes, each run alone on one device with the ring's own
+  configuration (`RingConfig` of the call, tiles of 16 for several per pass) and merged
+  by their log-sum-exps, give each device's rows of float64 attention over the packed
+  row (4 devices, zig-zag, bound the longest document: one chunk each way); and the
+  benchmark writes its table at a tiny size."""
+  import bench_busiest_device as busiest
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jax_ring import BlockSizes, layouts
+
+  p, t = 4, 256
+  lengths = [30, 12, 31, 5, 20, 26, 9, 31, 17, 3, 22, 18, 32]
+  seg = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+  seg = np.concatenate([seg, np.full(t - len(seg), len(lengths), np.int32)])
+  rng = np.random.default_rng(3)
+  q = rng.standard_normal((1, t, 4, 16)).astype(np.float32)
+  k, v = (rng.standard_normal((1, t, 2, 16)).astype(np.float32) for _ in range(2))
+  mesh = jax.make_mesh((p,), ("seq",), devices=jax.devices()[:p])
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "seq")))
+  tiles = BlockSizes(block_q=16, block_kv=16)
+  cfg = busiest.ring_config(mesh, put(q), put(k), put(v), put(seg[None]), 32, tiles)
+  assert (cfg.steps_back, cfg.steps_fwd, cfg.block_q, cfg.block_kv) == (1, 1, 16, 16), cfg
+  # float64 reference: causal within each document, 2 query heads a kv head
+  kk, vv = (np.repeat(x.astype(np.float64), 2, axis=2) for x in (k, v))
+  scores = np.einsum("bqnh,bknh->bnqk", q.astype(np.float64), kk) / 4.0
+  i = np.arange(t)
+  seen = (i[:, None] >= i[None, :]) & (seg[:, None] == seg[None, :])
+  weights = np.exp(np.where(seen, scores, -np.inf) - np.where(seen, scores, -np.inf).max(-1, keepdims=True))
+  expected = np.einsum("bnqk,bknh->bqnh", weights / weights.sum(-1, keepdims=True), vv)
+  order = layouts.permutation("zigzag", t, p)
+  for d in range(p):
+    found = busiest.device_outputs(cfg, p, q, k, v, seg, d)
+    rows = order[d * t // p : (d + 1) * t // p]
+    np.testing.assert_allclose(found[0], expected[0, rows], atol=2e-5, err_msg=f"device {d}")
+  out = tmp_path / "bench.md"
+  found = busiest.main(["--length=2048", "--devices=4", "--rounds=1", "--rows=1k,mixed", f"--out={out}"])
+  text = out.read_text()
+  assert "<!-- bench.py busiest device -->" in text and text.count("\n| 1k |") == 1
+  assert all(s.max() > 0 and s.max() >= s.mean() for s, _ in found["mixed"]), found
+
+
 def test_document_batches_benchmark_runs_each_row_with_its_own_passes(tmp_path):
   """Rows whose documents differ, one program a way: zig-zag chunks of 256 tokens on 4
   devices, so "auto" runs one pass each way on a row whose documents reach at most 256
