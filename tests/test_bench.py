@@ -184,7 +184,8 @@ def test_busiest_device_benchmark_runs_each_devices_passes_as_the_ring_does(tmp_
   found = busiest.main(["--length=2048", "--devices=4", "--rounds=1", "--rows=1k,mixed", f"--out={out}"])
   text = out.read_text()
   assert "<!-- bench.py busiest device -->" in text and text.count("\n| 1k |") == 1
-  assert all(s.max() > 0 and s.max() >= s.mean() for s, _ in found["mixed"]), found
+  assert all(s.max() > 0 and s.max() >= s.mean() for s, _, _ in found["mixed"]), found
+  assert all(0 < skipped.max() < s.max() for s, _, skipped in found["mixed"]), found
 
 
 def test_document_batches_benchmark_runs_each_row_with_its_own_passes(tmp_path):
