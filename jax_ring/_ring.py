@@ -213,16 +213,22 @@ def _steps(step, carry, n: int):
   """The carry after `n` ring steps `step(carry, None) -> (carry, None)`, as a loop.
   XLA inlines a loop of one iteration, and then its GPU scheduler put none of the
   step's compute under the step's transfer (a bound of one chunk each way on 8 x H100:
-  the K/V sends' starts and dones with only small fusions between them). Where
-  transfers run beside compute (`LATE_DKV_PLATFORMS`) a single step stays a loop: its
-  trip count passes an optimization barrier, which XLA cannot see through and
-  `hlo.trip_count` reads. Elsewhere, and for more steps, `lax.scan`."""
-  if n == 1 and mesh_platform() in LATE_DKV_PLATFORMS:
+  the K/V sends' starts and dones with only small fusions between them). On GPUs
+  (`ONE_STEP_LOOP_PLATFORMS`) a single step stays a loop: its trip count passes an
+  optimization barrier, which XLA cannot see through and `hlo.trip_count` reads.
+  Elsewhere, and for more steps, `lax.scan`."""
+  if n == 1 and mesh_platform() in ONE_STEP_LOOP_PLATFORMS:
     count = lax.optimization_barrier(jnp.int32(n))
     return lax.fori_loop(0, count, lambda _, c: step(c, None)[0], carry)
   carry, _ = lax.scan(step, carry, None, length=n)
   return carry
 
+
+# Platforms where a ring pass of one step stays a loop (`_steps`). Not TPU: compiled
+# for v5e 2x4 with a bound of one chunk, the one-step backward loop of the Pallas
+# kernel held none of its compute and both its transfers read exposed, where inlined
+# they ran beside the compute of the loop around them. The tests add "cpu" here.
+ONE_STEP_LOOP_PLATFORMS = ("gpu", "cuda", "rocm")
 
 # Platforms whose backward sends each shard's dK/dV one step behind its K/V
 # (`_pass_backward`), so that the transfer runs beside the step's compute. A CPU's
@@ -339,7 +345,7 @@ def _pass_backward_late(
       dq, mine = compute(kv, zeros_kv(), dq)
       return (kv, jax.tree.map(jnp.add, arrived, mine), dq), None
 
-    if transfers == 1:  # the pass's one loop (`_steps`), or it would have none
+    if transfers == 1 and mesh_platform() in ONE_STEP_LOOP_PLATFORMS:  # the pass's one loop
       _, dkv, dq = _steps(jax.named_scope("backward_ring_step")(last), (kv, dkv, dq), 1)
     else:
       (_, dkv, dq), _ = last((kv, dkv, dq), None)

@@ -37,8 +37,9 @@ def stand_in(monkeypatch):
 def late(monkeypatch):
   """The backward scheme GPUs run: each shard's dK/dV one step behind its K/V, the local
   K/V's compute cut in halves (`_ring.OwnHalves`); without it, CPU's (dK/dV travel
-  with their K/V)."""
+  with their K/V); and a pass of one step kept a loop (`_ring._steps`)."""
   monkeypatch.setattr(_ring, "LATE_DKV_PLATFORMS", _ring.LATE_DKV_PLATFORMS + ("cpu",))
+  monkeypatch.setattr(_ring, "ONE_STEP_LOOP_PLATFORMS", _ring.ONE_STEP_LOOP_PLATFORMS + ("cpu",))
   jax.clear_caches()
 
 

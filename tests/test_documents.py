@@ -132,6 +132,7 @@ def stand_in(monkeypatch):
   and the GPUs' backward scheme (dK/dV one step behind their K/V)."""
   monkeypatch.setattr(_cudnn, "CPU_STAND_IN", True)
   monkeypatch.setattr(_ring, "LATE_DKV_PLATFORMS", _ring.LATE_DKV_PLATFORMS + ("cpu",))
+  monkeypatch.setattr(_ring, "ONE_STEP_LOOP_PLATFORMS", _ring.ONE_STEP_LOOP_PLATFORMS + ("cpu",))
   jax.clear_caches()
   yield
   jax.clear_caches()
@@ -184,14 +185,15 @@ def test_the_compiled_ring_moves_only_the_passes_it_makes():
 
 @pytest.mark.parametrize("devices", [2, 4, 8])
 def test_a_pass_of_one_transfer_keeps_its_loop_where_transfers_overlap(monkeypatch, devices):
-  """Where transfers run beside compute (GPUs' and TPUs' scheme, run here on CPU), a
-  bound of one zig-zag chunk gives one transfer each way, and each such pass stays a
-  loop of one step (`_ring._steps`: inlined, XLA's GPU scheduler left its transfer
+  """With GPUs' scheme (run here on CPU: dK/dV one step behind, and a pass of one step
+  kept a loop), a bound of one zig-zag chunk gives one transfer each way, and each such
+  pass stays a loop of one step (`_ring._steps`: inlined, XLA's GPU scheduler left its transfer
   bare): the compiled program's forward and backward ring steps are loops (inside the
   loop over its two head groups) whose trip count `hlo.trip_count` reads as 1 through
   the optimization barrier, the bytes they move are counted, and outputs and gradients
   equal float64's."""
   monkeypatch.setattr(_ring, "LATE_DKV_PLATFORMS", _ring.LATE_DKV_PLATFORMS + ("cpu",))
+  monkeypatch.setattr(_ring, "ONE_STEP_LOOP_PLATFORMS", _ring.ONE_STEP_LOOP_PLATFORMS + ("cpu",))
   jax.clear_caches()  # the scheme is read while tracing
   mesh = make_mesh((devices,), ("seq",))
   t = 32 * devices  # chunks of 16
