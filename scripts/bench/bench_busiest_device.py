@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 
-from _harness import header, publish, simulate_devices
+from _harness import header, median_time, publish, simulate_devices
 
 from jax_ring.models import cli
 
@@ -152,12 +151,7 @@ def device_seconds(cfg, p: int, q, k, v, g, seg, rounds: int, apart: bool = Fals
       if compiled is None:
         compiled = fn.lower(*args).compile()
         jax.block_until_ready(compiled(*args))
-      runs = []
-      for _ in range(rounds):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        runs.append(time.perf_counter() - start)
-      seconds[d] += float(np.median(runs))
+      seconds[d] += median_time(compiled, *args, repeats=rounds, warmup=False)
   return seconds
 
 
