@@ -320,12 +320,13 @@ def stats_of_lse(lse, q_len, q_off):
   b, n, t = lse.shape
   m = q_len.shape[1]
   numbers = sequence_numbers(q_len).reshape(-1)
-  slot = jnp.where(numbers >= 0, numbers, b * m)  # unused entries scatter nowhere
-  batch = (
-    jnp.zeros((b * m,), jnp.int32).at[slot].set(jnp.repeat(jnp.arange(b, dtype=jnp.int32), m), mode="drop")
-  )
-  start = jnp.zeros((b * m,), jnp.int32).at[slot].set(q_off[:, :m].reshape(-1), mode="drop")
-  length = jnp.zeros((b * m,), jnp.int32).at[slot].set(q_len.reshape(-1), mode="drop")
+  # Entry g of the statistics is the used entry numbered g, if any (comparisons, not a
+  # scatter: XLA:CPU makes a scatter a loop).
+  entry = numbers[None, :] == jnp.arange(b * m, dtype=numbers.dtype)[:, None]  # [G, B * M]
+  take = lambda x: jnp.sum(jnp.where(entry, x.reshape(-1)[None, :].astype(jnp.int32), 0), axis=1)
+  batch = take(jnp.repeat(jnp.arange(b, dtype=jnp.int32), m))
+  start = take(q_off[:, :m])
+  length = take(q_len)
   places = jnp.arange(t, dtype=jnp.int32)
   rows = jnp.clip(start[:, None] + places, 0, t - 1)  # [G, T]
   picked = lse[batch[:, None], :, rows]  # [G, T, N]

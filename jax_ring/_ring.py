@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -966,9 +967,9 @@ def _cudnn_step(kinds, kind, run, hidden, *args):
   usable = _cudnn_branches(kinds, t, s)
   branches = [hidden if i == 0 else functools.partial(run, kinds[i]) for i in usable]
   branches.append(lambda *a: jax.tree.map(lambda x: x * jnp.nan, hidden(*a)))
-  index = jnp.full((len(kinds) + 1,), len(usable), jnp.int32)
-  index = index.at[jnp.asarray(usable)].set(jnp.arange(len(usable), dtype=jnp.int32))
-  return lax.switch(index[kind], branches, *args)
+  index = np.full((len(kinds) + 1,), len(usable), np.int32)  # kind -> its branch, static
+  index[usable] = np.arange(len(usable))
+  return lax.switch(jnp.asarray(index)[kind], branches, *args)
 
 
 # --- Documents (segment ids) in cuDNN's steps. ---
@@ -992,10 +993,18 @@ def _runs(seg, first, count: int):
   ends = valid & jnp.concatenate([differs, edge], axis=1)
   rank = jnp.cumsum(starts, axis=1) - 1  # the run each row belongs to
   chosen = (rank >= first) & (rank < first + count)
-  pick = jax.vmap(lambda m: jnp.nonzero(m, size=count, fill_value=-1)[0].astype(jnp.int32))
-  begin, end = pick(starts & chosen), pick(ends & chosen)
+  begin, end = _nth_true(starts & chosen, count), _nth_true(ends & chosen, count)
   del t
   return begin, jnp.where(begin >= 0, end - begin + 1, -1)
+
+
+def _nth_true(mask, count: int):
+  """[B, T] -> [B, count]: the positions of each row's first `count` true entries, -1
+  past its last. Comparisons, not `jnp.nonzero`'s scatter: XLA:CPU makes a scatter a
+  loop, and these run in every cuDNN step's branches."""
+  rank = jnp.where(mask, jnp.cumsum(mask, axis=1) - 1, -1)  # [B, T]
+  hit = rank[:, None, :] == jnp.arange(count, dtype=rank.dtype)[None, :, None]  # [B, count, T]
+  return jnp.where(jnp.any(hit, axis=2), jnp.argmax(hit, axis=2), -1).astype(jnp.int32)
 
 
 def _run_count(seg):

@@ -1,6 +1,8 @@
 """The documentation's code runs as written: every Python block of README.md and of
-docs/guides/, each in a fresh process on 8 simulated CPU devices."""
+docs/guides/ on 8 simulated CPU devices, each page's blocks in a fresh process."""
 
+import functools
+import json
 import os
 import re
 import subprocess
@@ -15,21 +17,75 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 TIMEOUT = 300  # seconds per block; subprocess.run kills (SIGKILL) past it
 
 
-def blocks():
-  for page in PAGES:
-    for i, match in enumerate(BLOCK.finditer(page.read_text())):
-      yield pytest.param(match.group(1), id=f"{page.relative_to(ROOT)}:{i}")
+# Each page's blocks run in one process, in order, each in a namespace of its own (as
+# `python -c` would run it): a page pays for importing JAX once. Its blocks share a worker
+# (`--dist loadgroup`), which runs the page once and reports each block in its own test.
+_RUNNER = """
+import json, linecache, sys, traceback
+blocks = json.load(sys.stdin)
+for i, code in enumerate(blocks):
+  name = f"<block {i}>"
+  linecache.cache[name] = (len(code), None, code.splitlines(True), name)  # source lines in tracebacks
+  try:
+    exec(compile(code, name, "exec"), {"__name__": "__main__"})
+    error = None
+  except BaseException:
+    error = traceback.format_exc()
+  sys.stdout.flush(); sys.stderr.flush()
+  print("\\n@@block " + json.dumps({"block": i, "error": error}), flush=True)
+"""
 
 
-@pytest.mark.parametrize("code", list(blocks()))
-def test_python_block_runs_as_written(code):
+def _codes(page: Path) -> list[str]:
+  return [match.group(1) for match in BLOCK.finditer(page.read_text())]
+
+
+@functools.cache
+def _page(page: Path) -> dict[int, str | None]:
+  """{block: its traceback, or None} for every block of `page` that finished; the
+  process's stdout and stderr under key "output"."""
   # conftest's XLA_FLAGS: 8 simulated devices, and the tests' faster compiles
   env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
   env["JAX_PLATFORMS"] = "cpu"
-  done = subprocess.run(
-    [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT
-  )
-  assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-4000:]}"
+  codes = _codes(page)
+  try:
+    done = subprocess.run(
+      [sys.executable, "-c", _RUNNER],
+      input=json.dumps(codes),
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=TIMEOUT * len(codes),
+    )
+    stdout, stderr = done.stdout, f"{done.stderr}\nexit status {done.returncode}"
+  except subprocess.TimeoutExpired as e:  # killed (SIGKILL) past its limit
+    stdout, stderr = _text(e.stdout), f"{_text(e.stderr)}\nkilled after {e.timeout} s"
+  results = {}
+  for line in stdout.splitlines():
+    if line.startswith("@@block "):
+      found = json.loads(line[len("@@block ") :])
+      results[found["block"]] = found["error"]
+  results["output"] = f"stdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-4000:]}"
+  return results
+
+
+def _text(data) -> str:
+  return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def blocks():
+  for page in PAGES:
+    for i, _ in enumerate(_codes(page)):
+      name = str(page.relative_to(ROOT))
+      yield pytest.param(page, i, id=f"{name}:{i}", marks=pytest.mark.xdist_group(f"docs {name}"))
+
+
+@pytest.mark.parametrize(("page", "block"), list(blocks()))
+def test_python_block_runs_as_written(page, block):
+  results = _page(page)
+  assert block in results, f"block {block} did not finish\n{results['output']}"
+  assert results[block] is None, f"{results[block]}\n{results['output']}"
 
 
 def test_api_reference_builds_strict(tmp_path):
