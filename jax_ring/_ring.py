@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -967,9 +966,9 @@ def _cudnn_step(kinds, kind, run, hidden, *args):
   usable = _cudnn_branches(kinds, t, s)
   branches = [hidden if i == 0 else functools.partial(run, kinds[i]) for i in usable]
   branches.append(lambda *a: jax.tree.map(lambda x: x * jnp.nan, hidden(*a)))
-  index = np.full((len(kinds) + 1,), len(usable), np.int32)  # kind -> its branch, static
-  index[usable] = np.arange(len(usable))
-  return lax.switch(jnp.asarray(index)[kind], branches, *args)
+  index = jnp.full((len(kinds) + 1,), len(usable), jnp.int32)
+  index = index.at[jnp.asarray(usable)].set(jnp.arange(len(usable), dtype=jnp.int32))
+  return lax.switch(index[kind], branches, *args)
 
 
 # --- Documents (segment ids) in cuDNN's steps. ---
