@@ -470,13 +470,10 @@ def chunk_forward(
     lo, hi = _visible_range(classes)
     return None, lax.fori_loop(lo, hi, body, state)
 
-  def run(acc):
-    if isinstance(acc, list):  # query blocks and their states as lists: none sliced or stacked
-      seg = lambda i: None if q_seg is None else q_seg[i]
-      return [over_q(None, (q[i], q_pos[i], seg(i), _index(q_bounds, i), a))[1] for i, a in enumerate(acc)]
-    return _over_blocks_in_place(over_q, (q, q_pos, q_seg, q_bounds), acc)
-
-  return _if_any_visible(spec, q_bounds, kb, run, acc)
+  if isinstance(acc, list):  # query blocks and their states as lists: none sliced or stacked
+    seg = lambda i: None if q_seg is None else q_seg[i]
+    return [over_q(None, (q[i], q_pos[i], seg(i), _index(q_bounds, i), a))[1] for i, a in enumerate(acc)]
+  return _over_blocks_in_place(over_q, (q, q_pos, q_seg, q_bounds), acc)
 
 
 def dense_forward(policy, q, q_pos, kv: KVBlocks | KVRows, acc, mods=NO_MODS, args=None, k_blocks=None):
@@ -573,11 +570,8 @@ def chunk_backward(
         dkb, dvb, dq[i] = lax.switch(cls, branches, dkb, dvb, dq[i])
       return dq, (dkb, dvb)
 
-    def run_listed(grads):
-      dq, (dk_t, dv_t) = lax.scan(over_k_listed, grads[0], (blocks, k_bounds, *grads[1:]))
-      return dq, dk_t, dv_t
-
-    return _if_any_visible(spec, qb.bounds, k_bounds, run_listed, (dq, dk_t, dv_t))
+    dq, (dk_t, dv_t) = lax.scan(over_k_listed, dq, (blocks, k_bounds, dk_t, dv_t))
+    return dq, dk_t, dv_t
 
   # Masked: only the query blocks from the first to the last visible one are visited
   # (`_visible_range`); each tile's class picks skip / masked / whole, and the branch
@@ -598,19 +592,8 @@ def chunk_backward(
     dkb, dvb, dq = lax.fori_loop(lo, hi, body, (dkb, dvb, dq))
     return dq, (dkb, dvb)
 
-  def run(grads):
-    dq, (dk_t, dv_t) = lax.scan(over_k, grads[0], (blocks, k_bounds, *grads[1:]))
-    return dq, dk_t, dv_t
-
-  return _if_any_visible(spec, qb.bounds, k_bounds, run, (dq, dk_t, dv_t))
-
-
-def _if_any_visible(spec: MaskSpec, q_bounds: Bounds, k_bounds: Bounds, run, state):
-  """run(state) when the masks let some query block see some key block, else `state`
-  as it is: a device whose queries see none of a step's keys (in a packed row, most
-  steps of most devices) skips the step's walk over its blocks, not only each tile."""
-  classes = jax.vmap(lambda q: jax.vmap(lambda k: tile_class(spec, q, k))(k_bounds))(q_bounds)
-  return lax.cond(jnp.any(classes > 0), run, lambda state: state, state)
+  dq, (dk_t, dv_t) = lax.scan(over_k, dq, (blocks, k_bounds, dk_t, dv_t))
+  return dq, dk_t, dv_t
 
 
 # The query-side fields of QBlocks a tile's backward reads, before positions and ids.

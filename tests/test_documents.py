@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import compare_with_reference, make_mesh, qkv, rel_err
-from jax.extend.core import jaxprs_in_params
 from jax.sharding import NamedSharding
 
 import jax_ring
@@ -833,38 +832,3 @@ def test_zigzag_documents_names_bad_arguments():
     layouts.zigzag_documents(ids, 0)
   with pytest.raises(ValueError, match=r"min_piece=0 must be a positive int"):
     layouts.zigzag_documents(ids, 2, min_piece=0)
-
-
-def _walks_behind_a_visibility_test(jaxpr) -> int:
-  """Conds in `jaxpr` (nested ones included) of two branches, one passing its operands
-  on as they are and the other holding a loop: `_kernel._if_any_visible`'s."""
-  found = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == 2:
-      skip, walk = (b.jaxpr for b in eqn.params["branches"])
-      passed_on = not skip.eqns  # its outputs are its operands
-      loops = {e.primitive.name for e in walk.eqns} & {"while", "scan"}
-      found += passed_on and bool(loops)
-    for sub in jaxprs_in_params(eqn.params):
-      found += _walks_behind_a_visibility_test(sub)
-  return found
-
-
-@pytest.mark.parametrize("devices", [1, 4])
-def test_a_step_whose_queries_see_none_of_its_keys_skips_the_walk_over_its_blocks(devices):
-  """Packed rows, the XLA tiles: each ring step's walk over the query and key blocks,
-  forward and backward, runs only where some tile is visible (one test of every tile
-  pair's class); elsewhere the state passes on untouched, at the cost of that test. In
-  a packed row most devices see nothing of most steps' keys. Exactness is the other
-  tests' (the bounded ring against float64)."""
-  mesh = make_mesh((devices,), ("seq",))
-  seg = jnp.asarray(documents(1, 128, 12, seed=3))
-  q, k, v = qkv(1, 128, 4, 2, 16)
-  call = lambda q, k, v: ring_attention(
-    q, k, v, mesh=mesh, is_causal=True, segment_ids=seg, block_sizes=SMALL_BLOCKS
-  ).sum()
-  forward = jax.make_jaxpr(call)(q, k, v).jaxpr
-  both = jax.make_jaxpr(jax.grad(call, argnums=(0, 1, 2)))(q, k, v).jaxpr
-  walks = _walks_behind_a_visibility_test(forward)
-  assert walks >= 1, walks
-  assert _walks_behind_a_visibility_test(both) >= 2 * walks, walks  # the backward's too
